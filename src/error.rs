@@ -1,0 +1,186 @@
+//! The crate's error type.
+//!
+//! Every variant says what went wrong and, where there is one, what to do about it. Errors from
+//! candle itself pass through as [`Error::Candle`]. Where this crate implements one of candle's
+//! traits (`Module`, `Optimizer`), its errors are wrapped into `candle_core::Error` with
+//! [`candle_core::Error::wrap`] and can be recovered with `downcast_ref`.
+
+use std::path::PathBuf;
+
+/// Errors returned by candle-parallel.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An operation that spreads work over devices was given none.
+    #[error("no devices given: pass at least one device, e.g. `vec![Device::Cpu]`")]
+    NoDevices,
+
+    /// A tensor to be split along `dim` has size 0 there.
+    #[error(
+        "cannot split an empty batch: dimension {dim} of the input with shape {shape:?} has size 0; \
+         pass at least one sample"
+    )]
+    EmptyBatch {
+        /// The dimension that was to be split.
+        dim: usize,
+        /// The input's shape.
+        shape: Vec<usize>,
+    },
+
+    /// A dimension index does not exist on the tensor it was applied to.
+    #[error(
+        "dimension {dim} is out of range for {what} with shape {shape:?} (rank {rank}); \
+         use a dimension below {rank}"
+    )]
+    DimOutOfRange {
+        /// The dimension asked for.
+        dim: usize,
+        /// The tensor's rank.
+        rank: usize,
+        /// The tensor's shape.
+        shape: Vec<usize>,
+        /// Which tensor (e.g. "the input", "output 2").
+        what: String,
+    },
+
+    /// Tensors to be joined or summed disagree in shape or dtype.
+    #[error("{op}: {detail}")]
+    ShapeMismatch {
+        /// The operation (e.g. "gather", "reduce_add").
+        op: &'static str,
+        /// What differs, naming the tensors.
+        detail: String,
+    },
+
+    /// A master variable is not on the device that must hold the master copy.
+    #[error(
+        "master variable `{name}` is on {found}, but DataParallel keeps the master variables on \
+         devices[0] ({expected}); create the model's variables on devices[0] or put that device first"
+    )]
+    MasterNotOnDevice {
+        /// The variable's name in the `VarMap`.
+        name: String,
+        /// Where it is.
+        found: String,
+        /// Where it should be.
+        expected: String,
+    },
+
+    /// A replica asked for a variable the master model never created.
+    #[error(
+        "replica on {device} asked for variable `{name}`, which the master model does not have; \
+         the model builder must create the same variables every time it is called"
+    )]
+    UnknownVariable {
+        /// The variable's name.
+        name: String,
+        /// The replica's device.
+        device: String,
+    },
+
+    /// One replica's forward pass failed.
+    #[error("replica {index} on {device} failed: {source}")]
+    Replica {
+        /// The replica's index (also its chunk's index).
+        index: usize,
+        /// The replica's device.
+        device: String,
+        /// What failed.
+        #[source]
+        source: candle_core::Error,
+    },
+
+    /// One replica's thread panicked.
+    #[error("replica {index} on {device} panicked: {message}")]
+    ReplicaPanicked {
+        /// The replica's index.
+        index: usize,
+        /// The replica's device.
+        device: String,
+        /// The panic's message.
+        message: String,
+    },
+
+    /// A hyper-parameter or option is outside its valid range.
+    #[error("invalid {what}: {detail}")]
+    InvalidArgument {
+        /// The parameter (e.g. "SGD momentum").
+        what: &'static str,
+        /// Why it is invalid and what is allowed.
+        detail: String,
+    },
+
+    /// A CIFAR-10 file is missing.
+    #[error(
+        "CIFAR-10 file {path} is missing: the binary version has data_batch_1.bin .. \
+         data_batch_5.bin and test_batch.bin (cifar-10-binary.tar.gz, folder cifar-10-batches-bin)"
+    )]
+    CifarFileMissing {
+        /// The file that was looked for.
+        path: PathBuf,
+    },
+
+    /// A CIFAR-10 file does not hold a whole number of records.
+    #[error(
+        "CIFAR-10 file {path} has {size} bytes, which is not a whole number of {record}-byte records \
+         (1 label byte + 3072 pixel bytes); the file is truncated or not the binary version"
+    )]
+    CifarFileSize {
+        /// The file.
+        path: PathBuf,
+        /// Its size in bytes.
+        size: u64,
+        /// The record size.
+        record: usize,
+    },
+
+    /// A CIFAR-10 record has a label outside 0..=9.
+    #[error("CIFAR-10 file {path}, record {record}: label {label} is not a class in 0..=9")]
+    CifarLabel {
+        /// The file.
+        path: PathBuf,
+        /// The record's index in the file.
+        record: usize,
+        /// The label byte found.
+        label: u8,
+    },
+
+    /// An I/O operation on a file failed.
+    #[error("{action} {path}: {source}")]
+    File {
+        /// What was being done ("reading", "writing", "renaming to").
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// An error from candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// The crate's result type.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// Wraps this error into candle's error type, for trait methods that must return it.
+    /// A [`Error::Candle`] is unwrapped rather than nested.
+    pub fn into_candle(self) -> candle_core::Error {
+        match self {
+            Error::Candle(e) => e,
+            other => candle_core::Error::wrap(other),
+        }
+    }
+}
+
+/// A device in words, for error messages: `cpu` or `cuda:0`.
+pub(crate) fn device_name(device: &candle_core::Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".to_string(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}

@@ -1,0 +1,30 @@
+//! candle-parallel: PyTorch-style multi-device training for candle.
+//!
+//! - [`comm`]: scatter, gather, broadcast and reduce_add across candle devices, differentiable.
+//! - [`DataParallel`]: one process, one model, every device (`torch.nn.DataParallel`).
+//! - [`replicate`] and [`parallel_apply`]: the pieces `DataParallel` is made of.
+//!
+//! ```rust
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_nn::{linear, loss, Optimizer, VarMap};
+//! use candle_parallel::{optim::Sgd, optim::SgdConfig, DataParallel};
+//! # fn main() -> anyhow::Result<()> {
+//! let varmap = VarMap::new();
+//! let model = DataParallel::new(&varmap, vec![Device::Cpu; 2], |vb| linear(4, 3, vb))?;
+//! let mut opt = Sgd::new(model.vars(), SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() })?;
+//! let x = Tensor::randn(0f32, 1., (8, 4), &Device::Cpu)?;
+//! let y = Tensor::new(&[0u32, 1, 2, 0, 1, 2, 0, 1], &Device::Cpu)?;
+//! let loss = loss::cross_entropy(&model.forward(&x)?, &y)?;
+//! opt.backward_step(&loss)?;
+//! # Ok(()) }
+//! ```
+
+pub mod comm;
+pub mod data_parallel;
+mod error;
+pub mod optim;
+pub mod parallel_apply;
+pub mod replicate;
+
+pub use data_parallel::{DataParallel, DataParallelConfig};
+pub use error::{Error, Result};

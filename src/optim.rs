@@ -1,0 +1,340 @@
+//! Stochastic gradient descent with PyTorch's semantics: momentum, dampening, weight decay,
+//! Nesterov momentum and maximisation.
+//!
+//! candle-nn's `SGD` has no momentum. [`Sgd`] follows `torch.optim.SGD` step for step; for each
+//! parameter `p` with gradient `g`:
+//!
+//! ```text
+//! g = g + weight_decay * p
+//! buf = g                                    (first step)
+//! buf = momentum * buf + (1 - dampening) * g (later steps)
+//! g = g + momentum * buf  if nesterov, else  g = buf
+//! p = p - lr * g
+//! ```
+//!
+//! ```rust
+//! use candle_core::{Device, Var};
+//! use candle_nn::Optimizer;
+//! use candle_parallel::optim::{Sgd, SgdConfig};
+//! # fn main() -> candle_core::Result<()> {
+//! let p = Var::new(&[1f64], &Device::Cpu)?;
+//! let config = SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() };
+//! let mut opt = Sgd::new(vec![p.clone()], config)?;
+//! for _ in 0..2 {
+//!     let loss = (p.as_tensor().sqr()? * 0.5)?.sum_all()?; // gradient = p
+//!     opt.backward_step(&loss)?;
+//! }
+//! // p: 1 -> 0.9 (buf 1) -> 0.72 (buf 0.9 * 1 + 0.9 = 1.8)
+//! assert!((p.to_vec1::<f64>()?[0] - 0.72).abs() < 1e-12);
+//! # Ok(()) }
+//! ```
+
+use crate::error::Error;
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use candle_nn::Optimizer;
+
+/// Hyper-parameters of [`Sgd`], with `torch.optim.SGD`'s names and defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdConfig {
+    /// Learning rate (torch's default: 0.001).
+    pub lr: f64,
+    /// Momentum factor (default 0: plain SGD).
+    pub momentum: f64,
+    /// Dampening of the gradient's share of the momentum (default 0).
+    pub dampening: f64,
+    /// L2 penalty added to the gradient (default 0).
+    pub weight_decay: f64,
+    /// Nesterov momentum; needs `momentum > 0` and `dampening == 0` (default false).
+    pub nesterov: bool,
+    /// Ascend instead of descend (default false).
+    pub maximize: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+            maximize: false,
+        }
+    }
+}
+
+impl SgdConfig {
+    fn validate(&self) -> crate::Result<()> {
+        let invalid = |what, detail: String| Err(Error::InvalidArgument { what, detail });
+        let negative = |x: f64| x.is_nan() || x < 0.0;
+        if negative(self.lr) {
+            return invalid("SGD learning rate", format!("{} (must be >= 0)", self.lr));
+        }
+        if negative(self.momentum) {
+            return invalid("SGD momentum", format!("{} (must be >= 0)", self.momentum));
+        }
+        if negative(self.weight_decay) {
+            let detail = format!("{} (must be >= 0)", self.weight_decay);
+            return invalid("SGD weight_decay", detail);
+        }
+        if !self.dampening.is_finite() {
+            return invalid(
+                "SGD dampening",
+                format!("{} (must be finite)", self.dampening),
+            );
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            let detail = format!(
+                "momentum {} and dampening {}: Nesterov momentum requires momentum > 0 and \
+                 dampening = 0",
+                self.momentum, self.dampening
+            );
+            return invalid("SGD nesterov", detail);
+        }
+        Ok(())
+    }
+}
+
+/// `torch.optim.SGD` for candle: implements `candle_nn::Optimizer`.
+#[derive(Debug)]
+pub struct Sgd {
+    vars: Vec<Var>,
+    momentum_buffers: Vec<Option<Tensor>>,
+    config: SgdConfig,
+}
+
+impl Sgd {
+    /// The hyper-parameters in use.
+    pub fn config(&self) -> &SgdConfig {
+        &self.config
+    }
+
+    /// The variables this optimizer updates.
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// The momentum buffer of each variable, `None` until its first step with momentum.
+    pub fn momentum_buffers(&self) -> &[Option<Tensor>] {
+        &self.momentum_buffers
+    }
+
+    fn update(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()> {
+        let c = self.config;
+        let var = &self.vars[i];
+        let mut g = if c.maximize {
+            grad.neg()?
+        } else {
+            grad.clone()
+        };
+        if c.weight_decay != 0.0 {
+            g = (g + (var.as_tensor() * c.weight_decay)?)?;
+        }
+        if c.momentum != 0.0 {
+            let buf = match self.momentum_buffers[i].take() {
+                None => g.copy()?.detach(),
+                Some(buf) => ((buf * c.momentum)? + (&g * (1.0 - c.dampening))?)?,
+            };
+            g = if c.nesterov {
+                (g + (&buf * c.momentum)?)?
+            } else {
+                buf.clone()
+            };
+            self.momentum_buffers[i] = Some(buf);
+        }
+        var.set(&(var.as_tensor() - (g * c.lr)?)?)
+    }
+}
+
+impl Optimizer for Sgd {
+    type Config = SgdConfig;
+
+    fn new(vars: Vec<Var>, config: SgdConfig) -> candle_core::Result<Self> {
+        config.validate().map_err(Error::into_candle)?;
+        let vars: Vec<Var> = vars.into_iter().filter(|v| v.dtype().is_float()).collect();
+        Ok(Self {
+            momentum_buffers: vec![None; vars.len()],
+            vars,
+            config,
+        })
+    }
+
+    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        for i in 0..self.vars.len() {
+            if let Some(grad) = grads.get(&self.vars[i]) {
+                self.update(i, grad)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.config.lr = lr
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Runs `steps` steps on the loss `0.5 * p^2` (gradient `p`) from `p = 1` and returns `p`
+    /// after each step.
+    fn run(config: SgdConfig, steps: usize) -> Vec<f64> {
+        let p = Var::new(&[1f64], &Device::Cpu).unwrap();
+        let mut opt = Sgd::new(vec![p.clone()], config).unwrap();
+        (0..steps)
+            .map(|_| {
+                let loss = (p.as_tensor().sqr().unwrap() * 0.5)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap();
+                opt.backward_step(&loss).unwrap();
+                p.to_vec1::<f64>().unwrap()[0]
+            })
+            .collect()
+    }
+
+    fn assert_close(got: &[f64], want: &[f64]) {
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() < 1e-12, "got {got:?}, want {want:?}");
+        }
+    }
+
+    // Expected values below are worked out by hand from torch.optim.SGD's update rule.
+
+    #[test]
+    fn plain_sgd_without_momentum() {
+        let c = SgdConfig {
+            lr: 0.1,
+            ..Default::default()
+        };
+        assert_close(&run(c, 2), &[0.9, 0.81]);
+    }
+
+    #[test]
+    fn momentum_starts_the_buffer_at_the_first_gradient() {
+        // buf: 1, 0.9*1 + 0.9 = 1.8, 0.9*1.8 + 0.72 = 2.34; p: 0.9, 0.72, 0.486
+        let c = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            ..Default::default()
+        };
+        assert_close(&run(c, 3), &[0.9, 0.72, 0.486]);
+    }
+
+    #[test]
+    fn dampening_and_weight_decay() {
+        // step 1: g = 1 + 0.1*1 = 1.1, buf = 1.1 (no dampening on the first step), p = 0.89
+        // step 2: g = 0.89 + 0.089 = 0.979, buf = 0.9*1.1 + 0.5*0.979 = 1.4795, p = 0.74205
+        let c = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.5,
+            weight_decay: 0.1,
+            ..Default::default()
+        };
+        assert_close(&run(c, 2), &[0.89, 0.74205]);
+    }
+
+    #[test]
+    fn nesterov_looks_ahead() {
+        // step 1: buf = 1, g = 1 + 0.9*1 = 1.9, p = 0.81
+        // step 2: buf = 0.9 + 0.81 = 1.71, g = 0.81 + 0.9*1.71 = 2.349, p = 0.5751
+        let c = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            nesterov: true,
+            ..Default::default()
+        };
+        assert_close(&run(c, 2), &[0.81, 0.5751]);
+    }
+
+    #[test]
+    fn maximize_ascends() {
+        let c = SgdConfig {
+            lr: 0.1,
+            maximize: true,
+            ..Default::default()
+        };
+        assert_close(&run(c, 2), &[1.1, 1.21]);
+    }
+
+    #[test]
+    fn a_variable_without_gradient_is_left_alone() -> candle_core::Result<()> {
+        let used = Var::new(&[1f32], &Device::Cpu)?;
+        let unused = Var::new(&[5f32], &Device::Cpu)?;
+        let c = SgdConfig {
+            lr: 0.5,
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let mut opt = Sgd::new(vec![used.clone(), unused.clone()], c)?;
+        opt.backward_step(&used.as_tensor().sum_all()?)?;
+        assert_eq!(used.to_vec1::<f32>()?, [0.5]);
+        assert_eq!(unused.to_vec1::<f32>()?, [5.0]);
+        assert!(opt.momentum_buffers()[0].is_some());
+        assert!(opt.momentum_buffers()[1].is_none());
+        Ok(())
+    }
+
+    #[test]
+    fn invalid_hyper_parameters_are_refused_with_the_reason() {
+        let bad = [
+            (
+                SgdConfig {
+                    lr: -1.0,
+                    ..Default::default()
+                },
+                "learning rate",
+            ),
+            (
+                SgdConfig {
+                    lr: f64::NAN,
+                    ..Default::default()
+                },
+                "learning rate",
+            ),
+            (
+                SgdConfig {
+                    momentum: -0.1,
+                    ..Default::default()
+                },
+                "momentum",
+            ),
+            (
+                SgdConfig {
+                    weight_decay: -1.0,
+                    ..Default::default()
+                },
+                "weight_decay",
+            ),
+            (
+                SgdConfig {
+                    nesterov: true,
+                    ..Default::default()
+                },
+                "Nesterov",
+            ),
+            (
+                SgdConfig {
+                    nesterov: true,
+                    momentum: 0.9,
+                    dampening: 0.1,
+                    ..Default::default()
+                },
+                "dampening = 0",
+            ),
+        ];
+        for (config, needle) in bad {
+            let err = Sgd::new(vec![], config).unwrap_err();
+            assert!(err.to_string().contains(needle), "{config:?}: {err}");
+        }
+    }
+}
