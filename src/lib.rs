@@ -19,12 +19,17 @@
 //! # Ok(()) }
 //! ```
 
+pub mod checkpoint;
+pub mod cifar;
 pub mod comm;
 pub mod data_parallel;
+pub mod devices;
 mod error;
+pub mod init;
 pub mod optim;
 pub mod parallel_apply;
 pub mod replicate;
+pub mod rng;
 
 pub use data_parallel::{DataParallel, DataParallelConfig};
 pub use error::{Error, Result};

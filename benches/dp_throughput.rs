@@ -1,0 +1,128 @@
+//! Training throughput of the CIFAR-10 tutorial Net under DataParallel.
+//!
+//!     cargo bench --bench dp_throughput
+//!     cargo bench --bench dp_throughput --features cuda -- --devices 1,2,4 --steps 50
+//!
+//! For each batch size and replica count: warm-up steps, then timed SGD steps (forward,
+//! cross-entropy, backward, update) on random CIFAR-shaped data; prints images/s and the ratio
+//! to one replica at the same batch size, all measured in this one run. Without GPUs the
+//! replicas are CPU replicas (which share the machine's cores). Reports; asserts nothing.
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Tensor};
+use candle_nn::{loss, Optimizer, VarMap};
+use candle_parallel::cifar::Net;
+use candle_parallel::devices::replica_devices;
+use candle_parallel::init::seeded_var_builder;
+use candle_parallel::optim::{Sgd, SgdConfig};
+use candle_parallel::DataParallel;
+use std::time::Instant;
+
+struct Options {
+    devices: Vec<usize>,
+    batches: Vec<usize>,
+    steps: usize,
+    warmup: usize,
+    cpu: bool,
+}
+
+fn list(value: Option<String>, flag: &str) -> Result<Vec<usize>> {
+    let value = value.with_context(|| format!("{flag} needs a value, e.g. {flag} 1,2,4"))?;
+    value
+        .split(',')
+        .map(|v| {
+            v.trim()
+                .parse::<usize>()
+                .with_context(|| format!("{flag}: {v:?}"))
+        })
+        .collect()
+}
+
+fn parse() -> Result<Options> {
+    let mut o = Options {
+        devices: vec![1, 2, 4],
+        batches: vec![128, 512],
+        steps: 20,
+        warmup: 3,
+        cpu: false,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--devices" => o.devices = list(args.next(), "--devices")?,
+            "--batches" => o.batches = list(args.next(), "--batches")?,
+            "--steps" => o.steps = list(args.next(), "--steps")?[0],
+            "--warmup" => o.warmup = list(args.next(), "--warmup")?[0],
+            "--cpu" => o.cpu = true,
+            "--bench" => {} // passed by `cargo bench`
+            other => bail!("unknown argument {other:?}"),
+        }
+    }
+    if o.devices.contains(&0) || o.batches.contains(&0) || o.steps == 0 {
+        bail!("device counts, batch sizes and --steps must be positive");
+    }
+    Ok(o)
+}
+
+/// Images per second for `steps` training steps on `n` replicas at `batch`.
+fn measure(n: usize, batch: usize, o: &Options) -> Result<f64> {
+    let devices = replica_devices(Some(n), o.cpu)?;
+    let device = devices[0].clone();
+    let varmap = VarMap::new();
+    Net::new(seeded_var_builder(&varmap, 0, DType::F32, &device))?;
+    let model = DataParallel::new(&varmap, devices, Net::new)?;
+    let config = SgdConfig {
+        lr: 0.01,
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let mut opt = Sgd::new(model.vars(), config)?;
+    let x = Tensor::randn(0f32, 1.0, (batch, 3, 32, 32), &device)?;
+    let labels: Vec<u32> = (0..batch as u32).map(|i| i % 10).collect();
+    let y = Tensor::from_vec(labels, batch, &device)?;
+    let mut step = || -> Result<Tensor> {
+        let loss = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
+        opt.backward_step(&loss)?;
+        Ok(loss)
+    };
+    for _ in 0..o.warmup {
+        step()?.to_scalar::<f32>()?;
+    }
+    let started = Instant::now();
+    let mut last = None;
+    for _ in 0..o.steps {
+        last = Some(step()?);
+    }
+    // Reading the loss waits for every queued kernel.
+    last.map(|l| l.to_scalar::<f32>()).transpose()?;
+    Ok((o.steps * batch) as f64 / started.elapsed().as_secs_f64())
+}
+
+fn main() -> Result<()> {
+    let o = parse()?;
+    let kind = if o.cpu || candle_parallel::devices::gpu_count() == 0 {
+        "CPU replicas".to_string()
+    } else {
+        format!(
+            "replicas over {} GPU(s)",
+            candle_parallel::devices::gpu_count()
+        )
+    };
+    println!(
+        "DataParallel training throughput, CIFAR-10 Net, {kind}, {} steps after {} warm-up",
+        o.steps, o.warmup
+    );
+    println!(
+        "{:>6} {:>8} {:>12} {:>9}",
+        "batch", "devices", "images/s", "vs 1"
+    );
+    for &batch in &o.batches {
+        let mut base = None;
+        for &n in &o.devices {
+            let rate = measure(n, batch, &o)?;
+            let base = *base.get_or_insert(if n == 1 { rate } else { measure(1, batch, &o)? });
+            println!("{batch:>6} {n:>8} {rate:>12.1} {:>8.2}x", rate / base);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,124 @@
+//! The CNN of PyTorch's CIFAR-10 tutorial.
+
+use candle_core::{Module, Result, Tensor};
+use candle_nn::{Conv2d, Conv2dConfig, Init, Linear, VarBuilder};
+
+/// The CIFAR-10 tutorial's CNN: conv 3→6 (5×5), max-pool 2, conv 6→16 (5×5), max-pool 2,
+/// fc 400→120, fc 120→84, fc 84→10, with ReLU after each layer but the last.
+///
+/// Variables are named `conv1`, `conv2`, `fc1`, `fc2`, `fc3` (each with `weight` and `bias`) and
+/// initialised as PyTorch initialises `Conv2d` and `Linear`: uniform in `±1/sqrt(fan_in)`. A
+/// checkpoint of a `DataParallel<Net>` is a checkpoint of a plain `Net`: no `module.` prefix.
+#[derive(Clone, Debug)]
+pub struct Net {
+    conv1: Conv2d,
+    conv2: Conv2d,
+    fc1: Linear,
+    fc2: Linear,
+    fc3: Linear,
+}
+
+/// PyTorch's default initialisation: `kaiming_uniform(a = sqrt(5))` for the weight, which is
+/// uniform in `±1/sqrt(fan_in)`, and the same bound for the bias.
+fn torch_default(vb: &VarBuilder, weight_shape: &[usize]) -> Result<(Tensor, Tensor)> {
+    let fan_in: usize = weight_shape[1..].iter().product();
+    let bound = 1.0 / (fan_in as f64).sqrt();
+    let init = Init::Uniform {
+        lo: -bound,
+        up: bound,
+    };
+    let weight = vb.get_with_hints(weight_shape, "weight", init)?;
+    let bias = vb.get_with_hints(weight_shape[0], "bias", init)?;
+    Ok((weight, bias))
+}
+
+fn conv(vb: VarBuilder, cin: usize, cout: usize, k: usize) -> Result<Conv2d> {
+    let (w, b) = torch_default(&vb, &[cout, cin, k, k])?;
+    Ok(Conv2d::new(w, Some(b), Conv2dConfig::default()))
+}
+
+fn fc(vb: VarBuilder, fin: usize, fout: usize) -> Result<Linear> {
+    let (w, b) = torch_default(&vb, &[fout, fin])?;
+    Ok(Linear::new(w, Some(b)))
+}
+
+impl Net {
+    /// Builds the network from `vb` (creating its variables when `vb` is backed by a `VarMap`).
+    pub fn new(vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            conv1: conv(vb.pp("conv1"), 3, 6, 5)?,
+            conv2: conv(vb.pp("conv2"), 6, 16, 5)?,
+            fc1: fc(vb.pp("fc1"), 16 * 5 * 5, 120)?,
+            fc2: fc(vb.pp("fc2"), 120, 84)?,
+            fc3: fc(vb.pp("fc3"), 84, 10)?,
+        })
+    }
+}
+
+impl Module for Net {
+    /// Images `(B, 3, 32, 32)` to logits `(B, 10)`.
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        xs.apply(&self.conv1)?
+            .relu()?
+            .max_pool2d(2)?
+            .apply(&self.conv2)?
+            .relu()?
+            .max_pool2d(2)?
+            .flatten_from(1)?
+            .apply(&self.fc1)?
+            .relu()?
+            .apply(&self.fc2)?
+            .relu()?
+            .apply(&self.fc3)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+    use candle_nn::VarMap;
+
+    #[test]
+    fn has_the_tutorial_shapes_and_names() -> Result<()> {
+        let varmap = VarMap::new();
+        let net = Net::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+        let mut shapes: Vec<(String, Vec<usize>)> = varmap
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.dims().to_vec()))
+            .collect();
+        shapes.sort();
+        let want: Vec<(String, Vec<usize>)> = [
+            ("conv1.bias", vec![6]),
+            ("conv1.weight", vec![6, 3, 5, 5]),
+            ("conv2.bias", vec![16]),
+            ("conv2.weight", vec![16, 6, 5, 5]),
+            ("fc1.bias", vec![120]),
+            ("fc1.weight", vec![120, 400]),
+            ("fc2.bias", vec![84]),
+            ("fc2.weight", vec![84, 120]),
+            ("fc3.bias", vec![10]),
+            ("fc3.weight", vec![10, 84]),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        assert_eq!(shapes, want);
+        let params: usize = shapes
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        assert_eq!(params, 62_006); // the tutorial's parameter count
+        let x = Tensor::zeros((2, 3, 32, 32), DType::F32, &Device::Cpu)?;
+        assert_eq!(net.forward(&x)?.dims(), [2, 10]);
+        let bound = 1.0 / 75f32.sqrt();
+        let w = varmap.data().lock().unwrap()["conv1.weight"]
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        assert!(w.iter().all(|v| v.abs() <= bound));
+        Ok(())
+    }
+}

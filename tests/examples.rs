@@ -1,0 +1,159 @@
+//! The examples, run as real processes.
+
+mod common;
+
+use candle_core::{DType, Device, Module, D};
+use candle_nn::{VarBuilder, VarMap};
+use candle_parallel::cifar::{self, Net};
+use candle_parallel::DataParallel;
+use std::process::Command;
+use std::time::Duration;
+
+/// The sorted input sizes each replica printed, batch by batch, and each batch's outside line.
+fn tutorial_batches(devices: usize) -> Vec<(Vec<String>, String)> {
+    let mut cmd = Command::new(common::example("dp_tutorial"));
+    cmd.args(["--cpu", "--devices", &devices.to_string()]);
+    let out = common::run_ok(cmd, Duration::from_secs(60));
+    let mut batches = Vec::new();
+    let mut inside = Vec::new();
+    for line in out.lines() {
+        if let Some(rest) = line.strip_prefix("\tIn Model: input size ") {
+            inside.push(rest.to_string());
+        } else if let Some(rest) = line.strip_prefix("Outside: input size ") {
+            inside.sort();
+            batches.push((std::mem::take(&mut inside), rest.to_string()));
+        }
+    }
+    assert!(
+        inside.is_empty(),
+        "replica lines after the last batch:\n{out}"
+    );
+    assert_eq!(out.contains("Let's use"), devices > 1, "{out}");
+    batches
+}
+
+fn repeat(line: &str, n: usize) -> Vec<String> {
+    vec![line.to_string(); n]
+}
+
+const FULL: &str = "[30, 5] output_size [30, 2]";
+const LAST: &str = "[10, 5] output_size [10, 2]";
+
+#[test]
+fn tutorial_with_8_devices_splits_30_into_seven_fours_and_a_two() {
+    let mut full = repeat("[4, 5] output size [4, 2]", 7);
+    full.push("[2, 5] output size [2, 2]".to_string());
+    full.sort();
+    let batches = tutorial_batches(8);
+    assert_eq!(batches.len(), 4);
+    for (inside, outside) in &batches[..3] {
+        assert_eq!(inside, &full);
+        assert_eq!(outside, FULL);
+    }
+    assert_eq!(batches[3].0, repeat("[2, 5] output size [2, 2]", 5));
+    assert_eq!(batches[3].1, LAST);
+}
+
+#[test]
+fn tutorial_with_2_devices_splits_30_into_two_fifteens() {
+    let batches = tutorial_batches(2);
+    assert_eq!(batches.len(), 4);
+    for (inside, outside) in &batches[..3] {
+        assert_eq!(inside, &repeat("[15, 5] output size [15, 2]", 2));
+        assert_eq!(outside, FULL);
+    }
+    assert_eq!(batches[3].0, repeat("[5, 5] output size [5, 2]", 2));
+    assert_eq!(batches[3].1, LAST);
+}
+
+#[test]
+fn tutorial_with_3_devices_splits_10_into_four_four_two() {
+    let batches = tutorial_batches(3);
+    assert_eq!(batches.len(), 4);
+    for (inside, outside) in &batches[..3] {
+        assert_eq!(inside, &repeat("[10, 5] output size [10, 2]", 3));
+        assert_eq!(outside, FULL);
+    }
+    let mut last = repeat("[4, 5] output size [4, 2]", 2);
+    last.insert(0, "[2, 5] output size [2, 2]".to_string());
+    assert_eq!(batches[3].0, last);
+    assert_eq!(batches[3].1, LAST);
+}
+
+#[test]
+fn a_cifar_dp_checkpoint_loads_into_a_plain_net_with_the_same_predictions() {
+    let dir = common::temp_dir("cifar-ckpt");
+    let path = dir.join("net.safetensors");
+    let (train, test, seed) = (512, 200, 3);
+    let mut cmd = Command::new(common::example("cifar_dp"));
+    cmd.args([
+        "--cpu",
+        "--devices",
+        "2",
+        "--epochs",
+        "1",
+        "--seed",
+        &seed.to_string(),
+    ])
+    .args([
+        "--train-size",
+        &train.to_string(),
+        "--test-size",
+        &test.to_string(),
+    ])
+    .arg("--save")
+    .arg(&path);
+    let out = common::run_ok(cmd, Duration::from_secs(300));
+    assert!(out.contains("Let's use 2 devices!"), "{out}");
+    let line = out
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("Test set: Average loss: "))
+        .unwrap_or_else(|| panic!("no test line in:\n{out}"));
+    let reported: usize = line
+        .split("Accuracy: ")
+        .nth(1)
+        .and_then(|s| s.split('/').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("cannot parse {line:?}"));
+
+    // A plain Net loads the checkpoint: same variable names, no `module.` prefix.
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &Device::Cpu).unwrap() };
+    let plain = Net::new(vb).unwrap();
+    let data = cifar::synthetic(train, test, seed);
+    let indices: Vec<usize> = (0..test).collect();
+    let (x, y) = data.test.batch(&indices, &Device::Cpu).unwrap();
+    let logits = plain.forward(&x).unwrap();
+    let correct = logits
+        .argmax(D::Minus1)
+        .unwrap()
+        .eq(&y)
+        .unwrap()
+        .to_dtype(DType::U32)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<u32>()
+        .unwrap() as usize;
+    assert_eq!(
+        correct, reported,
+        "the plain Net's accuracy differs from the run's: {line}"
+    );
+
+    // The same checkpoint under DataParallel gives the same logits.
+    let mut varmap = VarMap::new();
+    let dp = DataParallel::new(&varmap, vec![Device::Cpu; 3], Net::new).unwrap();
+    varmap.load(&path).unwrap();
+    let dp_logits = dp.forward_t(&x, false).unwrap();
+    let diff = (dp_logits - &logits)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff <= 1e-6, "logits differ by {diff}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
