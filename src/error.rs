@@ -157,6 +157,117 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A setting (an environment variable, an address, a rank) is missing or invalid.
+    #[error("{what}: {detail}")]
+    Config {
+        /// The setting (e.g. "environment variable RANK").
+        what: String,
+        /// What is wrong and how to fix it.
+        detail: String,
+    },
+
+    /// Ranks did not all join in time, or joined inconsistently.
+    #[error("rendezvous failed: {detail}")]
+    Rendezvous {
+        /// Who is missing or what disagreed.
+        detail: String,
+    },
+
+    /// The port to listen on is taken.
+    #[error(
+        "cannot listen on {addr}: the port is already in use; pick another MASTER_PORT (candle-run \
+         picks a free one when --master-port is omitted)"
+    )]
+    PortInUse {
+        /// The address asked for.
+        addr: String,
+    },
+
+    /// The master (rank 0's store) did not answer.
+    #[error(
+        "cannot reach the master at {addr} within {waited:?} ({detail}); check MASTER_ADDR and \
+         MASTER_PORT and that rank 0 is running"
+    )]
+    Unreachable {
+        /// The master's address.
+        addr: String,
+        /// How long connecting was retried.
+        waited: std::time::Duration,
+        /// The last connection error.
+        detail: String,
+    },
+
+    /// A peer or the store refused our connection.
+    #[error("{peer} refused the connection: {reason}")]
+    Refused {
+        /// Who refused.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+
+    /// A rank died, exited, or stopped answering.
+    #[error("rank {rank} was lost: {detail}")]
+    PeerLost {
+        /// The lost rank.
+        rank: usize,
+        /// How it was noticed.
+        detail: String,
+    },
+
+    /// Ranks called collectives that do not match (shape, dtype, op or kind).
+    #[error("collective mismatch between ranks: {detail}")]
+    Mismatch {
+        /// What each rank called.
+        detail: String,
+    },
+
+    /// A bounded wait ran out.
+    #[error("timed out after {waited:?} {what}")]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// How long.
+        waited: std::time::Duration,
+    },
+
+    /// The process group broke earlier; no collective can run on it any more.
+    #[error("the process group is no longer usable: {reason}")]
+    Aborted {
+        /// Why it broke.
+        reason: String,
+    },
+
+    /// Network or process I/O failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// NCCL reported an error.
+    #[error("NCCL {op} failed: {detail}")]
+    Nccl {
+        /// The NCCL call.
+        op: &'static str,
+        /// NCCL's error.
+        detail: String,
+    },
+
+    /// A launched rank exited unsuccessfully.
+    #[error("rank {rank} failed: {status}")]
+    RankFailed {
+        /// The failing rank.
+        rank: usize,
+        /// How it ended ("exit status 3", "killed by signal 9").
+        status: String,
+        /// The exit code the launcher returns for it.
+        code: i32,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -24,6 +24,7 @@ pub mod cifar;
 pub mod comm;
 pub mod data_parallel;
 pub mod devices;
+pub mod dist;
 mod error;
 pub mod init;
 pub mod optim;

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod collectives;
+
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -80,4 +82,193 @@ pub fn temp_dir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// Marks a process as a child rank started by [`Ranks::start`].
+pub const CHILD: &str = "CP_TEST_CHILD";
+
+/// Whether this process is a child rank of a multi-process test.
+pub fn is_child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// torchrun's variables for `rank` of `world` meeting at 127.0.0.1:`port`.
+pub fn rank_env(rank: usize, world: usize, port: u16) -> Vec<(String, String)> {
+    [
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("LOCAL_WORLD_SIZE", world.to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", port.to_string()),
+        ("CANDLE_PARALLEL_TOKEN", format!("test-token-{port}")),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// Child processes running one test of this test binary as ranks. Dropping it kills the
+/// children still running.
+pub struct Ranks {
+    children: Vec<Option<std::process::Child>>,
+    lines: std::sync::mpsc::Receiver<(usize, String)>,
+    output: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// How one child ended and what it printed.
+pub struct Ended {
+    pub status: std::process::ExitStatus,
+    pub output: String,
+}
+
+impl Ranks {
+    /// Starts one child per entry of `envs`, each running test `test` of this binary with
+    /// `CP_TEST_CHILD` and its environment set.
+    pub fn start(test: &str, envs: Vec<Vec<(String, String)>>) -> Ranks {
+        let exe = std::env::current_exe().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        let output = std::sync::Arc::new(std::sync::Mutex::new(vec![String::new(); envs.len()]));
+        let mut children = Vec::new();
+        let mut readers = Vec::new();
+        for (i, env) in envs.into_iter().enumerate() {
+            let mut cmd = Command::new(&exe);
+            cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(CHILD, "1")
+                .env("RUST_BACKTRACE", "0")
+                .envs(env)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            let mut child = cmd.spawn().expect("spawn a rank");
+            for pipe in [
+                Box::new(child.stdout.take().unwrap()) as Box<dyn Read + Send>,
+                Box::new(child.stderr.take().unwrap()),
+            ] {
+                let (tx, output) = (tx.clone(), output.clone());
+                readers.push(std::thread::spawn(move || {
+                    use std::io::BufRead;
+                    for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                        output.lock().unwrap()[i].push_str(&format!("{line}\n"));
+                        let _ = tx.send((i, line));
+                    }
+                }));
+            }
+            children.push(Some(child));
+        }
+        Ranks {
+            children,
+            lines,
+            output,
+            readers,
+        }
+    }
+
+    /// Starts `world` ranks of `test` meeting on a free port.
+    pub fn world(test: &str, world: usize) -> Ranks {
+        let port = free_port();
+        Self::start(test, (0..world).map(|r| rank_env(r, world, port)).collect())
+    }
+
+    /// Waits until child `i` has printed a line containing `needle`.
+    pub fn wait_for(&self, i: usize, needle: &str, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while !self.output.lock().unwrap()[i].contains(needle) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if self
+                .lines
+                .recv_timeout(left.min(Duration::from_millis(50)))
+                .is_err()
+                && Instant::now() >= deadline
+            {
+                panic!(
+                    "child {i} did not print {needle:?} within {limit:?}; output:\n{}",
+                    self.output.lock().unwrap()[i]
+                );
+            }
+        }
+    }
+
+    /// The process id of child `i`.
+    pub fn pid(&self, i: usize) -> u32 {
+        self.children[i].as_ref().expect("running").id()
+    }
+
+    /// Kills child `i` (SIGKILL).
+    pub fn kill(&mut self, i: usize) {
+        if let Some(c) = self.children[i].as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits for every child, killing all after `limit`.
+    pub fn wait(mut self, limit: Duration) -> Vec<Ended> {
+        let deadline = Instant::now() + limit;
+        let mut statuses = Vec::new();
+        for i in 0..self.children.len() {
+            let mut child = self.children[i].take().expect("not yet waited");
+            let status = loop {
+                if let Some(s) = child.try_wait().unwrap() {
+                    break s;
+                }
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    let status = child.wait().unwrap();
+                    for c in self.children.iter_mut().flatten() {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                    }
+                    eprintln!("child {i} was killed after {limit:?}");
+                    break status;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            };
+            statuses.push(status);
+        }
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+        let output = self.output.lock().unwrap().clone();
+        statuses
+            .into_iter()
+            .zip(output)
+            .map(|(status, output)| Ended { status, output })
+            .collect()
+    }
+
+    /// Waits for every child and asserts each passed (printed `done` and exited 0).
+    pub fn assert_all_pass(self, limit: Duration) -> Vec<String> {
+        let ended = self.wait(limit);
+        for (i, e) in ended.iter().enumerate() {
+            assert!(
+                e.status.success() && e.output.contains(DONE),
+                "child {i} failed ({}):\n{}",
+                e.status,
+                e.output
+            );
+        }
+        ended.into_iter().map(|e| e.output).collect()
+    }
+}
+
+/// What a child prints when its part of the test passed.
+pub const DONE: &str = "CHILD-DONE";
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for c in self.children.iter_mut().flatten() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }

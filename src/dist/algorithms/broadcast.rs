@@ -1,0 +1,60 @@
+//! Broadcast along a pipelined chain: the root sends to its successor, every other rank
+//! forwards each segment to its own successor as soon as it arrives, and the chain ends at the
+//! root's predecessor. Every link carries the buffer once, and segments overlap in flight.
+
+use super::{expect_len, segments, Links};
+use crate::dist::element::HostBuf;
+use crate::dist::wire::FrameKind;
+use crate::error::Result;
+
+/// Overwrites `buf` on every rank with the root's.
+pub(crate) fn broadcast(
+    links: &impl Links,
+    seq: u64,
+    buf: &mut HostBuf,
+    root: usize,
+) -> Result<()> {
+    let n = links.world();
+    if n == 1 {
+        return Ok(());
+    }
+    let r = links.rank();
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let es = buf.elem_size();
+    for seg in segments(0..buf.len(), es) {
+        if r != root {
+            let data = links.recv(prev, FrameKind::Data, seq)?;
+            expect_len(&data, seg.len() * es, prev)?;
+            buf.bytes_mut(seg.clone()).copy_from_slice(&data);
+            links.recycle(data);
+        }
+        if next != root {
+            links.send(next, FrameKind::Data, seq, buf.bytes(seg))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dist::algorithms::testing::run;
+    use crate::dist::algorithms::SEGMENT_BYTES;
+
+    #[test]
+    fn every_rank_gets_the_roots_buffer_from_any_root() {
+        let len = SEGMENT_BYTES / 4 * 3 + 5;
+        for world in 1..=4 {
+            for root in 0..world {
+                let results = run(world, |l| {
+                    let mut buf = HostBuf::F32(vec![l.rank() as f32; len]);
+                    broadcast(l, 2, &mut buf, root).unwrap();
+                    buf
+                });
+                for got in results {
+                    assert_eq!(got, HostBuf::F32(vec![root as f32; len]), "world {world}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! Tensors as host buffers for the host-memory backends, and the element-wise reductions.
+//!
+//! The TCP backend moves raw little-endian bytes between machines. [`HostBuf`] holds a
+//! tensor's elements on the host in their own dtype and reduces received bytes into them.
+//! Half-precision values are reduced through f32 and rounded back after each step, as an
+//! element-wise half-precision reduction does.
+
+use super::ReduceOp;
+use crate::error::Result;
+use candle_core::{DType, Device, Shape, Tensor};
+use half::{bf16, f16};
+use std::ops::Range;
+
+// The wire format is the in-memory format: every supported host is little-endian.
+const _: () = assert!(
+    cfg!(target_endian = "little"),
+    "candle-parallel needs a little-endian host"
+);
+
+/// A float element type that can cross the wire.
+pub(crate) trait Element: Copy + Send + Sync + 'static {
+    const SIZE: usize;
+    fn from_le(bytes: &[u8]) -> Self;
+    fn reduce(op: ReduceOp, a: Self, b: Self) -> Self;
+    fn div(self, n: usize) -> Self;
+}
+
+macro_rules! float_element {
+    ($t:ty) => {
+        impl Element for $t {
+            const SIZE: usize = std::mem::size_of::<$t>();
+            #[inline(always)]
+            fn from_le(bytes: &[u8]) -> Self {
+                <$t>::from_le_bytes(bytes.try_into().expect("element-sized chunk"))
+            }
+            #[inline(always)]
+            fn reduce(op: ReduceOp, a: Self, b: Self) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a + b,
+                    ReduceOp::Product => a * b,
+                    ReduceOp::Max => max_nan(a, b),
+                    ReduceOp::Min => min_nan(a, b),
+                }
+            }
+            fn div(self, n: usize) -> Self {
+                self / n as $t
+            }
+        }
+    };
+}
+
+macro_rules! half_element {
+    ($t:ty) => {
+        impl Element for $t {
+            const SIZE: usize = 2;
+            #[inline(always)]
+            fn from_le(bytes: &[u8]) -> Self {
+                <$t>::from_le_bytes(bytes.try_into().expect("element-sized chunk"))
+            }
+            #[inline(always)]
+            fn reduce(op: ReduceOp, a: Self, b: Self) -> Self {
+                <$t>::from_f32(f32::reduce(op, a.to_f32(), b.to_f32()))
+            }
+            fn div(self, n: usize) -> Self {
+                <$t>::from_f32(self.to_f32() / n as f32)
+            }
+        }
+    };
+}
+
+float_element!(f32);
+float_element!(f64);
+half_element!(f16);
+half_element!(bf16);
+
+/// Maximum that propagates NaN, as torch's reductions do.
+#[inline(always)]
+fn max_nan<T: PartialOrd + Copy>(a: T, b: T) -> T {
+    #[allow(clippy::eq_op)]
+    if a != a || a > b {
+        a
+    } else {
+        b // also when b is NaN
+    }
+}
+
+/// Minimum that propagates NaN.
+#[inline(always)]
+fn min_nan<T: PartialOrd + Copy>(a: T, b: T) -> T {
+    #[allow(clippy::eq_op)]
+    if a != a || a < b {
+        a
+    } else {
+        b
+    }
+}
+
+/// Reduces `src` (little-endian elements) into `dst` with `op`.
+fn reduce_into<T: Element>(dst: &mut [T], src: &[u8], op: ReduceOp) {
+    debug_assert_eq!(dst.len() * T::SIZE, src.len());
+    // One loop per op so that each is a tight, vectorisable loop.
+    macro_rules! lp {
+        ($f:expr) => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(T::SIZE)) {
+                *d = $f(*d, T::from_le(s));
+            }
+        };
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => lp!(|a, b| T::reduce(ReduceOp::Sum, a, b)),
+        ReduceOp::Product => lp!(|a, b| T::reduce(ReduceOp::Product, a, b)),
+        ReduceOp::Max => lp!(|a, b| T::reduce(ReduceOp::Max, a, b)),
+        ReduceOp::Min => lp!(|a, b| T::reduce(ReduceOp::Min, a, b)),
+    }
+}
+
+/// The bytes of a slice of plain floats.
+fn bytes_of<T: Element>(xs: &[T]) -> &[u8] {
+    // SAFETY: `Element` is only implemented for f32, f64, f16 and bf16: plain old data without
+    // padding, for which every byte is initialised; u8 has no alignment requirement.
+    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u8>(), std::mem::size_of_val(xs)) }
+}
+
+/// The bytes of a mutable slice of plain floats.
+fn bytes_of_mut<T: Element>(xs: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `bytes_of`; also every bit pattern is a valid value of these float types,
+    // so writing arbitrary bytes cannot create an invalid value.
+    unsafe {
+        std::slice::from_raw_parts_mut(xs.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(xs))
+    }
+}
+
+/// A tensor's elements on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum HostBuf {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+macro_rules! dispatch {
+    ($self:expr, $v:ident => $body:expr) => {
+        match $self {
+            HostBuf::F32($v) => $body,
+            HostBuf::F64($v) => $body,
+            HostBuf::F16($v) => $body,
+            HostBuf::BF16($v) => $body,
+        }
+    };
+}
+
+impl HostBuf {
+    /// Copies the elements of `t` (any layout, any device) to the host.
+    pub fn from_tensor(t: &Tensor) -> Result<Self> {
+        let flat = t.flatten_all()?;
+        Ok(match t.dtype() {
+            DType::F32 => Self::F32(flat.to_vec1()?),
+            DType::F64 => Self::F64(flat.to_vec1()?),
+            DType::F16 => Self::F16(flat.to_vec1()?),
+            DType::BF16 => Self::BF16(flat.to_vec1()?),
+            other => {
+                return Err(crate::Error::InvalidArgument {
+                    what: "collective dtype",
+                    detail: format!(
+                        "{other:?} is not supported: collectives take f32, f64, f16 or bf16 tensors"
+                    ),
+                })
+            }
+        })
+    }
+
+    /// An all-zero buffer of `len` elements of `dtype` (a float dtype).
+    pub fn zeros(dtype: DType, len: usize) -> Self {
+        match dtype {
+            DType::F64 => Self::F64(vec![0.0; len]),
+            DType::F16 => Self::F16(vec![f16::ZERO; len]),
+            DType::BF16 => Self::BF16(vec![bf16::ZERO; len]),
+            _ => Self::F32(vec![0.0; len]),
+        }
+    }
+
+    /// A tensor of `shape` on `device` holding these elements.
+    pub fn into_tensor(self, shape: &Shape, device: &Device) -> Result<Tensor> {
+        let t = dispatch!(self, v => Tensor::from_vec(v, shape, &Device::Cpu)?);
+        Ok(t.to_device(device)?)
+    }
+
+    pub fn len(&self) -> usize {
+        dispatch!(self, v => v.len())
+    }
+
+    pub fn elem_size(&self) -> usize {
+        match self {
+            Self::F32(_) => 4,
+            Self::F64(_) => 8,
+            Self::F16(_) | Self::BF16(_) => 2,
+        }
+    }
+
+    /// The bytes of elements `range`.
+    pub fn bytes(&self, range: Range<usize>) -> &[u8] {
+        dispatch!(self, v => bytes_of(&v[range]))
+    }
+
+    /// The bytes of elements `range`, for writing.
+    pub fn bytes_mut(&mut self, range: Range<usize>) -> &mut [u8] {
+        dispatch!(self, v => bytes_of_mut(&mut v[range]))
+    }
+
+    /// Reduces the little-endian elements in `src` into elements `range`.
+    pub fn reduce_from(&mut self, range: Range<usize>, src: &[u8], op: ReduceOp) {
+        dispatch!(self, v => reduce_into(&mut v[range], src, op))
+    }
+
+    /// Divides every element by `n` (the last step of an average).
+    pub fn divide(&mut self, n: usize) {
+        dispatch!(self, v => v.iter_mut().for_each(|x| *x = x.div(n)))
+    }
+
+    /// Elements `range` as a new buffer.
+    pub fn slice(&self, range: Range<usize>) -> Self {
+        match self {
+            Self::F32(v) => Self::F32(v[range].to_vec()),
+            Self::F64(v) => Self::F64(v[range].to_vec()),
+            Self::F16(v) => Self::F16(v[range].to_vec()),
+            Self::BF16(v) => Self::BF16(v[range].to_vec()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reductions_follow_the_op_and_propagate_nan() {
+        let mut b = HostBuf::F32(vec![1.0, 5.0, f32::NAN, 2.0]);
+        let other = HostBuf::F32(vec![3.0, 4.0, 1.0, f32::NAN]);
+        let src = other.bytes(0..4).to_vec();
+        let mut max = b.clone();
+        max.reduce_from(0..4, &src, ReduceOp::Max);
+        let HostBuf::F32(m) = max else { unreachable!() };
+        assert_eq!(&m[..2], &[3.0, 5.0]);
+        assert!(m[2].is_nan() && m[3].is_nan());
+        b.reduce_from(0..2, &src[..8], ReduceOp::Product);
+        assert_eq!(b.bytes(0..2), HostBuf::F32(vec![3.0, 20.0]).bytes(0..2));
+    }
+
+    #[test]
+    fn half_types_round_trip_through_tensors() -> Result<()> {
+        let t = Tensor::new(&[1.5f32, -2.0, 0.25], &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let mut b = HostBuf::from_tensor(&t)?;
+        let twice = b.bytes(0..3).to_vec();
+        b.reduce_from(0..3, &twice, ReduceOp::Sum);
+        b.divide(4);
+        let back = b
+            .into_tensor(t.shape(), &Device::Cpu)?
+            .to_dtype(DType::F32)?;
+        assert_eq!(back.to_vec1::<f32>()?, [0.75, -1.0, 0.125]);
+        Ok(())
+    }
+
+    #[test]
+    fn integer_tensors_are_refused() {
+        let t = Tensor::new(&[1u32], &Device::Cpu).unwrap();
+        let err = HostBuf::from_tensor(&t).unwrap_err();
+        assert!(err.to_string().contains("U32"), "{err}");
+    }
+}

@@ -1,0 +1,224 @@
+//! Forming the mesh: every rank listens, publishes its address in the store, connects to the
+//! ranks below it and accepts the ranks above it. Each connection is checked (token, job,
+//! ranks, world size) before it joins; a stranger is refused and the wait goes on.
+
+use super::mesh::{Mesh, MeshOptions};
+use crate::dist::store::Store;
+use crate::dist::wire::{self, io_err, Hello, Purpose};
+use crate::error::{Error, Result};
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+/// How long a connecting peer may take to say hello or answer one.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Who this rank is, for forming its mesh.
+pub(crate) struct Identity<'a> {
+    pub rank: usize,
+    pub world: usize,
+    pub token: &'a str,
+    pub job: u64,
+}
+
+/// Connects this rank to every other rank of the job.
+pub(crate) fn connect_mesh(
+    store: &Store,
+    local_ip: IpAddr,
+    me: &Identity<'_>,
+    rendezvous_timeout: Duration,
+    options: MeshOptions,
+) -> Result<Mesh> {
+    let (rank, world) = (me.rank, me.world);
+    if world == 1 {
+        return Mesh::new(0, 1, vec![None], options);
+    }
+    let listener = TcpListener::bind((local_ip, 0))
+        .map_err(io_err(format!("listening on {local_ip} for peers")))?;
+    let addr = listener.local_addr().map_err(io_err("peer listener"))?;
+    store.set(&format!("addr/{rank}"), addr.to_string().as_bytes())?;
+    let keys: Vec<String> = (0..world).map(|r| format!("addr/{r}")).collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let missing = store.wait(&key_refs, rendezvous_timeout)?;
+    if !missing.is_empty() {
+        let ranks: Vec<String> = missing
+            .iter()
+            .map(|k| k.trim_start_matches("addr/").to_string())
+            .collect();
+        return Err(Error::Rendezvous {
+            detail: format!(
+                "{} of {world} ranks joined within {rendezvous_timeout:?}; missing ranks {}",
+                world - missing.len(),
+                ranks.join(", ")
+            ),
+        });
+    }
+    let deadline = Instant::now() + rendezvous_timeout;
+    let stop = Arc::new(AtomicBool::new(false));
+    let acceptor = {
+        let (stop, token) = (stop.clone(), me.token.to_string());
+        let (job, rdz) = (me.job, rendezvous_timeout);
+        std::thread::Builder::new()
+            .name("accept-peers".into())
+            .spawn(move || {
+                let me = Identity {
+                    rank,
+                    world,
+                    token: &token,
+                    job,
+                };
+                accept_peers(listener, &me, deadline, rdz, &stop)
+            })
+            .map_err(io_err("starting the peer acceptor"))?
+    };
+    let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    let connected: Result<()> = (0..rank).try_for_each(|peer| {
+        let value = store.get(&format!("addr/{peer}"), rendezvous_timeout)?;
+        let text = String::from_utf8_lossy(&value);
+        let addr: SocketAddr = text.parse().map_err(|_| Error::Rendezvous {
+            detail: format!("rank {peer} published an invalid address {text:?}"),
+        })?;
+        streams[peer] = Some(connect_peer(peer, addr, me, deadline)?);
+        Ok(())
+    });
+    if connected.is_err() {
+        stop.store(true, Ordering::SeqCst);
+    }
+    let accepted = acceptor.join().map_err(|_| Error::Rendezvous {
+        detail: "the peer acceptor thread panicked".into(),
+    })?;
+    connected?;
+    for (peer, stream) in accepted? {
+        streams[peer] = Some(stream);
+    }
+    Mesh::new(rank, world, streams, options)
+}
+
+fn connect_peer(
+    peer: usize,
+    addr: SocketAddr,
+    me: &Identity<'_>,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let stream = loop {
+        match TcpStream::connect_timeout(&addr, HANDSHAKE_TIMEOUT) {
+            Ok(s) => break s,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => {
+                return Err(Error::Rendezvous {
+                    detail: format!("cannot connect to rank {peer} at {addr}: {e}"),
+                })
+            }
+        }
+    };
+    let ctx = format!("handshake with rank {peer} at {addr}");
+    stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .map_err(io_err(ctx.clone()))?;
+    let hello = Hello {
+        purpose: Purpose::Peer,
+        token: me.token.to_string(),
+        job: me.job,
+        from_rank: me.rank as u32,
+        to_rank: peer as u32,
+        world_size: me.world as u32,
+    };
+    let mut s = &stream;
+    std::io::Write::write_all(&mut s, &hello.encode()).map_err(io_err(ctx.clone()))?;
+    if let Some(reason) = wire::read_reply(&mut s).map_err(io_err(ctx))? {
+        return Err(Error::Refused {
+            peer: format!("rank {peer} at {addr}"),
+            reason,
+        });
+    }
+    Ok(stream)
+}
+
+/// Accepts the ranks above this one; refuses anything else and keeps waiting.
+fn accept_peers(
+    listener: TcpListener,
+    me: &Identity<'_>,
+    deadline: Instant,
+    waited: Duration,
+    stop: &AtomicBool,
+) -> Result<Vec<(usize, TcpStream)>> {
+    listener
+        .set_nonblocking(true)
+        .map_err(io_err("peer listener"))?;
+    let mut expected: BTreeSet<usize> = (me.rank + 1..me.world).collect();
+    let mut accepted = Vec::new();
+    let (tx, rx) = mpsc::channel::<(std::io::Result<Hello>, TcpStream)>();
+    while !expected.is_empty() {
+        if stop.load(Ordering::SeqCst) {
+            return Ok(accepted);
+        }
+        if let Ok((stream, _)) = listener.accept() {
+            let tx = tx.clone();
+            // Each handshake on a thread of its own: a silent stranger delays nobody.
+            let _ = std::thread::Builder::new()
+                .name("handshake".into())
+                .spawn(move || {
+                    let _ = stream.set_nonblocking(false);
+                    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+                    let hello = Hello::read(&mut &stream);
+                    let _ = tx.send((hello, stream));
+                });
+        }
+        while let Ok((hello, stream)) = rx.try_recv() {
+            let refusal = match &hello {
+                Err(e) => Some(e.to_string()),
+                Ok(h) => refusal(h, me, &expected),
+            };
+            let _ = wire::write_reply(&mut &stream, refusal.as_deref());
+            if let (Ok(h), None) = (hello, refusal) {
+                expected.remove(&(h.from_rank as usize));
+                let _ = stream.set_read_timeout(None);
+                accepted.push((h.from_rank as usize, stream));
+            }
+        }
+        if Instant::now() > deadline {
+            let ranks: Vec<String> = expected.iter().map(usize::to_string).collect();
+            return Err(Error::Rendezvous {
+                detail: format!(
+                    "ranks {} did not connect to rank {} within {waited:?}",
+                    ranks.join(", "),
+                    me.rank
+                ),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(accepted)
+}
+
+/// Why a hello is refused, or `None` when it is a peer this rank expects.
+fn refusal(h: &Hello, me: &Identity<'_>, expected: &BTreeSet<usize>) -> Option<String> {
+    let from = h.from_rank as usize;
+    if h.purpose != Purpose::Peer {
+        Some("this is a peer port, not the store".into())
+    } else if !wire::token_matches(me.token, &h.token) {
+        Some("wrong job token (CANDLE_PARALLEL_TOKEN differs)".into())
+    } else if h.job != me.job {
+        Some("the connection belongs to another job".into())
+    } else if h.world_size as usize != me.world {
+        Some(format!(
+            "world size {} but this job has {}",
+            h.world_size, me.world
+        ))
+    } else if h.to_rank as usize != me.rank {
+        Some(format!(
+            "addressed to rank {} but this is rank {}",
+            h.to_rank, me.rank
+        ))
+    } else if from <= me.rank || from >= me.world {
+        Some(format!("rank {from} does not connect to rank {}", me.rank))
+    } else if !expected.contains(&from) {
+        Some(format!(
+            "rank {from} is already connected: two processes claim rank {from}"
+        ))
+    } else {
+        None
+    }
+}

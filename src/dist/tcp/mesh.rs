@@ -1,0 +1,538 @@
+//! A connection between every pair of ranks, with failure detection.
+//!
+//! One thread per peer reads frames into a mailbox, so a rank never blocks another's sends, and
+//! whatever happens on any connection wakes whoever waits:
+//!
+//! - a peer whose connection closes (it exited, crashed or was killed) is *lost*;
+//! - a peer silent for `peer_timeout` (no frame, no heartbeat: hung, stopped, unreachable) is
+//!   lost; a heartbeat thread keeps every connection busy so that live peers never are;
+//! - a rank that breaks (a lost peer, a timed-out wait) sends `Abort` to every peer, so ranks
+//!   waiting on someone else fail at once too, naming the rank that was lost.
+//!
+//! Once broken, the mesh stays broken: every later operation fails with the first reason.
+
+use crate::dist::algorithms::Links;
+use crate::dist::wire::{self, encode_header, read_header, FrameKind};
+use crate::error::{Error, Result};
+use crate::replicate::lock;
+use std::collections::VecDeque;
+use std::io::{BufReader, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long to wait for peers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MeshOptions {
+    /// The longest wait for a live peer's part of a collective.
+    pub timeout: Duration,
+    /// The longest silence after which a peer counts as lost.
+    pub peer_timeout: Duration,
+}
+
+/// Why the mesh broke.
+#[derive(Clone, Debug)]
+pub(crate) struct Broken {
+    /// The rank that was lost, when one was.
+    pub lost: Option<usize>,
+    pub detail: String,
+}
+
+impl Broken {
+    pub fn error(&self) -> Error {
+        match self.lost {
+            Some(rank) => Error::PeerLost {
+                rank,
+                detail: self.detail.clone(),
+            },
+            None => Error::Aborted {
+                reason: self.detail.clone(),
+            },
+        }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut b = self
+            .lost
+            .map_or(u32::MAX, |r| r as u32)
+            .to_le_bytes()
+            .to_vec();
+        b.extend_from_slice(self.detail.as_bytes());
+        b
+    }
+
+    fn decode(payload: &[u8], from: usize) -> Self {
+        let lost = payload
+            .get(..4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .filter(|&r| r != u32::MAX)
+            .map(|r| r as usize);
+        let detail = String::from_utf8_lossy(payload.get(4..).unwrap_or(&[])).into_owned();
+        Self {
+            lost,
+            detail: format!("{detail} (reported by rank {from})"),
+        }
+    }
+}
+
+struct Frame {
+    kind: FrameKind,
+    seq: u64,
+    payload: Vec<u8>,
+}
+
+struct State {
+    inbox: Vec<VecDeque<Frame>>,
+    last_seen: Vec<Instant>,
+    departed: Vec<bool>,
+    broken: Option<Broken>,
+    closing: bool,
+    pool: Vec<Vec<u8>>,
+}
+
+struct PeerWriter {
+    stream: Mutex<TcpStream>,
+    last_sent_ms: AtomicU64,
+}
+
+struct Inner {
+    rank: usize,
+    world: usize,
+    options: MeshOptions,
+    epoch: Instant,
+    writers: Vec<Option<PeerWriter>>,
+    sockets: Vec<Option<TcpStream>>,
+    state: Mutex<State>,
+    changed: Condvar,
+    stop: (Mutex<bool>, Condvar),
+}
+
+/// The connected ranks of one process group.
+pub(crate) struct Mesh {
+    inner: Arc<Inner>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Mesh {
+    /// Takes over `streams[p]`, a handshaken connection to every peer `p` (`None` for this rank).
+    pub fn new(
+        rank: usize,
+        world: usize,
+        streams: Vec<Option<TcpStream>>,
+        options: MeshOptions,
+    ) -> Result<Self> {
+        let mut writers = Vec::with_capacity(world);
+        let mut sockets = Vec::with_capacity(world);
+        let mut readers = Vec::new();
+        for (peer, stream) in streams.into_iter().enumerate() {
+            let Some(stream) = stream else {
+                writers.push(None);
+                sockets.push(None);
+                continue;
+            };
+            let ctx = || format!("setting up the connection to rank {peer}");
+            stream.set_nodelay(true).map_err(wire::io_err(ctx()))?;
+            stream.set_read_timeout(None).map_err(wire::io_err(ctx()))?;
+            stream
+                .set_write_timeout(Some(options.peer_timeout))
+                .map_err(wire::io_err(ctx()))?;
+            readers.push((peer, stream.try_clone().map_err(wire::io_err(ctx()))?));
+            sockets.push(Some(stream.try_clone().map_err(wire::io_err(ctx()))?));
+            writers.push(Some(PeerWriter {
+                stream: Mutex::new(stream),
+                last_sent_ms: AtomicU64::new(0),
+            }));
+        }
+        let now = Instant::now();
+        let inner = Arc::new(Inner {
+            rank,
+            world,
+            options,
+            epoch: now,
+            writers,
+            sockets,
+            state: Mutex::new(State {
+                inbox: (0..world).map(|_| VecDeque::new()).collect(),
+                last_seen: vec![now; world],
+                departed: vec![false; world],
+                broken: None,
+                closing: false,
+                pool: Vec::new(),
+            }),
+            changed: Condvar::new(),
+            stop: (Mutex::new(false), Condvar::new()),
+        });
+        let mut threads = Vec::new();
+        for (peer, stream) in readers {
+            let inner = inner.clone();
+            threads.push(spawn(format!("recv-{peer}"), move || {
+                inner.receive(peer, stream)
+            })?);
+        }
+        if world > 1 {
+            let hb = inner.clone();
+            threads.push(spawn("heartbeat".into(), move || hb.heartbeat())?);
+        }
+        Ok(Self { inner, threads })
+    }
+
+    /// Fails when the mesh is broken.
+    #[cfg_attr(not(any(test, feature = "nccl")), allow(dead_code))]
+    pub fn usable(&self) -> Result<()> {
+        match &lock(&self.inner.state).broken {
+            Some(b) => Err(b.error()),
+            None => Ok(()),
+        }
+    }
+
+    /// Breaks the mesh for `reason` (unless already broken), tells every peer, and returns the
+    /// error that now describes the mesh.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub fn fail(&self, reason: Broken) -> Error {
+        self.inner.fail(reason)
+    }
+}
+
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(f)
+        .map_err(wire::io_err("starting a communication thread"))
+}
+
+impl Inner {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    fn fail(&self, reason: Broken) -> Error {
+        let (first, fresh) = {
+            let mut st = lock(&self.state);
+            let fresh = st.broken.is_none();
+            (st.broken.get_or_insert(reason).clone(), fresh)
+        };
+        self.changed.notify_all();
+        if fresh {
+            let payload = first.encode();
+            let header = encode_header(FrameKind::Abort, 0, payload.len());
+            for w in self.writers.iter().flatten() {
+                // Best effort; a writer held by a send stuck on the lost peer is skipped.
+                if let Ok(mut s) = w.stream.try_lock() {
+                    let _ = s.write_all(&header).and_then(|()| s.write_all(&payload));
+                }
+            }
+        }
+        first.error()
+    }
+
+    fn send(&self, peer: usize, kind: FrameKind, seq: u64, payload: &[u8]) -> Result<()> {
+        if let Some(b) = &lock(&self.state).broken {
+            return Err(b.error());
+        }
+        let writer = self.writers[peer]
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument {
+                what: "peer rank",
+                detail: format!("rank {peer} is this rank or outside the group"),
+            })?;
+        let header = encode_header(kind, seq, payload.len());
+        let result = {
+            let mut s = lock(&writer.stream);
+            if payload.len() <= 16 << 10 {
+                let mut b = Vec::with_capacity(header.len() + payload.len());
+                b.extend_from_slice(&header);
+                b.extend_from_slice(payload);
+                s.write_all(&b)
+            } else {
+                s.write_all(&header).and_then(|()| s.write_all(payload))
+            }
+        };
+        writer.last_sent_ms.store(self.now_ms(), Ordering::Relaxed);
+        result.map_err(|e| {
+            let detail = match e.kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
+                    "it stopped reading for {:?} (hung, stopped or unreachable)",
+                    self.options.peer_timeout
+                ),
+                _ => format!("sending to it failed ({e}): the process exited or was killed"),
+            };
+            self.fail(Broken {
+                lost: Some(peer),
+                detail,
+            })
+        })
+    }
+
+    fn recv(&self, peer: usize, kind: FrameKind, seq: u64) -> Result<Vec<u8>> {
+        let deadline = Instant::now() + self.options.timeout;
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(b) = &st.broken {
+                return Err(b.error());
+            }
+            if let Some(f) = st.inbox[peer].pop_front() {
+                if f.kind != kind || f.seq != seq {
+                    drop(st);
+                    return Err(self.fail(Broken {
+                        lost: None,
+                        detail: format!(
+                            "protocol error: rank {} expected {kind:?} of collective #{seq} from \
+                             rank {peer} but got {:?} of collective #{}",
+                            self.rank, f.kind, f.seq
+                        ),
+                    }));
+                }
+                return Ok(f.payload);
+            }
+            if st.departed[peer] {
+                drop(st);
+                return Err(self.fail(Broken {
+                    lost: Some(peer),
+                    detail: format!(
+                        "it shut down its process group before finishing collective #{seq}"
+                    ),
+                }));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                drop(st);
+                let waited = self.options.timeout;
+                self.fail(Broken {
+                    lost: None,
+                    detail: format!(
+                        "rank {} timed out after {waited:?} waiting for rank {peer} in \
+                         collective #{seq}",
+                        self.rank
+                    ),
+                });
+                return Err(Error::Timeout {
+                    what: format!("waiting for rank {peer} in collective #{seq}"),
+                    waited,
+                });
+            }
+            st = self
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// The reading end of the connection to `peer`.
+    fn receive(&self, peer: usize, stream: TcpStream) {
+        let mut r = BufReader::with_capacity(64 << 10, stream);
+        let error = loop {
+            let (kind, seq, len) = match read_header(&mut r) {
+                Ok(h) => h,
+                Err(e) => break e,
+            };
+            let mut payload = {
+                let mut st = lock(&self.state);
+                st.last_seen[peer] = Instant::now();
+                st.pool.pop().unwrap_or_default()
+            };
+            payload.clear();
+            match (&mut r).take(len as u64).read_to_end(&mut payload) {
+                Ok(n) if n == len => {}
+                Ok(_) => break std::io::ErrorKind::UnexpectedEof.into(),
+                Err(e) => break e,
+            }
+            let mut st = lock(&self.state);
+            st.last_seen[peer] = Instant::now();
+            match kind {
+                FrameKind::Heartbeat => st.pool.push(payload),
+                FrameKind::Bye => {
+                    st.departed[peer] = true;
+                    st.pool.push(payload);
+                }
+                FrameKind::Abort => {
+                    let reason = Broken::decode(&payload, peer);
+                    st.broken.get_or_insert(reason);
+                }
+                FrameKind::Data | FrameKind::Desc => {
+                    st.inbox[peer].push_back(Frame { kind, seq, payload })
+                }
+            }
+            drop(st);
+            self.changed.notify_all();
+        };
+        let (closing, departed) = {
+            let st = lock(&self.state);
+            (st.closing, st.departed[peer])
+        };
+        if closing {
+            return;
+        }
+        if departed {
+            self.changed.notify_all();
+            return;
+        }
+        let detail = match error.kind() {
+            std::io::ErrorKind::UnexpectedEof
+            | std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::ConnectionAborted => {
+                "its connection closed: the process exited, crashed or was killed".to_string()
+            }
+            _ => format!("reading from it failed: {error}"),
+        };
+        self.fail(Broken {
+            lost: Some(peer),
+            detail,
+        });
+    }
+
+    /// Sends heartbeats to quiet connections and declares silent peers lost.
+    fn heartbeat(&self) {
+        let interval = (self.options.peer_timeout / 5)
+            .clamp(Duration::from_millis(20), Duration::from_secs(5));
+        let (stop, cv) = &self.stop;
+        let mut stopped = lock(stop);
+        loop {
+            stopped = cv
+                .wait_timeout(stopped, interval)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            if *stopped {
+                return;
+            }
+            let overdue = {
+                let st = lock(&self.state);
+                if st.broken.is_some() {
+                    None
+                } else {
+                    (0..self.world).find(|&p| {
+                        p != self.rank
+                            && !st.departed[p]
+                            && st.last_seen[p].elapsed() > self.options.peer_timeout
+                    })
+                }
+            };
+            if let Some(p) = overdue {
+                self.fail(Broken {
+                    lost: Some(p),
+                    detail: format!(
+                        "no message or heartbeat from it for {:?}: the process hangs, was \
+                         stopped, or the network is down",
+                        self.options.peer_timeout
+                    ),
+                });
+            }
+            let now = self.now_ms();
+            let header = encode_header(FrameKind::Heartbeat, 0, 0);
+            for w in self.writers.iter().flatten() {
+                if now.saturating_sub(w.last_sent_ms.load(Ordering::Relaxed))
+                    >= interval.as_millis() as u64
+                {
+                    if let Ok(mut s) = w.stream.try_lock() {
+                        let _ = s.write_all(&header);
+                        w.last_sent_ms.store(now, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Links for Mesh {
+    fn rank(&self) -> usize {
+        self.inner.rank
+    }
+    fn world(&self) -> usize {
+        self.inner.world
+    }
+    fn send(&self, peer: usize, kind: FrameKind, seq: u64, payload: &[u8]) -> Result<()> {
+        self.inner.send(peer, kind, seq, payload)
+    }
+    fn recv(&self, peer: usize, kind: FrameKind, seq: u64) -> Result<Vec<u8>> {
+        self.inner.recv(peer, kind, seq)
+    }
+    fn recycle(&self, buf: Vec<u8>) {
+        let mut st = lock(&self.inner.state);
+        if st.pool.len() < 32 {
+            st.pool.push(buf);
+        }
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        lock(&self.inner.state).closing = true;
+        *lock(&self.inner.stop.0) = true;
+        self.inner.stop.1.notify_all();
+        let bye = encode_header(FrameKind::Bye, 0, 0);
+        for w in self.inner.writers.iter().flatten() {
+            if let Ok(mut s) = w.stream.try_lock() {
+                let _ = s.write_all(&bye);
+            }
+        }
+        for s in self.inner.sockets.iter().flatten() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// A two-rank mesh over loopback.
+    fn pair(options: MeshOptions) -> (Mesh, Mesh) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (
+            Mesh::new(0, 2, vec![None, Some(a)], options).unwrap(),
+            Mesh::new(1, 2, vec![Some(b), None], options).unwrap(),
+        )
+    }
+
+    fn options(timeout_ms: u64, peer_ms: u64) -> MeshOptions {
+        MeshOptions {
+            timeout: Duration::from_millis(timeout_ms),
+            peer_timeout: Duration::from_millis(peer_ms),
+        }
+    }
+
+    #[test]
+    fn frames_arrive_in_order_and_heartbeats_keep_idle_peers_alive() {
+        let (a, b) = pair(options(5_000, 300));
+        std::thread::sleep(Duration::from_millis(800)); // idle for over two peer timeouts
+        a.send(1, FrameKind::Data, 1, b"one").unwrap();
+        a.send(1, FrameKind::Data, 1, &vec![7u8; 100_000]).unwrap();
+        assert_eq!(b.recv(0, FrameKind::Data, 1).unwrap(), b"one");
+        assert_eq!(b.recv(0, FrameKind::Data, 1).unwrap().len(), 100_000);
+        assert!(a.usable().is_ok() && b.usable().is_ok());
+    }
+
+    #[test]
+    fn a_peer_that_goes_away_is_lost_and_named() {
+        let (a, b) = pair(options(10_000, 10_000));
+        drop(b);
+        let started = Instant::now();
+        let err = a.recv(1, FrameKind::Data, 1).unwrap_err();
+        assert!(matches!(err, Error::PeerLost { rank: 1, .. }), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(2));
+        // Broken for good.
+        assert!(matches!(a.usable(), Err(Error::PeerLost { rank: 1, .. })));
+    }
+
+    #[test]
+    fn a_wait_for_a_live_but_idle_peer_times_out_and_aborts_it_too() {
+        let (a, b) = pair(options(200, 10_000));
+        let err = a.recv(1, FrameKind::Data, 4).unwrap_err();
+        assert!(matches!(err, Error::Timeout { .. }), "{err}");
+        // The peer learns of it through the abort frame.
+        let started = Instant::now();
+        while b.usable().is_ok() && started.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let err = b.usable().unwrap_err();
+        assert!(err.to_string().contains("reported by rank 0"), "{err}");
+    }
+}

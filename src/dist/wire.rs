@@ -1,0 +1,282 @@
+//! The bytes on our sockets: bounded reads, the connection handshake, and frame headers.
+//!
+//! Every connection, to the store or between peers, opens with a [`Hello`] carrying the job
+//! token (`CANDLE_PARALLEL_TOKEN`); a connection with another token, or one that is not ours at
+//! all, is answered with a refusal and closed. Every length read from a socket is checked
+//! against a bound before anything is allocated. The token keeps stray connections (another
+//! job, a port scanner) out; it is not a defence against an attacker who can read the network.
+
+use crate::error::Error;
+use std::io::{Read, Write};
+
+const MAGIC: &[u8; 4] = b"CPAR";
+const VERSION: u16 = 1;
+/// The longest token accepted.
+pub(crate) const MAX_TOKEN: usize = 1024;
+/// The longest message in a refusal or an abort.
+pub(crate) const MAX_TEXT: usize = 64 * 1024;
+/// The largest frame payload between peers.
+pub(crate) const MAX_FRAME: usize = 64 << 20;
+
+/// What a connection is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Purpose {
+    Store = 1,
+    Peer = 2,
+}
+
+/// The first message on every connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub purpose: Purpose,
+    pub token: String,
+    /// The job's id, from the store (0 on store connections).
+    pub job: u64,
+    pub from_rank: u32,
+    pub to_rank: u32,
+    pub world_size: u32,
+}
+
+pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let context = context.into();
+    move |source| Error::Io { context, source }
+}
+
+pub(crate) fn read_u8(r: &mut impl Read) -> std::io::Result<u8> {
+    let mut b = [0u8; 1];
+    r.read_exact(&mut b)?;
+    Ok(b[0])
+}
+
+pub(crate) fn read_u16(r: &mut impl Read) -> std::io::Result<u16> {
+    let mut b = [0u8; 2];
+    r.read_exact(&mut b)?;
+    Ok(u16::from_le_bytes(b))
+}
+
+pub(crate) fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+pub(crate) fn read_u64(r: &mut impl Read) -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+/// Reads a length, refusing it when it exceeds `max`.
+pub(crate) fn read_len(r: &mut impl Read, max: usize, what: &str) -> std::io::Result<usize> {
+    let len = read_u32(r)? as usize;
+    if len > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{what} of {len} bytes exceeds the limit of {max}"),
+        ));
+    }
+    Ok(len)
+}
+
+/// Reads a length-prefixed byte string of at most `max` bytes.
+pub(crate) fn read_bytes(r: &mut impl Read, max: usize, what: &str) -> std::io::Result<Vec<u8>> {
+    let len = read_len(r, max, what)?;
+    let mut buf = vec![0u8; len];
+    r.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+/// Reads a length-prefixed UTF-8 string of at most `max` bytes.
+pub(crate) fn read_string(r: &mut impl Read, max: usize, what: &str) -> std::io::Result<String> {
+    String::from_utf8(read_bytes(r, max, what)?).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{what} is not UTF-8"),
+        )
+    })
+}
+
+pub(crate) fn put_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
+    buf.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+    buf.extend_from_slice(bytes);
+}
+
+impl Hello {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(32 + self.token.len());
+        b.extend_from_slice(MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.push(self.purpose as u8);
+        put_bytes(&mut b, self.token.as_bytes());
+        b.extend_from_slice(&self.job.to_le_bytes());
+        b.extend_from_slice(&self.from_rank.to_le_bytes());
+        b.extend_from_slice(&self.to_rank.to_le_bytes());
+        b.extend_from_slice(&self.world_size.to_le_bytes());
+        b
+    }
+
+    /// Reads a hello; the error says why the bytes are not one of ours.
+    pub fn read(r: &mut impl Read) -> std::io::Result<Self> {
+        let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+        let mut magic = [0u8; 4];
+        r.read_exact(&mut magic)?;
+        if &magic != MAGIC {
+            return Err(bad("not a candle-parallel connection (bad magic)".into()));
+        }
+        let version = read_u16(r)?;
+        if version != VERSION {
+            return Err(bad(format!(
+                "protocol version {version}, expected {VERSION}: all ranks must run the same \
+                 candle-parallel version"
+            )));
+        }
+        let purpose = match read_u8(r)? {
+            1 => Purpose::Store,
+            2 => Purpose::Peer,
+            p => return Err(bad(format!("unknown connection purpose {p}"))),
+        };
+        Ok(Self {
+            purpose,
+            token: read_string(r, MAX_TOKEN, "token")?,
+            job: read_u64(r)?,
+            from_rank: read_u32(r)?,
+            to_rank: read_u32(r)?,
+            world_size: read_u32(r)?,
+        })
+    }
+}
+
+/// Compares tokens in time independent of where they differ.
+pub(crate) fn token_matches(expected: &str, got: &str) -> bool {
+    let (a, b) = (expected.as_bytes(), got.as_bytes());
+    let mut diff = (a.len() ^ b.len()) as u8 | u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
+    }
+    diff == 0
+}
+
+/// Answers a hello: accepted, or refused with the reason.
+pub(crate) fn write_reply(w: &mut impl Write, refusal: Option<&str>) -> std::io::Result<()> {
+    let mut b = vec![u8::from(refusal.is_some())];
+    put_bytes(&mut b, refusal.unwrap_or("").as_bytes());
+    w.write_all(&b)?;
+    w.flush()
+}
+
+/// Reads the answer to a hello: `Ok(None)` when accepted, `Ok(Some(reason))` when refused.
+pub(crate) fn read_reply(r: &mut impl Read) -> std::io::Result<Option<String>> {
+    let refused = read_u8(r)? != 0;
+    let reason = read_string(r, MAX_TEXT, "refusal")?;
+    Ok(refused.then_some(reason))
+}
+
+/// The kinds of frame between peers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FrameKind {
+    /// Collective payload.
+    Data = 1,
+    /// A collective's descriptor, for the cross-rank check.
+    Desc = 2,
+    /// "I am alive."
+    Heartbeat = 3,
+    /// The sender's group broke; the payload says why.
+    Abort = 4,
+    /// The sender is shutting down cleanly.
+    Bye = 5,
+}
+
+/// A frame header: kind, collective sequence number, payload length.
+pub(crate) const HEADER: usize = 13;
+
+pub(crate) fn encode_header(kind: FrameKind, seq: u64, len: usize) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[0] = kind as u8;
+    h[1..9].copy_from_slice(&seq.to_le_bytes());
+    h[9..13].copy_from_slice(&(len as u32).to_le_bytes());
+    h
+}
+
+pub(crate) fn read_header(r: &mut impl Read) -> std::io::Result<(FrameKind, u64, usize)> {
+    let mut h = [0u8; HEADER];
+    r.read_exact(&mut h)?;
+    let kind = match h[0] {
+        1 => FrameKind::Data,
+        2 => FrameKind::Desc,
+        3 => FrameKind::Heartbeat,
+        4 => FrameKind::Abort,
+        5 => FrameKind::Bye,
+        k => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("unknown frame kind {k}"),
+            ))
+        }
+    };
+    let seq = u64::from_le_bytes(h[1..9].try_into().expect("8 bytes"));
+    let len = u32::from_le_bytes(h[9..13].try_into().expect("4 bytes")) as usize;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes exceeds the limit of {MAX_FRAME}"),
+        ));
+    }
+    Ok((kind, seq, len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trips_and_strangers_are_recognised() {
+        let hello = Hello {
+            purpose: Purpose::Peer,
+            token: "s3cret".into(),
+            job: 42,
+            from_rank: 3,
+            to_rank: 1,
+            world_size: 4,
+        };
+        let bytes = hello.encode();
+        assert_eq!(Hello::read(&mut bytes.as_slice()).unwrap(), hello);
+        let err = Hello::read(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap_err();
+        assert!(err.to_string().contains("bad magic"));
+    }
+
+    #[test]
+    fn oversized_lengths_are_refused_before_allocating() {
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(MAGIC);
+        bytes.extend_from_slice(&VERSION.to_le_bytes());
+        bytes.push(2);
+        bytes.extend_from_slice(&u32::MAX.to_le_bytes()); // a 4 GiB token
+        let err = Hello::read(&mut bytes.as_slice()).unwrap_err();
+        assert!(err.to_string().contains("exceeds the limit"), "{err}");
+        let mut header = encode_header(FrameKind::Data, 1, 0);
+        header[9..13].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(read_header(&mut header.as_slice()).is_err());
+    }
+
+    #[test]
+    fn token_comparison_needs_equal_tokens() {
+        assert!(token_matches("abc", "abc"));
+        assert!(token_matches("", ""));
+        assert!(!token_matches("abc", "abd"));
+        assert!(!token_matches("abc", "ab"));
+        assert!(!token_matches("", "x"));
+    }
+
+    #[test]
+    fn replies_carry_the_refusal_reason() {
+        let mut buf = Vec::new();
+        write_reply(&mut buf, Some("wrong token")).unwrap();
+        assert_eq!(
+            read_reply(&mut buf.as_slice()).unwrap().as_deref(),
+            Some("wrong token")
+        );
+        buf.clear();
+        write_reply(&mut buf, None).unwrap();
+        assert_eq!(read_reply(&mut buf.as_slice()).unwrap(), None);
+    }
+}

@@ -1,0 +1,115 @@
+//! In-process groups: ranks as threads of this test.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_parallel::dist::{self, Backend, InitOptions, ReduceOp};
+use candle_parallel::Error;
+use common::collectives::{check_collectives, check_mismatches};
+use std::time::{Duration, Instant};
+
+#[test]
+fn every_collective_matches_local_values_for_1_to_4_thread_ranks() {
+    for world in 1..=4 {
+        let ranks = dist::spawn(world, |pg| {
+            assert_eq!(pg.backend(), Backend::InProcess);
+            check_collectives(&pg);
+            Ok(pg.rank())
+        })
+        .unwrap();
+        assert_eq!(ranks, (0..world).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn mismatches_fail_on_every_thread_rank_and_the_group_recovers() {
+    for world in [2, 3] {
+        dist::spawn(world, |pg| {
+            check_mismatches(&pg);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn a_rank_that_leaves_early_is_named_by_the_others() {
+    let results = dist::spawn(3, |pg| {
+        if pg.rank() == 2 {
+            return Ok(None); // leaves without joining the all-reduce
+        }
+        let x = Tensor::new(&[1f32], &Device::Cpu)?;
+        Ok(Some(
+            pg.all_reduce(&x, ReduceOp::Sum).unwrap_err().to_string(),
+        ))
+    })
+    .unwrap();
+    for msg in results.iter().take(2) {
+        let msg = msg.as_ref().unwrap();
+        assert!(
+            msg.contains("rank 2 was lost") && msg.contains("its closure returned"),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn a_panicking_rank_fails_the_spawn_and_releases_the_others() {
+    let started = Instant::now();
+    let err = dist::spawn(2, |pg| {
+        if pg.rank() == 1 {
+            panic!("rank 1 exploded");
+        }
+        pg.barrier()
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::RankFailed { rank: 1, .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn a_late_rank_makes_the_wait_time_out() {
+    let options = InitOptions {
+        timeout: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let results = dist::spawn_with(2, options, |pg| {
+        if pg.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(800));
+            return Ok(String::new());
+        }
+        Ok(pg.barrier().unwrap_err().to_string())
+    })
+    .unwrap();
+    assert!(
+        results[0].starts_with("timed out after 200ms"),
+        "{}",
+        results[0]
+    );
+}
+
+#[test]
+fn gradients_flow_through_the_differentiable_all_reduce() {
+    // y = all_reduce(w_r * x_r) summed: d(sum_k c_k * y)/dw_r = x_r * all_reduce(c)_k summed.
+    let grads = dist::spawn(3, |pg| {
+        let r = pg.rank() as f64;
+        let w = Var::new(&[1f64 + r, 2.0], &Device::Cpu)?;
+        let x = Tensor::new(&[r + 1.0, 1.0], &Device::Cpu)?;
+        let y = pg.all_reduce_differentiable(&(w.as_tensor() * &x)?, ReduceOp::Sum)?;
+        let c = Tensor::new(&[r + 1.0, 10.0], &Device::Cpu)?; // a rank-dependent loss weight
+        let loss = (y * c)?.sum_all()?;
+        let grads = loss.backward()?;
+        Ok(grads.get(&w).unwrap().to_vec1::<f64>()?)
+    })
+    .unwrap();
+    // sum over ranks of c = [1+2+3, 30]; gradient of w_r = x_r * that.
+    for (r, g) in grads.iter().enumerate() {
+        assert_eq!(g, &[(r as f64 + 1.0) * 6.0, 30.0], "rank {r}");
+    }
+    let err = dist::spawn(1, |pg| {
+        let x = Tensor::zeros(2, DType::F32, &Device::Cpu)?;
+        pg.all_reduce_differentiable(&x, ReduceOp::Max).map(|_| ())
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("use sum or avg"), "{err}");
+}

@@ -1,0 +1,387 @@
+//! Process groups of real processes on 127.0.0.1: each test starts its ranks by running itself
+//! again as child processes (see `common::Ranks`), with torchrun's environment.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use candle_parallel::dist::store::Store;
+use candle_parallel::dist::{Backend, InitOptions, ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::Error;
+use common::collectives::{check_collectives, check_mismatches};
+use common::{is_child, Ranks, DONE};
+use std::time::{Duration, Instant};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn options() -> InitOptions {
+    InitOptions {
+        rendezvous_timeout: Duration::from_secs(30),
+        ..InitOptions::from_env()
+    }
+}
+
+fn join() -> ProcessGroup {
+    ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options()).unwrap()
+}
+
+fn done() {
+    println!("{DONE}");
+}
+
+fn collectives_child() {
+    let pg = join();
+    let r = Rendezvous::from_env().unwrap();
+    assert_eq!(pg.backend(), Backend::Tcp);
+    assert_eq!((pg.rank(), pg.world_size()), (r.rank, r.world_size));
+    assert_eq!(
+        (pg.local_rank(), pg.local_world_size()),
+        (r.local_rank, r.local_world_size)
+    );
+    check_collectives(&pg);
+    check_mismatches(&pg);
+    done();
+}
+
+#[test]
+fn every_collective_matches_local_values_over_2_processes() {
+    if is_child() {
+        return collectives_child();
+    }
+    Ranks::world("every_collective_matches_local_values_over_2_processes", 2)
+        .assert_all_pass(LIMIT);
+}
+
+#[test]
+fn every_collective_matches_local_values_over_3_processes() {
+    if is_child() {
+        return collectives_child();
+    }
+    Ranks::world("every_collective_matches_local_values_over_3_processes", 3)
+        .assert_all_pass(LIMIT);
+}
+
+#[test]
+fn ranks_meet_through_a_tcp_url_or_explicit_values() {
+    if is_child() {
+        let env = Rendezvous::from_env().unwrap();
+        let pg = if env.rank == 0 {
+            let url = format!("tcp://127.0.0.1:{}", env.master_port);
+            ProcessGroup::from_url(&url, 0, 2, &Device::Cpu, options()).unwrap()
+        } else {
+            let explicit = Rendezvous {
+                master_addr: "localhost".into(),
+                master_port: env.master_port,
+                rank: 1,
+                world_size: 2,
+                local_rank: 0,
+                local_world_size: 1,
+            };
+            ProcessGroup::new(&explicit, &Device::Cpu, options()).unwrap()
+        };
+        let x = Tensor::new(&[pg.rank() as f32 + 1.0], &Device::Cpu).unwrap();
+        let y = pg.all_reduce(&x, ReduceOp::Sum).unwrap();
+        assert_eq!(y.to_vec1::<f32>().unwrap(), [3.0]);
+        return done();
+    }
+    Ranks::world("ranks_meet_through_a_tcp_url_or_explicit_values", 2).assert_all_pass(LIMIT);
+}
+
+#[test]
+fn a_missing_rank_is_named_when_the_rendezvous_times_out() {
+    if is_child() {
+        // Rank 0 hosts the store: it waits longer, so that rank 2 sees its own timeout.
+        let rank = Rendezvous::from_env().unwrap().rank;
+        let o = InitOptions {
+            rendezvous_timeout: Duration::from_millis(if rank == 0 { 3000 } else { 1500 }),
+            ..options()
+        };
+        let err = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("2 of 3 ranks joined"), "{err}");
+        assert!(err.contains("missing ranks 1"), "{err}");
+        return done();
+    }
+    let port = common::free_port();
+    let envs = vec![common::rank_env(0, 3, port), common::rank_env(2, 3, port)];
+    Ranks::start(
+        "a_missing_rank_is_named_when_the_rendezvous_times_out",
+        envs,
+    )
+    .assert_all_pass(LIMIT);
+}
+
+#[test]
+fn strangers_with_a_wrong_token_are_refused_and_do_not_disturb_the_job() {
+    if is_child() {
+        if Rendezvous::from_env().unwrap().rank == 1 {
+            // Give the stranger time to knock while rank 0 waits.
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        let pg = join();
+        let y = pg
+            .all_reduce(&Tensor::new(&[1f64], &Device::Cpu).unwrap(), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(y.to_vec1::<f64>().unwrap(), [2.0]);
+        return done();
+    }
+    let port = common::free_port();
+    let envs = (0..2).map(|r| common::rank_env(r, 2, port)).collect();
+    let ranks = Ranks::start(
+        "strangers_with_a_wrong_token_are_refused_and_do_not_disturb_the_job",
+        envs,
+    );
+    // Knock on the store until it answers: it must refuse us.
+    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+    let started = Instant::now();
+    let refusal = loop {
+        match Store::connect(addr, "not-the-token", 9, Duration::from_secs(10)) {
+            Err(Error::Refused { reason, .. }) => break reason,
+            Err(e) if started.elapsed() < Duration::from_secs(10) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
+        }
+    };
+    assert!(refusal.contains("wrong job token"), "{refusal}");
+    // And a connection that speaks another protocol altogether.
+    let mut raw = std::net::TcpStream::connect(addr).unwrap();
+    std::io::Write::write_all(&mut raw, b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    ranks.assert_all_pass(LIMIT);
+}
+
+#[test]
+fn a_rank_with_the_wrong_token_is_refused_and_named_missing() {
+    if is_child() {
+        let o = InitOptions {
+            rendezvous_timeout: Duration::from_secs(2),
+            ..options()
+        };
+        let err = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o).unwrap_err();
+        if Rendezvous::from_env().unwrap().rank == 1 {
+            assert!(matches!(err, Error::Refused { .. }), "{err}");
+            assert!(err.to_string().contains("wrong job token"), "{err}");
+        } else {
+            assert!(err.to_string().contains("missing ranks 1"), "{err}");
+        }
+        return done();
+    }
+    let port = common::free_port();
+    let mut envs: Vec<_> = (0..2).map(|r| common::rank_env(r, 2, port)).collect();
+    envs[1].push(("CANDLE_PARALLEL_TOKEN".into(), "another-job".into()));
+    Ranks::start(
+        "a_rank_with_the_wrong_token_is_refused_and_named_missing",
+        envs,
+    )
+    .assert_all_pass(LIMIT);
+}
+
+#[test]
+fn two_processes_claiming_one_rank_are_told_so() {
+    if is_child() {
+        match ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options()) {
+            Ok(pg) => pg.barrier().unwrap(),
+            Err(e) => println!("refused: {e}"),
+        }
+        return done();
+    }
+    let port = common::free_port();
+    let envs = vec![
+        common::rank_env(0, 2, port),
+        common::rank_env(1, 2, port),
+        common::rank_env(1, 2, port),
+    ];
+    let outputs =
+        Ranks::start("two_processes_claiming_one_rank_are_told_so", envs).assert_all_pass(LIMIT);
+    let refused: Vec<&String> = outputs.iter().filter(|o| o.contains("refused:")).collect();
+    assert_eq!(refused.len(), 1, "{outputs:?}");
+    assert!(
+        refused[0].contains("rank 1 is already claimed by another process"),
+        "{refused:?}"
+    );
+}
+
+#[test]
+fn a_second_rank_0_is_told_that_rank_0_is_taken() {
+    if is_child() {
+        let r = Rendezvous::from_env().unwrap();
+        if std::env::var("CP_SECOND").is_ok() {
+            std::thread::sleep(Duration::from_millis(500));
+            let err = ProcessGroup::new(&r, &Device::Cpu, options()).unwrap_err();
+            assert!(
+                err.to_string().contains("rank 0 is already claimed"),
+                "{err}"
+            );
+        } else {
+            let pg = join();
+            pg.barrier().unwrap();
+            // Keep the store up while the second rank 0 tries its luck.
+            std::thread::sleep(Duration::from_secs(2));
+            pg.barrier().unwrap();
+        }
+        return done();
+    }
+    let port = common::free_port();
+    let mut second = common::rank_env(0, 2, port);
+    second.push(("CP_SECOND".into(), "1".into()));
+    let envs = vec![
+        common::rank_env(0, 2, port),
+        second,
+        common::rank_env(1, 2, port),
+    ];
+    Ranks::start("a_second_rank_0_is_told_that_rank_0_is_taken", envs).assert_all_pass(LIMIT);
+}
+
+#[test]
+fn a_killed_rank_is_named_by_the_others_pending_in_a_collective() {
+    if is_child() {
+        let pg = join();
+        if pg.rank() == 2 {
+            println!("ready");
+            std::thread::sleep(Duration::from_secs(60));
+            return;
+        }
+        println!("entering");
+        let x = Tensor::zeros(1 << 20, DType::F32, &Device::Cpu).unwrap();
+        let err = pg.all_reduce(&x, ReduceOp::Sum).unwrap_err();
+        assert!(matches!(err, Error::PeerLost { rank: 2, .. }), "{err}");
+        let kill_seen = Instant::now();
+        // Later collectives fail at once too.
+        let again = pg.barrier().unwrap_err();
+        assert!(again.to_string().contains("rank 2 was lost"), "{again}");
+        assert!(kill_seen.elapsed() < Duration::from_secs(1));
+        return done();
+    }
+    let mut ranks = Ranks::world(
+        "a_killed_rank_is_named_by_the_others_pending_in_a_collective",
+        3,
+    );
+    ranks.wait_for(2, "ready", LIMIT);
+    ranks.wait_for(0, "entering", LIMIT);
+    ranks.wait_for(1, "entering", LIMIT);
+    std::thread::sleep(Duration::from_millis(200));
+    let killed = Instant::now();
+    ranks.kill(2);
+    let ended = ranks.wait(LIMIT);
+    let waited = killed.elapsed();
+    for (i, e) in ended.iter().enumerate().take(2) {
+        assert!(
+            e.status.success() && e.output.contains(DONE),
+            "rank {i}:\n{}",
+            e.output
+        );
+    }
+    assert!(
+        waited < Duration::from_secs(30),
+        "the others took {waited:?} to notice"
+    );
+}
+
+#[test]
+fn a_rank_that_panics_is_named_by_the_others() {
+    if is_child() {
+        let pg = join();
+        if pg.rank() == 1 {
+            panic!("rank 1 crashes before the collective");
+        }
+        let err = pg.barrier().unwrap_err();
+        assert!(matches!(err, Error::PeerLost { rank: 1, .. }), "{err}");
+        return done();
+    }
+    let ended = Ranks::world("a_rank_that_panics_is_named_by_the_others", 2).wait(LIMIT);
+    assert!(
+        ended[0].status.success() && ended[0].output.contains(DONE),
+        "{}",
+        ended[0].output
+    );
+    assert!(!ended[1].status.success());
+}
+
+#[test]
+fn a_stopped_rank_is_lost_after_the_peer_timeout() {
+    if is_child() {
+        let o = InitOptions {
+            peer_timeout: Duration::from_secs(2),
+            ..options()
+        };
+        let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o).unwrap();
+        println!("joined");
+        if pg.rank() == 1 {
+            std::thread::sleep(Duration::from_secs(60));
+            return;
+        }
+        // Idle first, longer than the peer timeout: heartbeats must keep rank 1 alive.
+        std::thread::sleep(Duration::from_secs(3));
+        println!("waiting");
+        let started = Instant::now();
+        let err = pg.barrier().unwrap_err();
+        assert!(matches!(err, Error::PeerLost { rank: 1, .. }), "{err}");
+        assert!(err.to_string().contains("no message or heartbeat"), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        return done();
+    }
+    let mut ranks = Ranks::world("a_stopped_rank_is_lost_after_the_peer_timeout", 2);
+    ranks.wait_for(0, "joined", LIMIT);
+    ranks.wait_for(0, "waiting", LIMIT);
+    let pid = ranks.pid(1).to_string();
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    ranks.wait_for(0, DONE, LIMIT);
+    ranks.kill(1);
+    let ended = ranks.wait(LIMIT);
+    assert!(
+        ended[0].status.success() && ended[0].output.contains(DONE),
+        "{}",
+        ended[0].output
+    );
+}
+
+#[test]
+fn bad_local_configuration_fails_fast_with_a_clear_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let r = |rank, world, port| Rendezvous {
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        rank,
+        world_size: world,
+        local_rank: 0,
+        local_world_size: 1,
+    };
+    let quick = InitOptions {
+        rendezvous_timeout: Duration::from_millis(500),
+        ..Default::default()
+    };
+    let err = ProcessGroup::new(&r(0, 1, port), &Device::Cpu, quick.clone()).unwrap_err();
+    assert!(matches!(err, Error::PortInUse { .. }), "{err}");
+    assert!(err.to_string().contains("already in use"), "{err}");
+
+    let nobody = common::free_port();
+    let started = Instant::now();
+    let err = ProcessGroup::new(&r(1, 2, nobody), &Device::Cpu, quick.clone()).unwrap_err();
+    assert!(matches!(err, Error::Unreachable { .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    let err = ProcessGroup::new(&r(2, 2, nobody), &Device::Cpu, quick.clone()).unwrap_err();
+    assert!(
+        err.to_string().contains("not below the world size"),
+        "{err}"
+    );
+    let err = ProcessGroup::new(&r(0, 0, nobody), &Device::Cpu, quick).unwrap_err();
+    assert!(matches!(err, Error::Config { .. }), "{err}");
+
+    // A group of one works without anybody else.
+    let solo = ProcessGroup::new(&r(0, 1, nobody), &Device::Cpu, InitOptions::default()).unwrap();
+    let y = solo
+        .all_reduce(&Tensor::new(&[4f32], &Device::Cpu).unwrap(), ReduceOp::Avg)
+        .unwrap();
+    assert_eq!(y.to_vec1::<f32>().unwrap(), [4.0]);
+}
