@@ -268,6 +268,15 @@ pub enum Error {
         code: i32,
     },
 
+    /// The launcher was interrupted; it stopped every rank.
+    #[error("interrupted by {signal}: every rank was stopped")]
+    Interrupted {
+        /// The signal received.
+        signal: String,
+        /// The exit code the launcher returns (128 + the signal number).
+        code: i32,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -3,6 +3,9 @@
 //! - [`comm`]: scatter, gather, broadcast and reduce_add across candle devices, differentiable.
 //! - [`DataParallel`]: one process, one model, every device (`torch.nn.DataParallel`).
 //! - [`replicate`] and [`parallel_apply`]: the pieces `DataParallel` is made of.
+//! - [`dist`]: process groups (TCP, in-process, NCCL), rendezvous and collectives.
+//! - [`sampler::DistributedSampler`]: each rank's share of a dataset.
+//! - [`launch`]: start N ranks (the `candle-run` launcher and its library entry).
 //!
 //! ```rust
 //! use candle_core::{DType, Device, Module, Tensor};
@@ -27,10 +30,13 @@ pub mod devices;
 pub mod dist;
 mod error;
 pub mod init;
+#[cfg(unix)]
+pub mod launch;
 pub mod optim;
 pub mod parallel_apply;
 pub mod replicate;
 pub mod rng;
+pub mod sampler;
 
 pub use data_parallel::{DataParallel, DataParallelConfig};
 pub use error::{Error, Result};

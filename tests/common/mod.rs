@@ -137,19 +137,30 @@ impl Ranks {
     /// `CP_TEST_CHILD` and its environment set.
     pub fn start(test: &str, envs: Vec<Vec<(String, String)>>) -> Ranks {
         let exe = std::env::current_exe().unwrap();
+        let commands = envs
+            .into_iter()
+            .map(|env| {
+                let mut cmd = Command::new(&exe);
+                cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
+                    .env(CHILD, "1")
+                    .env("RUST_BACKTRACE", "0")
+                    .envs(env);
+                cmd
+            })
+            .collect();
+        Self::spawn(commands)
+    }
+
+    /// Starts `commands`, collecting the lines each prints on stdout and stderr.
+    pub fn spawn(commands: Vec<Command>) -> Ranks {
         let (tx, lines) = std::sync::mpsc::channel();
-        let output = std::sync::Arc::new(std::sync::Mutex::new(vec![String::new(); envs.len()]));
+        let n = commands.len();
+        let output = std::sync::Arc::new(std::sync::Mutex::new(vec![String::new(); n]));
         let mut children = Vec::new();
         let mut readers = Vec::new();
-        for (i, env) in envs.into_iter().enumerate() {
-            let mut cmd = Command::new(&exe);
-            cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(CHILD, "1")
-                .env("RUST_BACKTRACE", "0")
-                .envs(env)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            let mut child = cmd.spawn().expect("spawn a rank");
+        for (i, mut cmd) in commands.into_iter().enumerate() {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+            let mut child = cmd.spawn().expect("spawn a child");
             for pipe in [
                 Box::new(child.stdout.take().unwrap()) as Box<dyn Read + Send>,
                 Box::new(child.stderr.take().unwrap()),

@@ -215,6 +215,8 @@ impl Inner {
         };
         self.changed.notify_all();
         if fresh {
+            #[cfg(unix)]
+            crate::launch::note_loss(first.lost);
             let payload = first.encode();
             let header = encode_header(FrameKind::Abort, 0, payload.len());
             for w in self.writers.iter().flatten() {
@@ -349,6 +351,10 @@ impl Inner {
                 }
                 FrameKind::Abort => {
                     let reason = Broken::decode(&payload, peer);
+                    if st.broken.is_none() {
+                        #[cfg(unix)]
+                        crate::launch::note_loss(reason.lost.or(Some(peer)));
+                    }
                     st.broken.get_or_insert(reason);
                 }
                 FrameKind::Data | FrameKind::Desc => {
@@ -390,6 +396,11 @@ impl Inner {
         let (stop, cv) = &self.stop;
         let mut stopped = lock(stop);
         loop {
+            // Checked under the lock before every wait: a stop set before this thread first
+            // waits must not be missed.
+            if *stopped {
+                return;
+            }
             stopped = cv
                 .wait_timeout(stopped, interval)
                 .unwrap_or_else(|p| p.into_inner())

@@ -1,0 +1,213 @@
+//! Starting N ranks: the `candle-run` launcher (torchrun's analogue) and [`spawn`]
+//! (`torch.multiprocessing.spawn`'s).
+//!
+//! The launcher starts one process per rank with torchrun's environment (`RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) and the job token
+//! `CANDLE_PARALLEL_TOKEN`, prefixes each line of their output with `[rankN]: `, forwards
+//! Ctrl-C and SIGTERM to them, and when one rank fails stops the others (SIGTERM, then SIGKILL
+//! after a grace period) and reports the failing rank's exit status. Every rank runs in its own
+//! process group, which is killed as a whole when the rank ends, and is killed by the kernel if
+//! the launcher itself dies: no process outlives the launcher.
+//!
+//! ```no_run
+//! use candle_core::{Device, Tensor};
+//! use candle_parallel::dist::{ProcessGroup, ReduceOp};
+//! use candle_parallel::launch;
+//!
+//! fn main() -> candle_parallel::Result<()> {
+//!     // Re-runs this program as 4 ranks; in each rank the closure runs, in the parent `spawn`
+//!     // waits for them all.
+//!     launch::spawn(4, |_rank| {
+//!         let pg = ProcessGroup::from_env(&Device::Cpu)?;
+//!         let x = Tensor::new(&[pg.rank() as f32], &Device::Cpu)?;
+//!         println!("{}", pg.all_reduce(&x, ReduceOp::Sum)?);
+//!         Ok::<(), candle_parallel::Error>(())
+//!     })
+//! }
+//! ```
+
+mod cli;
+mod signals;
+mod supervisor;
+
+pub use cli::{parse_args, Parsed, USAGE};
+pub use supervisor::launch;
+
+use crate::dist::TOKEN_VAR;
+use crate::error::{Error, Result};
+use std::ffi::OsString;
+use std::time::Duration;
+
+/// What to start, and how.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Ranks on this machine.
+    pub nproc_per_node: usize,
+    /// Machines in the job.
+    pub nnodes: usize,
+    /// This machine's index, in `0..nnodes`.
+    pub node_rank: usize,
+    /// Address of the machine running rank 0.
+    pub master_addr: String,
+    /// Port of rank 0's store; `None` picks a free port (single machine only).
+    pub master_port: Option<u16>,
+    /// How long ranks have to exit after SIGTERM before they are killed.
+    pub grace_period: Duration,
+    /// Prefix each output line with `[rankN]: `.
+    pub prefix_output: bool,
+    /// The job token; `None` takes `CANDLE_PARALLEL_TOKEN` from the environment or, on a single
+    /// machine, makes a random one.
+    pub token: Option<String>,
+    /// Extra environment variables for every rank.
+    pub env: Vec<(OsString, OsString)>,
+}
+
+impl Default for LaunchConfig {
+    fn default() -> Self {
+        Self {
+            nproc_per_node: 1,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: None,
+            grace_period: Duration::from_secs(5),
+            prefix_output: true,
+            token: None,
+            env: Vec::new(),
+        }
+    }
+}
+
+impl LaunchConfig {
+    /// Checks the numbers before anything starts.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str, detail: String| {
+            Err(Error::Config {
+                what: what.into(),
+                detail,
+            })
+        };
+        if self.nproc_per_node == 0 {
+            return bad("--nproc-per-node", "0; start at least one process".into());
+        }
+        if self.nnodes == 0 {
+            return bad("--nnodes", "0; a job has at least one machine".into());
+        }
+        if self.node_rank >= self.nnodes {
+            return bad(
+                "--node-rank",
+                format!("{} is not below --nnodes {}", self.node_rank, self.nnodes),
+            );
+        }
+        if self.nnodes > 1 && self.master_port.is_none() {
+            return bad(
+                "--master-port",
+                "required with several machines: every machine must use the same port".into(),
+            );
+        }
+        if self.master_port == Some(0) {
+            return bad("--master-port", "0 is not a port".into());
+        }
+        Ok(())
+    }
+}
+
+/// The environment variable naming the file where a rank records why it failed
+/// (torchrun's `TORCHELASTIC_ERROR_FILE`); see [`record_error`].
+pub const ERROR_FILE_VAR: &str = "CANDLE_PARALLEL_ERROR_FILE";
+
+/// Records `error` for the launcher, when this process is a rank started by one, so that when
+/// several ranks fail the launcher can report the one that failed first. [`spawn`] does this
+/// for its ranks; other programs may call it before exiting with an error. Does nothing outside
+/// a launcher.
+pub fn record_error(error: &dyn std::fmt::Display) {
+    if let Some(path) = std::env::var_os(ERROR_FILE_VAR) {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let _ = std::fs::write(path, format!("{nanos}\n{error}"));
+    }
+}
+
+/// Notes, for the launcher, that this rank's process group broke because it lost `rank` (or
+/// for another reason, `None`): a failure of this rank is then a consequence, not the cause.
+/// The first note wins.
+pub(crate) fn note_loss(rank: Option<usize>) {
+    if let Some(path) = std::env::var_os(ERROR_FILE_VAR) {
+        let mut path = std::ffi::OsString::from(path);
+        path.push(".lost");
+        let note = rank.map_or_else(|| "?".to_string(), |r| r.to_string());
+        let _ = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, note.as_bytes()));
+    }
+}
+
+/// Runs `f(rank)` in `nprocs` copies of this program (`torch.multiprocessing.spawn`).
+///
+/// In the parent, starts the copies with torchrun's environment (ranks meet on a free port of
+/// 127.0.0.1) and returns when all have finished: `Ok` when every rank succeeded, else the
+/// error of the rank that failed first. In a rank, runs `f` with the rank and exits the process
+/// with status 0 (or 1, with the error on stderr and recorded for the launcher) — `spawn` never
+/// returns there. A process that already is a rank (started by `candle-run`, torchrun or
+/// Slurm: `RANK` or `SLURM_PROCID` is set) runs `f` itself, whatever `nprocs`, so a program
+/// works started either way. Call it early in `main`: each copy runs `main` up to this call.
+pub fn spawn<F, E>(nprocs: usize, f: F) -> Result<()>
+where
+    F: FnOnce(usize) -> std::result::Result<(), E>,
+    E: std::fmt::Display,
+{
+    let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok());
+    if let Some(rank) = var("RANK").or_else(|| var("SLURM_PROCID")) {
+        let code = match f(rank) {
+            Ok(()) => 0,
+            Err(e) => {
+                record_error(&e);
+                eprintln!("rank {rank} failed: {e}");
+                1
+            }
+        };
+        std::process::exit(code);
+    }
+    let exe = std::env::current_exe().map_err(|source| Error::Io {
+        context: "finding this program to spawn its ranks".into(),
+        source,
+    })?;
+    let args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let config = LaunchConfig {
+        nproc_per_node: nprocs,
+        ..LaunchConfig::default()
+    };
+    launch(&config, exe.as_os_str(), &args)
+}
+
+/// The job token: the configured one, else the environment's, else (one machine) a fresh one.
+fn token(config: &LaunchConfig) -> String {
+    if let Some(t) = &config.token {
+        return t.clone();
+    }
+    if let Ok(t) = std::env::var(TOKEN_VAR) {
+        return t;
+    }
+    if config.nnodes > 1 {
+        return String::new(); // machines cannot agree on a random one
+    }
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    let a = h.finish();
+    h.write_u64(a);
+    format!("{a:016x}{:016x}", h.finish())
+}
+
+/// The exit code a launcher should end with for `result`.
+pub fn exit_code(result: &Result<()>) -> i32 {
+    match result {
+        Ok(()) => 0,
+        Err(Error::RankFailed { code, .. } | Error::Interrupted { code, .. }) => *code,
+        Err(Error::Config { .. }) => 2,
+        Err(_) => 1,
+    }
+}

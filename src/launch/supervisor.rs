@@ -1,0 +1,378 @@
+//! Starting, watching and stopping the ranks of one machine.
+
+use super::{signals, token, LaunchConfig};
+use crate::dist::TOKEN_VAR;
+use crate::error::{Error, Result};
+use std::ffi::{OsStr, OsString};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const POLL: Duration = Duration::from_millis(20);
+/// How long ranks may take to end by themselves after another failed.
+const SETTLE: Duration = Duration::from_secs(1);
+
+struct Rank {
+    rank: usize,
+    child: Child,
+    status: Option<ExitStatus>,
+    /// Where the rank may record why it failed.
+    error_file: std::path::PathBuf,
+}
+
+impl Rank {
+    /// When and why the rank said it failed, and whom its group lost before; see
+    /// `launch::record_error` and `launch::note_loss`.
+    fn recorded_error(&self) -> Option<Recorded> {
+        let text = std::fs::read_to_string(&self.error_file).ok()?;
+        let (time, message) = text.split_once('\n')?;
+        let mut lost = self.error_file.clone().into_os_string();
+        lost.push(".lost");
+        let blame = match std::fs::read_to_string(lost) {
+            Ok(note) => Blame::Other(note.trim().parse().ok()),
+            Err(_) => Blame::Own,
+        };
+        Some(Recorded {
+            time: time.parse().ok()?,
+            blame,
+            message: message.to_string(),
+        })
+    }
+
+    /// The rank's process group: its process and everything it started.
+    fn group(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn running(&self) -> bool {
+        self.status.is_none()
+    }
+
+    /// Records the exit status if the rank has ended, and kills what it left behind.
+    fn reap(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                self.status = Some(st);
+                signals::signal_group(self.group(), libc::SIGKILL);
+                return Some(st);
+            }
+        }
+        None
+    }
+}
+
+/// Whom a rank's recorded failure blames.
+enum Blame {
+    /// The rank failed by itself.
+    Own,
+    /// It lost another rank (which one, when known).
+    Other(Option<usize>),
+}
+
+struct Recorded {
+    time: u128,
+    blame: Blame,
+    message: String,
+}
+
+/// "exited with status 3" / "killed by SIGKILL", and the shell's exit code for it.
+fn describe(st: ExitStatus) -> (String, i32) {
+    match (st.code(), st.signal()) {
+        (Some(code), _) => (format!("exited with status {code}"), code),
+        (None, Some(sig)) => (format!("was killed by {}", signals::name(sig)), 128 + sig),
+        (None, None) => ("ended in an unknown way".into(), 1),
+    }
+}
+
+/// Starts `program args` as this machine's ranks and waits for them; see [`super`].
+pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Result<()> {
+    config.validate()?;
+    let port = match config.master_port {
+        Some(p) => p,
+        None => free_port(&config.master_addr)?,
+    };
+    let token = token(config);
+    let errors = ErrorDir::create()?;
+    let catch = signals::Catch::install();
+    let (done_tx, done_rx) = mpsc::channel();
+    let mut ranks = Vec::with_capacity(config.nproc_per_node);
+    let mut readers = 0;
+    for local in 0..config.nproc_per_node {
+        match start(config, program, args, local, port, &token, &errors, &done_tx) {
+            Ok((rank, pipes)) => {
+                ranks.push(rank);
+                readers += pipes;
+            }
+            Err(e) => {
+                stop(&mut ranks, &catch, config.grace_period);
+                return Err(e);
+            }
+        }
+    }
+    drop(done_tx);
+    let outcome = supervise(&mut ranks, &catch, config.grace_period);
+    for r in &ranks {
+        signals::signal_group(r.group(), libc::SIGKILL);
+    }
+    // The output threads end when the last writer closes its end; do not wait on a
+    // process that escaped its group and kept a pipe.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    for _ in 0..readers {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if done_rx.recv_timeout(left).is_err() {
+            break;
+        }
+    }
+    outcome
+}
+
+/// Starts local rank `local`; returns it and how many output threads it has.
+fn start(
+    config: &LaunchConfig,
+    program: &OsStr,
+    args: &[OsString],
+    local: usize,
+    port: u16,
+    token: &str,
+    errors: &ErrorDir,
+    done: &mpsc::Sender<()>,
+) -> Result<(Rank, usize)> {
+    let rank = config.node_rank * config.nproc_per_node + local;
+    let world = config.nnodes * config.nproc_per_node;
+    let error_file = errors.0.join(format!("rank-{rank}.error"));
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", local.to_string())
+        .env("LOCAL_WORLD_SIZE", config.nproc_per_node.to_string())
+        .env("GROUP_RANK", config.node_rank.to_string())
+        .env("MASTER_ADDR", &config.master_addr)
+        .env("MASTER_PORT", port.to_string())
+        .env(TOKEN_VAR, token)
+        .env(super::ERROR_FILE_VAR, &error_file)
+        .envs(config.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .process_group(0);
+    if config.prefix_output {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    }
+    // SAFETY: getpid is always safe; `die_with_parent` only makes async-signal-safe calls,
+    // as code between fork and exec must.
+    let parent = unsafe { libc::getpid() };
+    unsafe {
+        cmd.pre_exec(move || signals::die_with_parent(parent));
+    }
+    let mut child = cmd.spawn().map_err(|source| Error::Io {
+        context: format!("starting rank {rank} ({})", program.to_string_lossy()),
+        source,
+    })?;
+    let mut pipes = 0;
+    let prefix = format!("[rank{rank}]: ");
+    if let Some(out) = child.stdout.take() {
+        pipes += forward(out, prefix.clone(), false, done.clone());
+    }
+    if let Some(err) = child.stderr.take() {
+        pipes += forward(err, prefix, true, done.clone());
+    }
+    Ok((
+        Rank {
+            rank,
+            child,
+            status: None,
+            error_file,
+        },
+        pipes,
+    ))
+}
+
+/// Copies `pipe` line by line to our stdout (or stderr), each line prefixed.
+fn forward(pipe: impl Read + Send + 'static, prefix: String, to_stderr: bool, done: mpsc::Sender<()>) -> usize {
+    let spawned = std::thread::Builder::new()
+        .name("rank-output".into())
+        .spawn(move || {
+            let mut r = BufReader::new(pipe);
+            let mut line = Vec::new();
+            while matches!(r.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+                if !line.ends_with(b"\n") {
+                    line.push(b'\n');
+                }
+                let mut out: Box<dyn Write> = if to_stderr {
+                    Box::new(std::io::stderr().lock())
+                } else {
+                    Box::new(std::io::stdout().lock())
+                };
+                let _ = out.write_all(prefix.as_bytes());
+                let _ = out.write_all(&line);
+                let _ = out.flush();
+                line.clear();
+            }
+            let _ = done.send(());
+        });
+    usize::from(spawned.is_ok())
+}
+
+/// Waits for the ranks; stops them all when one fails or a signal arrives.
+fn supervise(ranks: &mut [Rank], catch: &signals::Catch, grace: Duration) -> Result<()> {
+    let mut failure: Option<(usize, ExitStatus)> = None;
+    let mut interrupted = None;
+    while ranks.iter().any(Rank::running) {
+        if let Some(sig) = catch.received() {
+            // Forward it: the ranks are in their own process groups, out of the terminal's.
+            for r in ranks.iter().filter(|r| r.running()) {
+                signals::signal_group(r.group(), sig);
+            }
+            interrupted = Some(sig);
+            break;
+        }
+        for r in ranks.iter_mut() {
+            if let Some(st) = r.reap() {
+                if !st.success() && failure.is_none() {
+                    failure = Some((r.rank, st));
+                }
+            }
+        }
+        if failure.is_some() {
+            break;
+        }
+        std::thread::sleep(POLL);
+    }
+    if failure.is_some() {
+        // Ranks failing together usually fail because of one of them, which may still be on
+        // its way out: let them end by themselves for a moment, so that their own statuses and
+        // records name the cause.
+        let settle = Instant::now() + grace.min(SETTLE);
+        while ranks.iter().any(Rank::running) && Instant::now() < settle {
+            for r in ranks.iter_mut() {
+                r.reap();
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+    if failure.is_some() || interrupted.is_some() {
+        stop(ranks, catch, grace);
+    }
+    if let Some(first_seen) = failure {
+        return Err(root_cause(ranks, first_seen));
+    }
+    if let Some(sig) = interrupted {
+        return Err(Error::Interrupted {
+            signal: signals::name(sig),
+            code: 128 + sig,
+        });
+    }
+    Ok(())
+}
+
+/// The failure to report: the earliest recorded failure of a rank's own; else the rank that
+/// the earliest recorded loss blames, when it failed; else the earliest recorded; else the first
+/// seen to exit unsuccessfully.
+fn root_cause(ranks: &[Rank], first_seen: (usize, ExitStatus)) -> Error {
+    let failed: Vec<&Rank> = ranks
+        .iter()
+        .filter(|r| r.status.is_some_and(|s| !s.success()))
+        .collect();
+    let mut records: Vec<(Recorded, &Rank)> = failed
+        .iter()
+        .filter_map(|r| r.recorded_error().map(|rec| (rec, *r)))
+        .collect();
+    records.sort_by_key(|(rec, r)| (rec.time, r.rank));
+    let own = records.iter().find(|(rec, _)| matches!(rec.blame, Blame::Own));
+    let blamed = records.iter().find_map(|(rec, _)| match rec.blame {
+        Blame::Other(Some(b)) => failed.iter().find(|r| r.rank == b),
+        _ => None,
+    });
+    let (rank, message) = match (own, blamed, records.first()) {
+        (Some((rec, r)), _, _) => (*r, Some(rec.message.clone())),
+        (None, Some(r), _) => (*r, r.recorded_error().map(|rec| rec.message)),
+        (None, None, Some((rec, r))) => (*r, Some(rec.message.clone())),
+        (None, None, None) => {
+            let (status, code) = describe(first_seen.1);
+            return Error::RankFailed {
+                rank: first_seen.0,
+                status,
+                code,
+            };
+        }
+    };
+    let (mut status, code) = describe(rank.status.expect("failed ranks have ended"));
+    if let Some(m) = message {
+        status = format!("{status}: {m}");
+    }
+    Error::RankFailed {
+        rank: rank.rank,
+        status,
+        code,
+    }
+}
+
+/// A private directory for the ranks' error files, removed when dropped.
+struct ErrorDir(std::path::PathBuf);
+
+impl ErrorDir {
+    fn create() -> Result<Self> {
+        use std::hash::{BuildHasher, Hasher};
+        let nonce = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        let dir = std::env::temp_dir().join(format!(
+            "candle-run-{}-{nonce:016x}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).map_err(|source| Error::Io {
+            context: format!("creating {}", dir.display()),
+            source,
+        })?;
+        Ok(Self(dir))
+    }
+}
+
+impl Drop for ErrorDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Asks every running rank to stop (SIGTERM), and kills those still running after `grace` (or
+/// at a second Ctrl-C).
+fn stop(ranks: &mut [Rank], catch: &signals::Catch, grace: Duration) {
+    for r in ranks.iter().filter(|r| r.running()) {
+        signals::signal_group(r.group(), libc::SIGTERM);
+    }
+    let deadline = Instant::now() + grace;
+    loop {
+        for r in ranks.iter_mut() {
+            r.reap();
+        }
+        if !ranks.iter().any(Rank::running) {
+            return;
+        }
+        if Instant::now() >= deadline || catch.received().is_some() {
+            break;
+        }
+        std::thread::sleep(POLL);
+    }
+    for r in ranks.iter_mut().filter(|r| r.running()) {
+        signals::signal_group(r.group(), libc::SIGKILL);
+        if let Ok(st) = r.child.wait() {
+            r.status = Some(st);
+        }
+    }
+}
+
+/// A port nobody listens on at `addr` right now.
+fn free_port(addr: &str) -> Result<u16> {
+    let listener = std::net::TcpListener::bind((addr, 0)).map_err(|source| Error::Io {
+        context: format!("finding a free port on {addr} (is --master-addr this machine?)"),
+        source,
+    })?;
+    Ok(listener
+        .local_addr()
+        .map_err(|source| Error::Io {
+            context: "reading the free port".into(),
+            source,
+        })?
+        .port())
+}

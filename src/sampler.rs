@@ -1,0 +1,253 @@
+//! `DistributedSampler`: each rank's share of a dataset's indices, as in PyTorch.
+//!
+//! Every rank builds the same (optionally shuffled) list of indices, pads it by wrapping around
+//! to a multiple of the number of replicas (or, with `drop_last`, truncates it), and takes every
+//! `num_replicas`-th index starting at its rank. Shuffling is seeded by `seed + epoch`, so call
+//! [`DistributedSampler::set_epoch`] at the start of each epoch to reshuffle. The permutation
+//! comes from this crate's own [`Rng`](crate::rng::Rng): identical on every rank and platform,
+//! but not the same permutation as PyTorch's.
+//!
+//! ```rust
+//! use candle_parallel::sampler::{DistributedSampler, SamplerOptions};
+//! # fn main() -> candle_parallel::Result<()> {
+//! let in_order = SamplerOptions { shuffle: false, ..Default::default() };
+//! let shares: Vec<Vec<usize>> = (0..3)
+//!     .map(|rank| Ok(DistributedSampler::new(10, 3, rank, in_order)?.indices()))
+//!     .collect::<candle_parallel::Result<_>>()?;
+//! assert_eq!(shares, [vec![0, 3, 6, 9], vec![1, 4, 7, 0], vec![2, 5, 8, 1]]);
+//! # Ok(()) }
+//! ```
+
+use crate::dist::ProcessGroup;
+use crate::error::{Error, Result};
+use crate::rng::Rng;
+
+/// Options of [`DistributedSampler`]; `Default` gives PyTorch's defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SamplerOptions {
+    /// Shuffle the indices (default true).
+    pub shuffle: bool,
+    /// The seed, the same on every rank (default 0).
+    pub seed: u64,
+    /// Drop the tail so that every rank gets the same number of distinct samples, instead of
+    /// padding with samples from the start (default false).
+    pub drop_last: bool,
+}
+
+impl Default for SamplerOptions {
+    fn default() -> Self {
+        Self {
+            shuffle: true,
+            seed: 0,
+            drop_last: false,
+        }
+    }
+}
+
+/// One rank's share of the indices `0..len` of a dataset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DistributedSampler {
+    len: usize,
+    num_replicas: usize,
+    rank: usize,
+    options: SamplerOptions,
+    epoch: u64,
+    num_samples: usize,
+}
+
+impl DistributedSampler {
+    /// The share of `rank` of `num_replicas` ranks in a dataset of `len` samples.
+    pub fn new(len: usize, num_replicas: usize, rank: usize, options: SamplerOptions) -> Result<Self> {
+        let invalid = |detail: String| Err(Error::InvalidArgument {
+            what: "DistributedSampler",
+            detail,
+        });
+        if num_replicas == 0 {
+            return invalid("num_replicas is 0; it must be the number of ranks (>= 1)".into());
+        }
+        if rank >= num_replicas {
+            return invalid(format!(
+                "rank {rank} is not below num_replicas {num_replicas}: ranks are 0..{num_replicas}"
+            ));
+        }
+        if len == 0 {
+            return invalid("the dataset is empty: there is nothing to sample".into());
+        }
+        let num_samples = if options.drop_last && len % num_replicas != 0 {
+            // ceil((len - R) / R), 0 when len < R.
+            len.saturating_sub(num_replicas).div_ceil(num_replicas)
+        } else {
+            len.div_ceil(num_replicas)
+        };
+        if num_samples == 0 {
+            return invalid(format!(
+                "drop_last with {len} samples and {num_replicas} replicas leaves no sample for \
+                 any rank; use drop_last = false or fewer replicas"
+            ));
+        }
+        Ok(Self {
+            len,
+            num_replicas,
+            rank,
+            options,
+            epoch: 0,
+            num_samples,
+        })
+    }
+
+    /// This rank's share, with the group's rank and world size.
+    pub fn for_group(len: usize, group: &ProcessGroup, options: SamplerOptions) -> Result<Self> {
+        Self::new(len, group.world_size(), group.rank(), options)
+    }
+
+    /// Sets the epoch: the shuffle of epoch `e` is seeded by `seed + e`.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The number of indices this rank gets per epoch (the same on every rank).
+    pub fn len(&self) -> usize {
+        self.num_samples
+    }
+
+    /// Always false: an empty sampler cannot be built.
+    pub fn is_empty(&self) -> bool {
+        self.num_samples == 0
+    }
+
+    /// The padded (or truncated) total over all ranks.
+    pub fn total_size(&self) -> usize {
+        self.num_samples * self.num_replicas
+    }
+
+    /// This rank's indices for the current epoch.
+    pub fn indices(&self) -> Vec<usize> {
+        let mut indices: Vec<usize> = if self.options.shuffle {
+            Rng::new(self.options.seed.wrapping_add(self.epoch)).permutation(self.len)
+        } else {
+            (0..self.len).collect()
+        };
+        let total = self.total_size();
+        if total > indices.len() {
+            // Pad by wrapping around from the start, as often as needed.
+            let padding: Vec<usize> = indices.iter().copied().cycle().take(total - self.len).collect();
+            indices.extend(padding);
+        } else {
+            indices.truncate(total);
+        }
+        indices
+            .into_iter()
+            .skip(self.rank)
+            .step_by(self.num_replicas)
+            .collect()
+    }
+}
+
+impl IntoIterator for &DistributedSampler {
+    type Item = usize;
+    type IntoIter = std::vec::IntoIter<usize>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.indices().into_iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shares(len: usize, replicas: usize, options: SamplerOptions) -> Vec<Vec<usize>> {
+        (0..replicas)
+            .map(|r| DistributedSampler::new(len, replicas, r, options).unwrap().indices())
+            .collect()
+    }
+
+    const IN_ORDER: SamplerOptions = SamplerOptions {
+        shuffle: false,
+        seed: 0,
+        drop_last: false,
+    };
+
+    #[test]
+    fn torchs_worked_example() {
+        assert_eq!(shares(10, 3, IN_ORDER), [vec![0, 3, 6, 9], vec![1, 4, 7, 0], vec![2, 5, 8, 1]]);
+        let drop = SamplerOptions {
+            drop_last: true,
+            ..IN_ORDER
+        };
+        assert_eq!(shares(10, 3, drop), [vec![0, 3, 6], vec![1, 4, 7], vec![2, 5, 8]]);
+    }
+
+    #[test]
+    fn padding_wraps_around_more_than_once_when_needed() {
+        // 2 samples on 5 replicas: total 5, padded 0,1,0,1,0.
+        assert_eq!(shares(2, 5, IN_ORDER), [vec![0], vec![1], vec![0], vec![1], vec![0]]);
+    }
+
+    #[test]
+    fn shuffled_shares_partition_the_dataset_and_agree_across_ranks() {
+        for (len, replicas) in [(10, 3), (64, 4), (7, 8), (100, 7)] {
+            let s = shares(len, replicas, SamplerOptions::default());
+            let per = len.div_ceil(replicas);
+            assert!(s.iter().all(|share| share.len() == per));
+            let mut all: Vec<usize> = s.concat();
+            all.sort();
+            let mut distinct = all.clone();
+            distinct.dedup();
+            assert_eq!(distinct, (0..len).collect::<Vec<_>>(), "every sample is used");
+            assert_eq!(all.len() - len, per * replicas - len, "only padding repeats");
+            // Every rank would compute the same permutation: a fresh sampler agrees.
+            assert_eq!(s, shares(len, replicas, SamplerOptions::default()));
+        }
+        let drop = SamplerOptions {
+            drop_last: true,
+            ..Default::default()
+        };
+        let s = shares(100, 7, drop);
+        let mut all = s.concat();
+        assert_eq!(all.len(), 98);
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), 98, "drop_last shares are disjoint");
+    }
+
+    #[test]
+    fn epochs_and_seeds_shuffle_differently_and_reproducibly() {
+        let mut a = DistributedSampler::new(50, 2, 1, SamplerOptions::default()).unwrap();
+        let e0 = a.indices();
+        a.set_epoch(1);
+        let e1 = a.indices();
+        assert_ne!(e0, e1);
+        a.set_epoch(0);
+        assert_eq!(a.indices(), e0);
+        let seeded = SamplerOptions {
+            seed: 7,
+            ..Default::default()
+        };
+        let b = DistributedSampler::new(50, 2, 1, seeded).unwrap();
+        assert_ne!(b.indices(), e0);
+        // seed + epoch: seed 6 at epoch 1 shuffles as seed 7 at epoch 0.
+        let mut c = DistributedSampler::new(50, 2, 1, SamplerOptions { seed: 6, ..seeded }).unwrap();
+        c.set_epoch(1);
+        assert_eq!(c.indices(), b.indices());
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_with_the_reason() {
+        let err = |len, n, r, o| DistributedSampler::new(len, n, r, o).unwrap_err().to_string();
+        assert!(err(10, 3, 3, IN_ORDER).contains("rank 3 is not below num_replicas 3"));
+        assert!(err(10, 0, 0, IN_ORDER).contains("num_replicas is 0"));
+        assert!(err(0, 2, 0, IN_ORDER).contains("empty"));
+        let drop = SamplerOptions {
+            drop_last: true,
+            ..IN_ORDER
+        };
+        assert!(err(2, 3, 0, drop).contains("leaves no sample"));
+        assert_eq!(DistributedSampler::new(2, 3, 0, IN_ORDER).unwrap().len(), 1);
+    }
+}
