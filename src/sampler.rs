@@ -47,7 +47,7 @@ impl Default for SamplerOptions {
 /// One rank's share of the indices `0..len` of a dataset.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DistributedSampler {
-    len: usize,
+    dataset_len: usize,
     num_replicas: usize,
     rank: usize,
     options: SamplerOptions,
@@ -57,11 +57,18 @@ pub struct DistributedSampler {
 
 impl DistributedSampler {
     /// The share of `rank` of `num_replicas` ranks in a dataset of `len` samples.
-    pub fn new(len: usize, num_replicas: usize, rank: usize, options: SamplerOptions) -> Result<Self> {
-        let invalid = |detail: String| Err(Error::InvalidArgument {
-            what: "DistributedSampler",
-            detail,
-        });
+    pub fn new(
+        len: usize,
+        num_replicas: usize,
+        rank: usize,
+        options: SamplerOptions,
+    ) -> Result<Self> {
+        let invalid = |detail: String| {
+            Err(Error::InvalidArgument {
+                what: "DistributedSampler",
+                detail,
+            })
+        };
         if num_replicas == 0 {
             return invalid("num_replicas is 0; it must be the number of ranks (>= 1)".into());
         }
@@ -86,7 +93,7 @@ impl DistributedSampler {
             ));
         }
         Ok(Self {
-            len,
+            dataset_len: len,
             num_replicas,
             rank,
             options,
@@ -128,14 +135,19 @@ impl DistributedSampler {
     /// This rank's indices for the current epoch.
     pub fn indices(&self) -> Vec<usize> {
         let mut indices: Vec<usize> = if self.options.shuffle {
-            Rng::new(self.options.seed.wrapping_add(self.epoch)).permutation(self.len)
+            Rng::new(self.options.seed.wrapping_add(self.epoch)).permutation(self.dataset_len)
         } else {
-            (0..self.len).collect()
+            (0..self.dataset_len).collect()
         };
         let total = self.total_size();
         if total > indices.len() {
             // Pad by wrapping around from the start, as often as needed.
-            let padding: Vec<usize> = indices.iter().copied().cycle().take(total - self.len).collect();
+            let padding: Vec<usize> = indices
+                .iter()
+                .copied()
+                .cycle()
+                .take(total - self.dataset_len)
+                .collect();
             indices.extend(padding);
         } else {
             indices.truncate(total);
@@ -163,7 +175,11 @@ mod tests {
 
     fn shares(len: usize, replicas: usize, options: SamplerOptions) -> Vec<Vec<usize>> {
         (0..replicas)
-            .map(|r| DistributedSampler::new(len, replicas, r, options).unwrap().indices())
+            .map(|r| {
+                DistributedSampler::new(len, replicas, r, options)
+                    .unwrap()
+                    .indices()
+            })
             .collect()
     }
 
@@ -175,18 +191,27 @@ mod tests {
 
     #[test]
     fn torchs_worked_example() {
-        assert_eq!(shares(10, 3, IN_ORDER), [vec![0, 3, 6, 9], vec![1, 4, 7, 0], vec![2, 5, 8, 1]]);
+        assert_eq!(
+            shares(10, 3, IN_ORDER),
+            [vec![0, 3, 6, 9], vec![1, 4, 7, 0], vec![2, 5, 8, 1]]
+        );
         let drop = SamplerOptions {
             drop_last: true,
             ..IN_ORDER
         };
-        assert_eq!(shares(10, 3, drop), [vec![0, 3, 6], vec![1, 4, 7], vec![2, 5, 8]]);
+        assert_eq!(
+            shares(10, 3, drop),
+            [vec![0, 3, 6], vec![1, 4, 7], vec![2, 5, 8]]
+        );
     }
 
     #[test]
     fn padding_wraps_around_more_than_once_when_needed() {
         // 2 samples on 5 replicas: total 5, padded 0,1,0,1,0.
-        assert_eq!(shares(2, 5, IN_ORDER), [vec![0], vec![1], vec![0], vec![1], vec![0]]);
+        assert_eq!(
+            shares(2, 5, IN_ORDER),
+            [vec![0], vec![1], vec![0], vec![1], vec![0]]
+        );
     }
 
     #[test]
@@ -199,8 +224,16 @@ mod tests {
             all.sort();
             let mut distinct = all.clone();
             distinct.dedup();
-            assert_eq!(distinct, (0..len).collect::<Vec<_>>(), "every sample is used");
-            assert_eq!(all.len() - len, per * replicas - len, "only padding repeats");
+            assert_eq!(
+                distinct,
+                (0..len).collect::<Vec<_>>(),
+                "every sample is used"
+            );
+            assert_eq!(
+                all.len() - len,
+                per * replicas - len,
+                "only padding repeats"
+            );
             // Every rank would compute the same permutation: a fresh sampler agrees.
             assert_eq!(s, shares(len, replicas, SamplerOptions::default()));
         }
@@ -232,14 +265,19 @@ mod tests {
         let b = DistributedSampler::new(50, 2, 1, seeded).unwrap();
         assert_ne!(b.indices(), e0);
         // seed + epoch: seed 6 at epoch 1 shuffles as seed 7 at epoch 0.
-        let mut c = DistributedSampler::new(50, 2, 1, SamplerOptions { seed: 6, ..seeded }).unwrap();
+        let mut c =
+            DistributedSampler::new(50, 2, 1, SamplerOptions { seed: 6, ..seeded }).unwrap();
         c.set_epoch(1);
         assert_eq!(c.indices(), b.indices());
     }
 
     #[test]
     fn bad_arguments_are_refused_with_the_reason() {
-        let err = |len, n, r, o| DistributedSampler::new(len, n, r, o).unwrap_err().to_string();
+        let err = |len, n, r, o| {
+            DistributedSampler::new(len, n, r, o)
+                .unwrap_err()
+                .to_string()
+        };
         assert!(err(10, 3, 3, IN_ORDER).contains("rank 3 is not below num_replicas 3"));
         assert!(err(10, 0, 0, IN_ORDER).contains("num_replicas is 0"));
         assert!(err(0, 2, 0, IN_ORDER).contains("empty"));

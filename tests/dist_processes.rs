@@ -177,12 +177,34 @@ fn a_rank_with_the_wrong_token_is_refused_and_named_missing() {
     .assert_all_pass(LIMIT);
 }
 
+/// Tells the winners through the store that this refused process is done, so that they keep
+/// the store up until then.
+fn report_refusal(r: &Rendezvous) {
+    let addr = r.master_socket().unwrap();
+    let store = Store::connect(addr, &options().token, r.rank, Duration::from_secs(30)).unwrap();
+    store.set("refused-done", b"1").unwrap();
+}
+
+fn wait_for_refusal(pg: &ProcessGroup) {
+    pg.store().unwrap().get("refused-done", LIMIT).unwrap();
+}
+
 #[test]
 fn two_processes_claiming_one_rank_are_told_so() {
     if is_child() {
-        match ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options()) {
-            Ok(pg) => pg.barrier().unwrap(),
-            Err(e) => println!("refused: {e}"),
+        let r = Rendezvous::from_env().unwrap();
+        match ProcessGroup::new(&r, &Device::Cpu, options()) {
+            Ok(pg) => {
+                pg.barrier().unwrap();
+                if pg.rank() == 0 {
+                    wait_for_refusal(&pg);
+                }
+                pg.barrier().unwrap();
+            }
+            Err(e) => {
+                println!("refused: {e}");
+                report_refusal(&r);
+            }
         }
         return done();
     }
@@ -207,17 +229,25 @@ fn a_second_rank_0_is_told_that_rank_0_is_taken() {
     if is_child() {
         let r = Rendezvous::from_env().unwrap();
         if std::env::var("CP_SECOND").is_ok() {
-            std::thread::sleep(Duration::from_millis(500));
-            let err = ProcessGroup::new(&r, &Device::Cpu, options()).unwrap_err();
+            let err = loop {
+                // Until the first rank 0 holds the port, this one would simply take it.
+                match Store::connect(r.master_socket().unwrap(), &options().token, 0, LIMIT) {
+                    Ok(s) if s.wait(&["rank/0"], LIMIT).unwrap().is_empty() => {
+                        break ProcessGroup::new(&r, &Device::Cpu, options()).unwrap_err()
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(20)),
+                }
+            };
             assert!(
                 err.to_string().contains("rank 0 is already claimed"),
                 "{err}"
             );
+            report_refusal(&r);
         } else {
             let pg = join();
-            pg.barrier().unwrap();
-            // Keep the store up while the second rank 0 tries its luck.
-            std::thread::sleep(Duration::from_secs(2));
+            if pg.rank() == 0 {
+                wait_for_refusal(&pg);
+            }
             pg.barrier().unwrap();
         }
         return done();

@@ -41,7 +41,10 @@ fn assert_all_gone(pids: &[u32]) {
 fn pids(output: &str, tag: &str) -> Vec<u32> {
     output
         .lines()
-        .filter_map(|l| l.split_once(tag).map(|(_, rest)| rest.trim().parse().unwrap()))
+        .filter_map(|l| {
+            l.split_once(tag)
+                .map(|(_, rest)| rest.trim().parse().unwrap())
+        })
         .collect()
 }
 
@@ -92,7 +95,10 @@ fn ranks_started_by_candle_run_form_a_group_and_free_the_port_after() {
     }
     let port: u16 = out
         .lines()
-        .find_map(|l| l.split_once("port ").map(|(_, p)| p.trim().parse().unwrap()))
+        .find_map(|l| {
+            l.split_once("port ")
+                .map(|(_, p)| p.trim().parse().unwrap())
+        })
         .unwrap();
     std::net::TcpListener::bind(("127.0.0.1", port)).expect("the master port is free again");
 }
@@ -122,7 +128,11 @@ fn a_failing_rank_stops_the_others_and_its_status_is_the_launchers() {
     let ended = ranks.wait(LIMIT).remove(0);
     let took = started.elapsed();
     assert_eq!(ended.status.code(), Some(7), "{}", ended.output);
-    assert!(ended.output.contains("rank 1 failed: exited with status 7"), "{}", ended.output);
+    assert!(
+        ended.output.contains("rank 1 failed: exited with status 7"),
+        "{}",
+        ended.output
+    );
     assert!(took < Duration::from_secs(10), "took {took:?}");
     let mut all = pids(&ended.output, "pid ");
     all.extend(pids(&ended.output, "grandchild "));
@@ -133,25 +143,53 @@ fn a_failing_rank_stops_the_others_and_its_status_is_the_launchers() {
 #[test]
 fn a_rank_killed_by_a_signal_gives_128_plus_the_signal() {
     let script = r#"if [ "$RANK" = 0 ]; then kill -9 $$; fi; sleep 60"#;
-    let out = common::run(candle_run(&["--nproc-per-node", "2", "sh", "-c", script]), LIMIT);
+    let out = common::run(
+        candle_run(&["--nproc-per-node", "2", "sh", "-c", script]),
+        LIMIT,
+    );
     assert_eq!(out.status.code(), Some(137));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("rank 0 failed: was killed by SIGKILL"), "{err}");
+    assert!(
+        err.contains("rank 0 failed: was killed by SIGKILL"),
+        "{err}"
+    );
 }
 
 #[test]
 fn sigterm_to_the_launcher_reaches_every_rank() {
     let script = r#"trap 'echo "got TERM"; exit 0' TERM; echo ready; sleep 60 & wait"#;
-    let mut ranks = Ranks::spawn(vec![candle_run(&["--nproc-per-node", "2", "sh", "-c", script])]);
+    let ranks = Ranks::spawn(vec![candle_run(&[
+        "--nproc-per-node",
+        "2",
+        "sh",
+        "-c",
+        script,
+    ])]);
     ranks.wait_for(0, "[rank0]: ready", LIMIT);
     ranks.wait_for(0, "[rank1]: ready", LIMIT);
     let pid = ranks.pid(0).to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
     let ended = ranks.wait(LIMIT).remove(0);
     assert_eq!(ended.status.code(), Some(143), "{}", ended.output);
-    assert!(ended.output.contains("[rank0]: got TERM"), "{}", ended.output);
-    assert!(ended.output.contains("[rank1]: got TERM"), "{}", ended.output);
-    assert!(ended.output.contains("interrupted by SIGTERM"), "{}", ended.output);
+    assert!(
+        ended.output.contains("[rank0]: got TERM"),
+        "{}",
+        ended.output
+    );
+    assert!(
+        ended.output.contains("[rank1]: got TERM"),
+        "{}",
+        ended.output
+    );
+    assert!(
+        ended.output.contains("interrupted by SIGTERM"),
+        "{}",
+        ended.output
+    );
 }
 
 #[test]
@@ -162,7 +200,10 @@ fn bad_arguments_exit_2_with_the_reason() {
     let out = common::run(candle_run(&["--nnodes", "2", "true"]), LIMIT);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--master-port"));
-    let out = common::run(candle_run(&["--nproc-per-node", "1", "/no/such/program"]), LIMIT);
+    let out = common::run(
+        candle_run(&["--nproc-per-node", "1", "/no/such/program"]),
+        LIMIT,
+    );
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("starting rank 0"));
 }
@@ -183,10 +224,14 @@ fn launch_spawn_runs_every_rank_and_reports_the_one_that_failed() {
     let mut cmd = candle_run(&["--nproc-per-node", "2"]);
     cmd.arg(&example);
     let out = common::run_ok(cmd, LIMIT);
-    assert!(out.contains("[rank1]: rank 1 of 2: all_reduce(sum) = [3.0, 20.0]"), "{out}");
+    assert!(
+        out.contains("[rank1]: rank 1 of 2: all_reduce(sum) = [3.0, 20.0]"),
+        "{out}"
+    );
 
     let mut cmd = Command::new(&example);
-    cmd.args(["--nproc", "3", "--fail-rank", "1"]).env("RUST_BACKTRACE", "0");
+    cmd.args(["--nproc", "3", "--fail-rank", "1"])
+        .env("RUST_BACKTRACE", "0");
     let out = common::run(cmd, LIMIT);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

@@ -7,7 +7,7 @@
 
 use super::ReduceOp;
 use crate::error::Result;
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Device, Shape, Storage, Tensor};
 use half::{bf16, f16};
 use std::ops::Range;
 
@@ -114,6 +114,71 @@ fn reduce_into<T: Element>(dst: &mut [T], src: &[u8], op: ReduceOp) {
     }
 }
 
+/// Writes `op(a, b)` of the little-endian elements `a` and `b` into `dst`.
+fn reduce_pair_into<T: Element>(dst: &mut [T], a: &[u8], b: &[u8], op: ReduceOp) {
+    debug_assert_eq!(a.len(), b.len());
+    macro_rules! lp {
+        ($f:expr) => {
+            for ((d, x), y) in dst
+                .iter_mut()
+                .zip(a.chunks_exact(T::SIZE))
+                .zip(b.chunks_exact(T::SIZE))
+            {
+                *d = $f(T::from_le(x), T::from_le(y));
+            }
+        };
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => lp!(|x, y| T::reduce(ReduceOp::Sum, x, y)),
+        ReduceOp::Product => lp!(|x, y| T::reduce(ReduceOp::Product, x, y)),
+        ReduceOp::Max => lp!(|x, y| T::reduce(ReduceOp::Max, x, y)),
+        ReduceOp::Min => lp!(|x, y| T::reduce(ReduceOp::Min, x, y)),
+    }
+}
+
+/// Calls `f` with the bytes of `t`'s elements (in row-major order): a view of its memory for a
+/// contiguous CPU tensor, else a host copy.
+pub(crate) fn with_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> Result<R>) -> Result<R> {
+    if t.device().is_cpu() {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+            let bytes = match cpu {
+                CpuStorage::F32(v) => Some(bytes_of(&v[start..end])),
+                CpuStorage::F64(v) => Some(bytes_of(&v[start..end])),
+                CpuStorage::F16(v) => Some(bytes_of(&v[start..end])),
+                CpuStorage::BF16(v) => Some(bytes_of(&v[start..end])),
+                _ => None,
+            };
+            if let Some(bytes) = bytes {
+                return f(bytes);
+            }
+        }
+    }
+    let host = HostBuf::from_tensor(t)?;
+    f(host.bytes(0..host.len()))
+}
+
+/// Asks the kernel to back large, not yet touched buffers with huge pages: a 64 MiB collective
+/// output then takes 32 page faults instead of 16384, which on a small machine is a fifth of
+/// the time of the collective. Only advice: nothing changes where it is not followed.
+fn advise_huge_pages(bytes: &[u8]) {
+    const HUGE: usize = 2 << 20;
+    #[cfg(target_os = "linux")]
+    if bytes.len() >= 4 * HUGE {
+        let start = (bytes.as_ptr() as usize).next_multiple_of(HUGE);
+        let end = (bytes.as_ptr() as usize + bytes.len()) / HUGE * HUGE;
+        if end > start {
+            // SAFETY: madvise only changes how the kernel backs this range of our own
+            // allocation; it never changes the memory's contents or validity.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (bytes, HUGE);
+}
+
 /// The bytes of a slice of plain floats.
 fn bytes_of<T: Element>(xs: &[T]) -> &[u8] {
     // SAFETY: `Element` is only implemented for f32, f64, f16 and bf16: plain old data without
@@ -170,14 +235,17 @@ impl HostBuf {
         })
     }
 
-    /// An all-zero buffer of `len` elements of `dtype` (a float dtype).
+    /// An all-zero buffer of `len` elements of `dtype` (a float dtype). Large buffers come
+    /// from the allocator's zeroed pages, so their memory is only touched when written.
     pub fn zeros(dtype: DType, len: usize) -> Self {
-        match dtype {
+        let buf = match dtype {
             DType::F64 => Self::F64(vec![0.0; len]),
             DType::F16 => Self::F16(vec![f16::ZERO; len]),
             DType::BF16 => Self::BF16(vec![bf16::ZERO; len]),
             _ => Self::F32(vec![0.0; len]),
-        }
+        };
+        dispatch!(&buf, v => advise_huge_pages(bytes_of(v)));
+        buf
     }
 
     /// A tensor of `shape` on `device` holding these elements.
@@ -211,6 +279,11 @@ impl HostBuf {
     /// Reduces the little-endian elements in `src` into elements `range`.
     pub fn reduce_from(&mut self, range: Range<usize>, src: &[u8], op: ReduceOp) {
         dispatch!(self, v => reduce_into(&mut v[range], src, op))
+    }
+
+    /// Writes `op(a, b)` of the little-endian elements `a` and `b` into elements `range`.
+    pub fn reduce_pair(&mut self, range: Range<usize>, a: &[u8], b: &[u8], op: ReduceOp) {
+        dispatch!(self, v => reduce_pair_into(&mut v[range], a, b, op))
     }
 
     /// Divides every element by `n` (the last step of an average).

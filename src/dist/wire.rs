@@ -186,18 +186,39 @@ pub(crate) enum FrameKind {
     Bye = 5,
 }
 
-/// A frame header: kind, collective sequence number, payload length.
-pub(crate) const HEADER: usize = 13;
+/// Which frame this is: its kind, the collective it belongs to (`seq`), and which piece of that
+/// collective (`part`: for a ring, the step and the segment).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Tag {
+    pub kind: FrameKind,
+    pub seq: u64,
+    pub part: u64,
+}
 
-pub(crate) fn encode_header(kind: FrameKind, seq: u64, len: usize) -> [u8; HEADER] {
+impl Tag {
+    /// A tag for frames outside any collective (heartbeats, aborts, goodbyes).
+    pub fn control(kind: FrameKind) -> Self {
+        Self {
+            kind,
+            seq: 0,
+            part: 0,
+        }
+    }
+}
+
+/// A frame header: kind, collective sequence number, part, payload length.
+pub(crate) const HEADER: usize = 21;
+
+pub(crate) fn encode_header(tag: Tag, len: usize) -> [u8; HEADER] {
     let mut h = [0u8; HEADER];
-    h[0] = kind as u8;
-    h[1..9].copy_from_slice(&seq.to_le_bytes());
-    h[9..13].copy_from_slice(&(len as u32).to_le_bytes());
+    h[0] = tag.kind as u8;
+    h[1..9].copy_from_slice(&tag.seq.to_le_bytes());
+    h[9..17].copy_from_slice(&tag.part.to_le_bytes());
+    h[17..21].copy_from_slice(&(len as u32).to_le_bytes());
     h
 }
 
-pub(crate) fn read_header(r: &mut impl Read) -> std::io::Result<(FrameKind, u64, usize)> {
+pub(crate) fn read_header(r: &mut impl Read) -> std::io::Result<(Tag, usize)> {
     let mut h = [0u8; HEADER];
     r.read_exact(&mut h)?;
     let kind = match h[0] {
@@ -214,14 +235,15 @@ pub(crate) fn read_header(r: &mut impl Read) -> std::io::Result<(FrameKind, u64,
         }
     };
     let seq = u64::from_le_bytes(h[1..9].try_into().expect("8 bytes"));
-    let len = u32::from_le_bytes(h[9..13].try_into().expect("4 bytes")) as usize;
+    let part = u64::from_le_bytes(h[9..17].try_into().expect("8 bytes"));
+    let len = u32::from_le_bytes(h[17..21].try_into().expect("4 bytes")) as usize;
     if len > MAX_FRAME {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("frame of {len} bytes exceeds the limit of {MAX_FRAME}"),
         ));
     }
-    Ok((kind, seq, len))
+    Ok((Tag { kind, seq, part }, len))
 }
 
 #[cfg(test)]
@@ -253,8 +275,14 @@ mod tests {
         bytes.extend_from_slice(&u32::MAX.to_le_bytes()); // a 4 GiB token
         let err = Hello::read(&mut bytes.as_slice()).unwrap_err();
         assert!(err.to_string().contains("exceeds the limit"), "{err}");
-        let mut header = encode_header(FrameKind::Data, 1, 0);
-        header[9..13].copy_from_slice(&u32::MAX.to_le_bytes());
+        let tag = Tag {
+            kind: FrameKind::Data,
+            seq: 1,
+            part: 3,
+        };
+        let mut header = encode_header(tag, 0);
+        assert_eq!(read_header(&mut header.as_slice()).unwrap(), (tag, 0));
+        header[17..21].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(read_header(&mut header.as_slice()).is_err());
     }
 

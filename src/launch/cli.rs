@@ -116,7 +116,10 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
             "--grace-period" => {
                 let secs: f64 = number(&flag, &value()?)?;
                 if !(0.0..=86_400.0).contains(&secs) {
-                    return Err(bad(&flag, format!("{secs} is not a number of seconds in 0..86400")));
+                    return Err(bad(
+                        &flag,
+                        format!("{secs} is not a number of seconds in 0..86400"),
+                    ));
                 }
                 config.grace_period = Duration::from_secs_f64(secs);
             }
@@ -130,7 +133,10 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
             }
         }
     }
-    Err(bad("PROGRAM", "missing: give the program to run, e.g. candle-run --nproc-per-node 2 ./train".into()))
+    Err(bad(
+        "PROGRAM",
+        "missing: give the program to run, e.g. candle-run --nproc-per-node 2 ./train".into(),
+    ))
 }
 
 #[cfg(test)]
@@ -160,7 +166,12 @@ mod tests {
             "0.1",
         ])
         .unwrap();
-        let Parsed::Run { config, program, args } = p else {
+        let Parsed::Run {
+            config,
+            program,
+            args,
+        } = p
+        else {
             panic!("not a run")
         };
         assert_eq!(config.nproc_per_node, 4);
@@ -193,6 +204,9 @@ mod tests {
             panic!()
         };
         let invalid = config.validate().unwrap_err().to_string();
-        assert!(invalid.contains("--master-port") && invalid.contains("required"), "{invalid}");
+        assert!(
+            invalid.contains("--master-port") && invalid.contains("required"),
+            "{invalid}"
+        );
     }
 }

@@ -134,7 +134,7 @@ pub fn record_error(error: &dyn std::fmt::Display) {
 /// The first note wins.
 pub(crate) fn note_loss(rank: Option<usize>) {
     if let Some(path) = std::env::var_os(ERROR_FILE_VAR) {
-        let mut path = std::ffi::OsString::from(path);
+        let mut path = path;
         path.push(".lost");
         let note = rank.map_or_else(|| "?".to_string(), |r| r.to_string());
         let _ = std::fs::OpenOptions::new()
@@ -159,7 +159,24 @@ where
     F: FnOnce(usize) -> std::result::Result<(), E>,
     E: std::fmt::Display,
 {
-    let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok());
+    let config = LaunchConfig {
+        nproc_per_node: nprocs,
+        ..LaunchConfig::default()
+    };
+    spawn_with(&config, f)
+}
+
+/// As [`spawn`], with the launcher's options (`config.nproc_per_node` ranks).
+pub fn spawn_with<F, E>(config: &LaunchConfig, f: F) -> Result<()>
+where
+    F: FnOnce(usize) -> std::result::Result<(), E>,
+    E: std::fmt::Display,
+{
+    let var = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    };
     if let Some(rank) = var("RANK").or_else(|| var("SLURM_PROCID")) {
         let code = match f(rank) {
             Ok(()) => 0,
@@ -176,11 +193,7 @@ where
         source,
     })?;
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
-    let config = LaunchConfig {
-        nproc_per_node: nprocs,
-        ..LaunchConfig::default()
-    };
-    launch(&config, exe.as_os_str(), &args)
+    launch(config, exe.as_os_str(), &args)
 }
 
 /// The job token: the configured one, else the environment's, else (one machine) a fresh one.

@@ -97,10 +97,19 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
     let errors = ErrorDir::create()?;
     let catch = signals::Catch::install();
     let (done_tx, done_rx) = mpsc::channel();
+    let job = Job {
+        config,
+        program,
+        args,
+        port,
+        token: &token,
+        errors: &errors,
+        done: done_tx,
+    };
     let mut ranks = Vec::with_capacity(config.nproc_per_node);
     let mut readers = 0;
     for local in 0..config.nproc_per_node {
-        match start(config, program, args, local, port, &token, &errors, &done_tx) {
+        match start(&job, local) {
             Ok((rank, pipes)) => {
                 ranks.push(rank);
                 readers += pipes;
@@ -111,7 +120,7 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
             }
         }
     }
-    drop(done_tx);
+    drop(job);
     let outcome = supervise(&mut ranks, &catch, config.grace_period);
     for r in &ranks {
         signals::signal_group(r.group(), libc::SIGKILL);
@@ -128,17 +137,29 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
     outcome
 }
 
-/// Starts local rank `local`; returns it and how many output threads it has.
-fn start(
-    config: &LaunchConfig,
-    program: &OsStr,
-    args: &[OsString],
-    local: usize,
+/// What every rank of this machine shares.
+struct Job<'a> {
+    config: &'a LaunchConfig,
+    program: &'a OsStr,
+    args: &'a [OsString],
     port: u16,
-    token: &str,
-    errors: &ErrorDir,
-    done: &mpsc::Sender<()>,
-) -> Result<(Rank, usize)> {
+    token: &'a str,
+    errors: &'a ErrorDir,
+    /// Each output thread sends once when its pipe closes.
+    done: mpsc::Sender<()>,
+}
+
+/// Starts local rank `local`; returns it and how many output threads it has.
+fn start(job: &Job<'_>, local: usize) -> Result<(Rank, usize)> {
+    let Job {
+        config,
+        program,
+        args,
+        port,
+        token,
+        errors,
+        ref done,
+    } = *job;
     let rank = config.node_rank * config.nproc_per_node + local;
     let world = config.nnodes * config.nproc_per_node;
     let error_file = errors.0.join(format!("rank-{rank}.error"));
@@ -189,7 +210,12 @@ fn start(
 }
 
 /// Copies `pipe` line by line to our stdout (or stderr), each line prefixed.
-fn forward(pipe: impl Read + Send + 'static, prefix: String, to_stderr: bool, done: mpsc::Sender<()>) -> usize {
+fn forward(
+    pipe: impl Read + Send + 'static,
+    prefix: String,
+    to_stderr: bool,
+    done: mpsc::Sender<()>,
+) -> usize {
     let spawned = std::thread::Builder::new()
         .name("rank-output".into())
         .spawn(move || {
@@ -279,7 +305,9 @@ fn root_cause(ranks: &[Rank], first_seen: (usize, ExitStatus)) -> Error {
         .filter_map(|r| r.recorded_error().map(|rec| (rec, *r)))
         .collect();
     records.sort_by_key(|(rec, r)| (rec.time, r.rank));
-    let own = records.iter().find(|(rec, _)| matches!(rec.blame, Blame::Own));
+    let own = records
+        .iter()
+        .find(|(rec, _)| matches!(rec.blame, Blame::Own));
     let blamed = records.iter().find_map(|(rec, _)| match rec.blame {
         Blame::Other(Some(b)) => failed.iter().find(|r| r.rank == b),
         _ => None,
@@ -317,10 +345,8 @@ impl ErrorDir {
         let nonce = std::collections::hash_map::RandomState::new()
             .build_hasher()
             .finish();
-        let dir = std::env::temp_dir().join(format!(
-            "candle-run-{}-{nonce:016x}",
-            std::process::id()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("candle-run-{}-{nonce:016x}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|source| Error::Io {
             context: format!("creating {}", dir.display()),
             source,

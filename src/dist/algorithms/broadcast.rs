@@ -2,9 +2,8 @@
 //! forwards each segment to its own successor as soon as it arrives, and the chain ends at the
 //! root's predecessor. Every link carries the buffer once, and segments overlap in flight.
 
-use super::{expect_len, segments, Links};
+use super::{data, expect_len, segments, Links};
 use crate::dist::element::HostBuf;
-use crate::dist::wire::FrameKind;
 use crate::error::Result;
 
 /// Overwrites `buf` on every rank with the root's.
@@ -21,15 +20,16 @@ pub(crate) fn broadcast(
     let r = links.rank();
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     let es = buf.elem_size();
-    for seg in segments(0..buf.len(), es) {
+    for (k, seg) in segments(0..buf.len(), es).enumerate() {
+        let tag = data(seq, k as u64);
         if r != root {
-            let data = links.recv(prev, FrameKind::Data, seq)?;
-            expect_len(&data, seg.len() * es, prev)?;
-            buf.bytes_mut(seg.clone()).copy_from_slice(&data);
-            links.recycle(data);
+            let bytes = links.recv(prev, tag)?;
+            expect_len(&bytes, seg.len() * es, prev)?;
+            buf.bytes_mut(seg.clone()).copy_from_slice(&bytes);
+            links.recycle(bytes);
         }
         if next != root {
-            links.send(next, FrameKind::Data, seq, buf.bytes(seg))?;
+            links.send(next, tag, buf.bytes(seg))?;
         }
     }
     Ok(())

@@ -4,19 +4,24 @@
 //! usable. As each rank waits for all others, this is also a barrier.
 
 use super::Links;
-use crate::dist::wire::FrameKind;
+use crate::dist::wire::{FrameKind, Tag};
 use crate::error::{Error, Result};
 
 /// Checks that every rank describes collective `seq` as `desc`.
 pub(crate) fn check(links: &impl Links, seq: u64, desc: &str) -> Result<()> {
     let (n, r) = (links.world(), links.rank());
+    let tag = Tag {
+        kind: FrameKind::Desc,
+        seq,
+        part: 0,
+    };
     for p in (0..n).filter(|&p| p != r) {
-        links.send(p, FrameKind::Desc, seq, desc.as_bytes())?;
+        links.send(p, tag, desc.as_bytes())?;
     }
     let mut all = vec![String::new(); n];
     all[r] = desc.to_string();
     for p in (0..n).filter(|&p| p != r) {
-        let bytes = links.recv(p, FrameKind::Desc, seq)?;
+        let bytes = links.recv(p, tag)?;
         all[p] = String::from_utf8_lossy(&bytes).into_owned();
         links.recycle(bytes);
     }

@@ -9,22 +9,32 @@ pub(crate) mod broadcast;
 pub(crate) mod consensus;
 pub(crate) mod ring;
 
-use super::wire::FrameKind;
+use super::wire::Tag;
 use crate::error::Result;
 use std::ops::Range;
 
 /// Segment size of pipelined transfers.
 pub(crate) const SEGMENT_BYTES: usize = 512 << 10;
 
+/// A data frame of collective `seq`, piece `part`.
+pub(crate) fn data(seq: u64, part: u64) -> Tag {
+    Tag {
+        kind: super::wire::FrameKind::Data,
+        seq,
+        part,
+    }
+}
+
 /// Point-to-point messaging between the ranks of a group. Frames between two ranks arrive in
 /// the order they were sent.
 pub(crate) trait Links {
     fn rank(&self) -> usize;
     fn world(&self) -> usize;
-    /// Sends one frame of collective `seq` to `peer`.
-    fn send(&self, peer: usize, kind: FrameKind, seq: u64, payload: &[u8]) -> Result<()>;
-    /// Receives the next frame from `peer`, which must be of `kind` and collective `seq`.
-    fn recv(&self, peer: usize, kind: FrameKind, seq: u64) -> Result<Vec<u8>>;
+    /// Sends one frame to `peer`.
+    fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()>;
+    /// Receives the frame tagged `tag` from `peer` (frames of one collective may be received in
+    /// another order than they were sent).
+    fn recv(&self, peer: usize, tag: Tag) -> Result<Vec<u8>>;
     /// Returns a received buffer for reuse.
     fn recycle(&self, _buf: Vec<u8>) {}
 }
@@ -75,7 +85,7 @@ pub(crate) mod testing {
     use std::collections::VecDeque;
     use std::sync::{Arc, Condvar, Mutex};
 
-    type Queue = (Mutex<VecDeque<(FrameKind, u64, Vec<u8>)>>, Condvar);
+    type Queue = (Mutex<VecDeque<(Tag, Vec<u8>)>>, Condvar);
 
     pub struct MemLinks {
         rank: usize,
@@ -106,19 +116,18 @@ pub(crate) mod testing {
         fn world(&self) -> usize {
             self.world
         }
-        fn send(&self, peer: usize, kind: FrameKind, seq: u64, payload: &[u8]) -> Result<()> {
+        fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()> {
             let (q, cv) = &self.queues[peer][self.rank];
-            q.lock().unwrap().push_back((kind, seq, payload.to_vec()));
+            q.lock().unwrap().push_back((tag, payload.to_vec()));
             cv.notify_all();
             Ok(())
         }
-        fn recv(&self, peer: usize, kind: FrameKind, seq: u64) -> Result<Vec<u8>> {
+        fn recv(&self, peer: usize, tag: Tag) -> Result<Vec<u8>> {
             let (q, cv) = &self.queues[self.rank][peer];
             let mut q = q.lock().unwrap();
             loop {
-                if let Some((k, s, p)) = q.pop_front() {
-                    assert_eq!((k, s), (kind, seq), "frame order");
-                    return Ok(p);
+                if let Some(i) = q.iter().position(|(t, _)| *t == tag) {
+                    return Ok(q.remove(i).expect("found").1);
                 }
                 q = cv.wait(q).unwrap();
             }

@@ -3,93 +3,158 @@
 //! The buffer is cut into one chunk per rank. At every step each rank sends one chunk to its
 //! successor and receives one from its predecessor; the chunk received at a step is the one sent
 //! at the next, so each rank sends and receives `2 (n - 1) / n` of the buffer in an all-reduce,
-//! the bandwidth optimum. Chunks travel in segments, and a segment is forwarded as soon as it
-//! has been reduced, which pipelines the steps.
+//! the bandwidth optimum.
+//!
+//! Chunks travel in segments, scheduled segment by segment rather than step by step: segment
+//! `k` goes through all its steps (receive, reduce, forward) while the first-step sends of the
+//! next [`WINDOW`] segments are already on the wire. Every link then carries data in both
+//! directions all the time, instead of each rank first sending a whole chunk and only then
+//! starting to reduce. Frames are tagged with their step and segment, so a link may interleave
+//! steps.
 
-use super::{bounds, expect_len, segments, Links};
+use super::{bounds, data, expect_len, segments, Links};
 use crate::dist::element::HostBuf;
-use crate::dist::wire::FrameKind;
 use crate::dist::ReduceOp;
 use crate::error::Result;
+use std::ops::Range;
 
-/// Sums (or reduces with `op`) `buf` across all ranks, in place. `Avg` leaves the sum; the
-/// caller divides.
+/// Reduces `input` (the bytes of this rank's elements) across all ranks with `op` into `out`, a
+/// buffer of the same length: every element of `out` is written once. `Avg` leaves the sum;
+/// the caller divides.
 pub(crate) fn all_reduce(
     links: &impl Links,
     seq: u64,
-    buf: &mut HostBuf,
+    out: &mut HostBuf,
+    input: &[u8],
     op: ReduceOp,
 ) -> Result<()> {
     let n = links.world();
-    let b = bounds(buf.len(), n);
-    run(links, seq, buf, &b, links.rank(), 2 * (n - 1), n - 1, op)
+    let b = bounds(out.len(), n);
+    let ring = Ring {
+        start: links.rank(),
+        steps: 2 * (n - 1),
+        reduce_steps: n - 1,
+        op,
+    };
+    ring.run(links, seq, out, Some(input), &b)
 }
 
-/// Reduces `buf` (length divisible by the world size) across ranks and returns this rank's
-/// chunk: rank `r` gets elements `[r * len / n, (r + 1) * len / n)` of the reduced buffer.
+/// Reduces `input` (length divisible by the world size) across ranks into `out`; afterwards
+/// rank `r`'s chunk of `out`, elements `[r * len / n, (r + 1) * len / n)`, holds the reduced
+/// values (the other chunks hold partial results).
 pub(crate) fn reduce_scatter(
     links: &impl Links,
     seq: u64,
-    buf: &mut HostBuf,
+    out: &mut HostBuf,
+    input: &[u8],
     op: ReduceOp,
-) -> Result<HostBuf> {
+) -> Result<()> {
     let (n, r) = (links.world(), links.rank());
-    let b = bounds(buf.len(), n);
+    let b = bounds(out.len(), n);
     // Starting one chunk behind leaves rank r holding the fully reduced chunk r.
-    run(links, seq, buf, &b, (r + n - 1) % n, n - 1, n - 1, op)?;
-    Ok(buf.slice(b[r]..b[r + 1]))
+    let ring = Ring {
+        start: (r + n - 1) % n,
+        steps: n - 1,
+        reduce_steps: n - 1,
+        op,
+    };
+    ring.run(links, seq, out, Some(input), &b)
 }
 
 /// Fills `buf` (n equal chunks, this rank's chunk already in place) with every rank's chunk.
 pub(crate) fn all_gather(links: &impl Links, seq: u64, buf: &mut HostBuf) -> Result<()> {
     let n = links.world();
     let b = bounds(buf.len(), n);
-    run(links, seq, buf, &b, links.rank(), n - 1, 0, ReduceOp::Sum)
+    let ring = Ring {
+        start: links.rank(),
+        steps: n - 1,
+        reduce_steps: 0,
+        op: ReduceOp::Sum,
+    };
+    ring.run(links, seq, buf, None, &b)
 }
 
-/// `steps` ring steps over the chunks of `buf` delimited by `b`. Step 0 sends chunk `start`;
-/// step `s` receives chunk `start - s - 1` from the predecessor, reduces it into `buf` with
-/// `op` for the first `reduce_steps` steps (copies it afterwards) and forwards it at the next
-/// step.
-#[allow(clippy::too_many_arguments)]
-fn run(
-    links: &impl Links,
-    seq: u64,
-    buf: &mut HostBuf,
-    b: &[usize],
+/// First-step segments a rank sends ahead of the segment it is reducing.
+pub(crate) const WINDOW: usize = 4;
+
+/// `steps` ring steps over chunks delimited by bounds. Step 0 sends chunk `start`; step `s`
+/// receives chunk `start - s - 1` from the predecessor, combines it with `op` and this rank's
+/// own values for the first `reduce_steps` steps (copies it afterwards), and forwards the result
+/// at the next step.
+struct Ring {
     start: usize,
     steps: usize,
     reduce_steps: usize,
     op: ReduceOp,
-) -> Result<()> {
-    let n = links.world();
-    if n == 1 || steps == 0 {
-        return Ok(());
-    }
-    let r = links.rank();
-    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let es = buf.elem_size();
-    let chunk = |c: usize| b[c]..b[c + 1];
-    for seg in segments(chunk(start), es) {
-        links.send(next, FrameKind::Data, seq, buf.bytes(seg))?;
-    }
-    for s in 0..steps {
-        let c = (start + n * steps - s - 1) % n;
-        for seg in segments(chunk(c), es) {
-            let data = links.recv(prev, FrameKind::Data, seq)?;
-            expect_len(&data, seg.len() * es, prev)?;
-            if s < reduce_steps {
-                buf.reduce_from(seg.clone(), &data, op);
-            } else {
-                buf.bytes_mut(seg.clone()).copy_from_slice(&data);
+}
+
+impl Ring {
+    /// Runs the ring over `out`. This rank's own values are `input` when given (and `out` is
+    /// written from them as it goes), else they are in `out` already.
+    fn run(
+        &self,
+        links: &impl Links,
+        seq: u64,
+        out: &mut HostBuf,
+        input: Option<&[u8]>,
+        b: &[usize],
+    ) -> Result<()> {
+        let n = links.world();
+        let es = out.elem_size();
+        if n == 1 || self.steps == 0 {
+            if let Some(input) = input {
+                out.bytes_mut(0..out.len()).copy_from_slice(input);
             }
-            links.recycle(data);
-            if s + 1 < steps {
-                links.send(next, FrameKind::Data, seq, buf.bytes(seg))?;
-            }
+            return Ok(());
         }
+        let r = links.rank();
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let segs: Vec<Vec<Range<usize>>> = (0..n)
+            .map(|c| segments(b[c]..b[c + 1], es).collect())
+            .collect();
+        let most = segs.iter().map(Vec::len).max().unwrap_or(0);
+        // The chunk received at step `s` (and forwarded at step `s + 1`).
+        let chunk_at = |s: usize| (self.start + n * self.steps - s - 1) % n;
+        let tag = |s: usize, k: usize| data(seq, ((s as u64) << 32) | k as u64);
+        let send_first = |out: &HostBuf, k: usize| -> Result<()> {
+            let Some(seg) = segs[self.start].get(k) else {
+                return Ok(());
+            };
+            match input {
+                Some(input) => links.send(next, tag(0, k), &input[seg.start * es..seg.end * es]),
+                None => links.send(next, tag(0, k), out.bytes(seg.clone())),
+            }
+        };
+        for k in 0..WINDOW.min(most) {
+            send_first(out, k)?;
+        }
+        for k in 0..most {
+            for s in 0..self.steps {
+                let Some(seg) = segs[chunk_at(s)].get(k).cloned() else {
+                    continue;
+                };
+                let bytes = links.recv(prev, tag(s, k))?;
+                expect_len(&bytes, seg.len() * es, prev)?;
+                if s < self.reduce_steps {
+                    match input {
+                        Some(input) => {
+                            let mine = &input[seg.start * es..seg.end * es];
+                            out.reduce_pair(seg.clone(), mine, &bytes, self.op);
+                        }
+                        None => out.reduce_from(seg.clone(), &bytes, self.op),
+                    }
+                } else {
+                    out.bytes_mut(seg.clone()).copy_from_slice(&bytes);
+                }
+                links.recycle(bytes);
+                if s + 1 < self.steps {
+                    links.send(next, tag(s + 1, k), out.bytes(seg))?;
+                }
+            }
+            send_first(out, k + WINDOW)?;
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -109,9 +174,10 @@ mod tests {
         for world in 1..=5 {
             for len in [0, 1, 3, 17, long] {
                 let results = run_ranks(world, |l| {
-                    let mut buf = HostBuf::F64(values(l.rank(), len));
-                    all_reduce(l, 1, &mut buf, ReduceOp::Sum).unwrap();
-                    buf
+                    let input = HostBuf::F64(values(l.rank(), len));
+                    let mut out = HostBuf::zeros(candle_core::DType::F64, len);
+                    all_reduce(l, 1, &mut out, input.bytes(0..len), ReduceOp::Sum).unwrap();
+                    out
                 });
                 let inputs: Vec<Vec<f64>> = (0..world).map(|r| values(r, len)).collect();
                 let want: Vec<f64> = (0..len)
@@ -129,8 +195,11 @@ mod tests {
         for world in 1..=4 {
             let len = world * 5;
             let results = run_ranks(world, |l| {
-                let mut buf = HostBuf::F64(values(l.rank(), len));
-                reduce_scatter(l, 3, &mut buf, ReduceOp::Max).unwrap()
+                let input = HostBuf::F64(values(l.rank(), len));
+                let mut out = HostBuf::zeros(candle_core::DType::F64, len);
+                reduce_scatter(l, 3, &mut out, input.bytes(0..len), ReduceOp::Max).unwrap();
+                let r = l.rank();
+                out.slice(r * 5..r * 5 + 5)
             });
             for (r, got) in results.into_iter().enumerate() {
                 let want = values(world - 1, len)[r * 5..r * 5 + 5].to_vec();

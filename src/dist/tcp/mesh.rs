@@ -12,7 +12,7 @@
 //! Once broken, the mesh stays broken: every later operation fails with the first reason.
 
 use crate::dist::algorithms::Links;
-use crate::dist::wire::{self, encode_header, read_header, FrameKind};
+use crate::dist::wire::{self, encode_header, read_header, FrameKind, Tag};
 use crate::error::{Error, Result};
 use crate::replicate::lock;
 use std::collections::VecDeque;
@@ -78,8 +78,7 @@ impl Broken {
 }
 
 struct Frame {
-    kind: FrameKind,
-    seq: u64,
+    tag: Tag,
     payload: Vec<u8>,
 }
 
@@ -218,7 +217,7 @@ impl Inner {
             #[cfg(unix)]
             crate::launch::note_loss(first.lost);
             let payload = first.encode();
-            let header = encode_header(FrameKind::Abort, 0, payload.len());
+            let header = encode_header(Tag::control(FrameKind::Abort), payload.len());
             for w in self.writers.iter().flatten() {
                 // Best effort; a writer held by a send stuck on the lost peer is skipped.
                 if let Ok(mut s) = w.stream.try_lock() {
@@ -229,7 +228,7 @@ impl Inner {
         first.error()
     }
 
-    fn send(&self, peer: usize, kind: FrameKind, seq: u64, payload: &[u8]) -> Result<()> {
+    fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()> {
         if let Some(b) = &lock(&self.state).broken {
             return Err(b.error());
         }
@@ -239,7 +238,7 @@ impl Inner {
                 what: "peer rank",
                 detail: format!("rank {peer} is this rank or outside the group"),
             })?;
-        let header = encode_header(kind, seq, payload.len());
+        let header = encode_header(tag, payload.len());
         let result = {
             let mut s = lock(&writer.stream);
             if payload.len() <= 16 << 10 {
@@ -267,26 +266,31 @@ impl Inner {
         })
     }
 
-    fn recv(&self, peer: usize, kind: FrameKind, seq: u64) -> Result<Vec<u8>> {
+    fn recv(&self, peer: usize, tag: Tag) -> Result<Vec<u8>> {
         let deadline = Instant::now() + self.options.timeout;
+        let seq = tag.seq;
         let mut st = lock(&self.state);
         loop {
             if let Some(b) = &st.broken {
                 return Err(b.error());
             }
-            if let Some(f) = st.inbox[peer].pop_front() {
-                if f.kind != kind || f.seq != seq {
-                    drop(st);
-                    return Err(self.fail(Broken {
-                        lost: None,
-                        detail: format!(
-                            "protocol error: rank {} expected {kind:?} of collective #{seq} from \
-                             rank {peer} but got {:?} of collective #{}",
-                            self.rank, f.kind, f.seq
-                        ),
-                    }));
-                }
-                return Ok(f.payload);
+            let inbox = &mut st.inbox[peer];
+            if let Some(i) = inbox.iter().position(|f| f.tag == tag) {
+                return Ok(inbox.remove(i).expect("found").payload);
+            }
+            // Frames of one link arrive in collective order: one from an earlier collective
+            // was never consumed, so the ranks disagree on what they are doing.
+            if let Some(stale) = inbox.iter().find(|f| f.tag.seq < seq) {
+                let stale = stale.tag;
+                drop(st);
+                return Err(self.fail(Broken {
+                    lost: None,
+                    detail: format!(
+                        "protocol error: rank {} waits for {tag:?} from rank {peer} but has an \
+                         unconsumed {stale:?}",
+                        self.rank
+                    ),
+                }));
             }
             if st.departed[peer] {
                 drop(st);
@@ -326,7 +330,7 @@ impl Inner {
     fn receive(&self, peer: usize, stream: TcpStream) {
         let mut r = BufReader::with_capacity(64 << 10, stream);
         let error = loop {
-            let (kind, seq, len) = match read_header(&mut r) {
+            let (tag, len) = match read_header(&mut r) {
                 Ok(h) => h,
                 Err(e) => break e,
             };
@@ -343,7 +347,7 @@ impl Inner {
             }
             let mut st = lock(&self.state);
             st.last_seen[peer] = Instant::now();
-            match kind {
+            match tag.kind {
                 FrameKind::Heartbeat => st.pool.push(payload),
                 FrameKind::Bye => {
                     st.departed[peer] = true;
@@ -358,7 +362,7 @@ impl Inner {
                     st.broken.get_or_insert(reason);
                 }
                 FrameKind::Data | FrameKind::Desc => {
-                    st.inbox[peer].push_back(Frame { kind, seq, payload })
+                    st.inbox[peer].push_back(Frame { tag, payload })
                 }
             }
             drop(st);
@@ -431,7 +435,7 @@ impl Inner {
                 });
             }
             let now = self.now_ms();
-            let header = encode_header(FrameKind::Heartbeat, 0, 0);
+            let header = encode_header(Tag::control(FrameKind::Heartbeat), 0);
             for w in self.writers.iter().flatten() {
                 if now.saturating_sub(w.last_sent_ms.load(Ordering::Relaxed))
                     >= interval.as_millis() as u64
@@ -453,11 +457,11 @@ impl Links for Mesh {
     fn world(&self) -> usize {
         self.inner.world
     }
-    fn send(&self, peer: usize, kind: FrameKind, seq: u64, payload: &[u8]) -> Result<()> {
-        self.inner.send(peer, kind, seq, payload)
+    fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()> {
+        self.inner.send(peer, tag, payload)
     }
-    fn recv(&self, peer: usize, kind: FrameKind, seq: u64) -> Result<Vec<u8>> {
-        self.inner.recv(peer, kind, seq)
+    fn recv(&self, peer: usize, tag: Tag) -> Result<Vec<u8>> {
+        self.inner.recv(peer, tag)
     }
     fn recycle(&self, buf: Vec<u8>) {
         let mut st = lock(&self.inner.state);
@@ -472,7 +476,7 @@ impl Drop for Mesh {
         lock(&self.inner.state).closing = true;
         *lock(&self.inner.stop.0) = true;
         self.inner.stop.1.notify_all();
-        let bye = encode_header(FrameKind::Bye, 0, 0);
+        let bye = encode_header(Tag::control(FrameKind::Bye), 0);
         for w in self.inner.writers.iter().flatten() {
             if let Ok(mut s) = w.stream.try_lock() {
                 let _ = s.write_all(&bye);
@@ -490,6 +494,7 @@ impl Drop for Mesh {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dist::algorithms::data;
     use std::net::TcpListener;
 
     /// A two-rank mesh over loopback.
@@ -514,10 +519,11 @@ mod tests {
     fn frames_arrive_in_order_and_heartbeats_keep_idle_peers_alive() {
         let (a, b) = pair(options(5_000, 300));
         std::thread::sleep(Duration::from_millis(800)); // idle for over two peer timeouts
-        a.send(1, FrameKind::Data, 1, b"one").unwrap();
-        a.send(1, FrameKind::Data, 1, &vec![7u8; 100_000]).unwrap();
-        assert_eq!(b.recv(0, FrameKind::Data, 1).unwrap(), b"one");
-        assert_eq!(b.recv(0, FrameKind::Data, 1).unwrap().len(), 100_000);
+        a.send(1, data(1, 0), b"one").unwrap();
+        a.send(1, data(1, 1), &vec![7u8; 100_000]).unwrap();
+        // Tags pick frames regardless of arrival order.
+        assert_eq!(b.recv(0, data(1, 1)).unwrap().len(), 100_000);
+        assert_eq!(b.recv(0, data(1, 0)).unwrap(), b"one");
         assert!(a.usable().is_ok() && b.usable().is_ok());
     }
 
@@ -526,7 +532,7 @@ mod tests {
         let (a, b) = pair(options(10_000, 10_000));
         drop(b);
         let started = Instant::now();
-        let err = a.recv(1, FrameKind::Data, 1).unwrap_err();
+        let err = a.recv(1, data(1, 0)).unwrap_err();
         assert!(matches!(err, Error::PeerLost { rank: 1, .. }), "{err}");
         assert!(started.elapsed() < Duration::from_secs(2));
         // Broken for good.
@@ -536,7 +542,7 @@ mod tests {
     #[test]
     fn a_wait_for_a_live_but_idle_peer_times_out_and_aborts_it_too() {
         let (a, b) = pair(options(200, 10_000));
-        let err = a.recv(1, FrameKind::Data, 4).unwrap_err();
+        let err = a.recv(1, data(4, 0)).unwrap_err();
         assert!(matches!(err, Error::Timeout { .. }), "{err}");
         // The peer learns of it through the abort frame.
         let started = Instant::now();

@@ -8,7 +8,7 @@ pub(crate) mod connect;
 pub(crate) mod mesh;
 
 use super::algorithms::{broadcast, consensus, ring, Links};
-use super::element::HostBuf;
+use super::element::{with_bytes, HostBuf};
 use super::group::Communicator;
 use super::ReduceOp;
 use crate::error::Result;
@@ -35,12 +35,14 @@ impl Communicator for TcpComm {
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Tensor::cat(&parts, 0)?
         };
-        let mut buf = HostBuf::from_tensor(&flat)?;
-        ring::all_reduce(&self.mesh, seq, &mut buf, op)?;
+        let mut out = HostBuf::zeros(flat.dtype(), flat.elem_count());
+        with_bytes(&flat, |input| {
+            ring::all_reduce(&self.mesh, seq, &mut out, input, op)
+        })?;
         if op == ReduceOp::Avg {
-            buf.divide(self.mesh.world());
+            out.divide(self.mesh.world());
         }
-        let all = buf.into_tensor(flat.shape(), first.device())?;
+        let all = out.into_tensor(flat.shape(), first.device())?;
         let mut offset = 0;
         ts.iter()
             .map(|t| {
@@ -54,22 +56,25 @@ impl Communicator for TcpComm {
 
     fn broadcast(&self, seq: u64, desc: &str, t: &Tensor, root: usize) -> Result<Tensor> {
         consensus::check(&self.mesh, seq, desc)?;
-        let mut buf = if self.mesh.rank() == root {
-            HostBuf::from_tensor(t)?
-        } else {
-            HostBuf::zeros(t.dtype(), t.elem_count())
-        };
-        broadcast::broadcast(&self.mesh, seq, &mut buf, root)?;
-        buf.into_tensor(t.shape(), t.device())
+        let mut out = HostBuf::zeros(t.dtype(), t.elem_count());
+        if self.mesh.rank() == root {
+            with_bytes(t, |mine| {
+                out.bytes_mut(0..t.elem_count()).copy_from_slice(mine);
+                Ok(())
+            })?;
+        }
+        broadcast::broadcast(&self.mesh, seq, &mut out, root)?;
+        out.into_tensor(t.shape(), t.device())
     }
 
     fn all_gather(&self, seq: u64, desc: &str, t: &Tensor) -> Result<Vec<Tensor>> {
         consensus::check(&self.mesh, seq, desc)?;
         let (n, r, m) = (self.mesh.world(), self.mesh.rank(), t.elem_count());
-        let mine = HostBuf::from_tensor(t)?;
         let mut buf = HostBuf::zeros(t.dtype(), n * m);
-        buf.bytes_mut(r * m..(r + 1) * m)
-            .copy_from_slice(mine.bytes(0..m));
+        with_bytes(t, |mine| {
+            buf.bytes_mut(r * m..(r + 1) * m).copy_from_slice(mine);
+            Ok(())
+        })?;
         ring::all_gather(&self.mesh, seq, &mut buf)?;
         let all = buf.into_tensor(&Shape::from(n * m), t.device())?;
         (0..n)
@@ -79,9 +84,13 @@ impl Communicator for TcpComm {
 
     fn reduce_scatter(&self, seq: u64, desc: &str, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         consensus::check(&self.mesh, seq, desc)?;
-        let n = self.mesh.world();
-        let mut buf = HostBuf::from_tensor(t)?;
-        let mut mine = ring::reduce_scatter(&self.mesh, seq, &mut buf, op)?;
+        let (n, r) = (self.mesh.world(), self.mesh.rank());
+        let len = t.elem_count();
+        let mut out = HostBuf::zeros(t.dtype(), len);
+        with_bytes(t, |input| {
+            ring::reduce_scatter(&self.mesh, seq, &mut out, input, op)
+        })?;
+        let mut mine = out.slice(r * len / n..(r + 1) * len / n);
         if op == ReduceOp::Avg {
             mine.divide(n);
         }
