@@ -37,6 +37,21 @@ fn collectives_child() {
         (pg.local_rank(), pg.local_world_size()),
         (r.local_rank, r.local_world_size)
     );
+    // With 2 or 3 ranks every peer is a ring neighbour, all on this machine.
+    let off = |var: &str| std::env::var(var).as_deref() == Ok("0");
+    let want = if !cfg!(target_os = "linux") || off("CANDLE_PARALLEL_UNIX_SOCKETS") {
+        "tcp"
+    } else if off("CANDLE_PARALLEL_SHM") {
+        "unix"
+    } else {
+        "shm"
+    };
+    let links = pg.transports();
+    assert_eq!(links[pg.rank()], None);
+    assert!(
+        links.iter().flatten().all(|k| *k == want),
+        "want {want}: {links:?}"
+    );
     check_collectives(&pg);
     check_mismatches(&pg);
     done();
@@ -58,6 +73,37 @@ fn every_collective_matches_local_values_over_3_processes() {
     }
     Ranks::world("every_collective_matches_local_values_over_3_processes", 3)
         .assert_all_pass(LIMIT);
+}
+
+/// Starts 3 ranks of `test` with `var=0` in their environment.
+fn three_ranks_with(test: &str, var: &str) -> Ranks {
+    let port = common::free_port();
+    let envs = (0..3)
+        .map(|r| {
+            let mut env = common::rank_env(r, 3, port);
+            env.push((var.into(), "0".into()));
+            env
+        })
+        .collect();
+    Ranks::start(test, envs)
+}
+
+#[test]
+fn every_collective_matches_local_values_over_tcp_only() {
+    if is_child() {
+        return collectives_child();
+    }
+    let test = "every_collective_matches_local_values_over_tcp_only";
+    three_ranks_with(test, "CANDLE_PARALLEL_UNIX_SOCKETS").assert_all_pass(LIMIT);
+}
+
+#[test]
+fn every_collective_matches_local_values_over_unix_sockets_without_shared_memory() {
+    if is_child() {
+        return collectives_child();
+    }
+    let test = "every_collective_matches_local_values_over_unix_sockets_without_shared_memory";
+    three_ranks_with(test, "CANDLE_PARALLEL_SHM").assert_all_pass(LIMIT);
 }
 
 #[test]
@@ -305,6 +351,45 @@ fn a_killed_rank_is_named_by_the_others_pending_in_a_collective() {
     assert!(
         waited < Duration::from_secs(30),
         "the others took {waited:?} to notice"
+    );
+}
+
+#[test]
+fn a_rank_killed_during_the_data_phase_is_named_by_its_neighbour() {
+    if is_child() {
+        // Large all-reduces: most of the time goes to moving data, which between ranks of
+        // one machine waits on shared memory rather than on a socket.
+        let pg = join();
+        let x = Tensor::ones(4 << 20, DType::F32, &Device::Cpu).unwrap();
+        println!("looping");
+        let started = Instant::now();
+        let err = loop {
+            match pg.all_reduce(&x, ReduceOp::Sum) {
+                Ok(_) if started.elapsed() < Duration::from_secs(60) => {}
+                Ok(_) => panic!("rank 1 was never killed"),
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(pg.rank(), 0);
+        assert!(matches!(err, Error::PeerLost { rank: 1, .. }), "{err}");
+        return done();
+    }
+    let mut ranks = Ranks::world(
+        "a_rank_killed_during_the_data_phase_is_named_by_its_neighbour",
+        2,
+    );
+    ranks.wait_for(0, "looping", LIMIT);
+    ranks.wait_for(1, "looping", LIMIT);
+    std::thread::sleep(Duration::from_millis(300));
+    let killed = Instant::now();
+    ranks.kill(1);
+    ranks.wait_for(0, DONE, LIMIT);
+    let noticed = killed.elapsed();
+    let ended = ranks.wait(LIMIT);
+    assert!(ended[0].status.success(), "{}", ended[0].output);
+    assert!(
+        noticed < Duration::from_secs(10),
+        "rank 0 took {noticed:?} to notice"
     );
 }
 

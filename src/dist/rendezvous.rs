@@ -370,6 +370,8 @@ pub(crate) fn form_mesh(r: &Rendezvous, options: &InitOptions, meeting: &Meeting
         world: r.world_size,
         token: &options.token,
         job: meeting.job,
+        unix: options.unix_sockets,
+        shm: options.shared_memory,
     };
     let mesh_options = MeshOptions {
         timeout: options.timeout,

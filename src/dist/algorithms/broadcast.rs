@@ -23,10 +23,11 @@ pub(crate) fn broadcast(
     for (k, seg) in segments(0..buf.len(), es).enumerate() {
         let tag = data(seq, k as u64);
         if r != root {
-            let bytes = links.recv(prev, tag)?;
-            expect_len(&bytes, seg.len() * es, prev)?;
-            buf.bytes_mut(seg.clone()).copy_from_slice(&bytes);
-            links.recycle(bytes);
+            links.recv_with(prev, tag, |bytes| {
+                expect_len(bytes, seg.len() * es, prev)?;
+                buf.bytes_mut(seg.clone()).copy_from_slice(bytes);
+                Ok::<(), crate::Error>(())
+            })??;
         }
         if next != root {
             links.send(next, tag, buf.bytes(seg))?;

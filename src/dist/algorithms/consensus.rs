@@ -21,9 +21,7 @@ pub(crate) fn check(links: &impl Links, seq: u64, desc: &str) -> Result<()> {
     let mut all = vec![String::new(); n];
     all[r] = desc.to_string();
     for p in (0..n).filter(|&p| p != r) {
-        let bytes = links.recv(p, tag)?;
-        all[p] = String::from_utf8_lossy(&bytes).into_owned();
-        links.recycle(bytes);
+        all[p] = links.recv_with(p, tag, |b| String::from_utf8_lossy(b).into_owned())?;
     }
     if all.iter().all(|d| d == desc) {
         Ok(())

@@ -32,11 +32,14 @@ pub(crate) trait Links {
     fn world(&self) -> usize;
     /// Sends one frame to `peer`.
     fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()>;
-    /// Receives the frame tagged `tag` from `peer` (frames of one collective may be received in
-    /// another order than they were sent).
-    fn recv(&self, peer: usize, tag: Tag) -> Result<Vec<u8>>;
-    /// Returns a received buffer for reuse.
-    fn recycle(&self, _buf: Vec<u8>) {}
+    /// Waits for the frame tagged `tag` from `peer` and runs `f` on its bytes, where they lie
+    /// (frames of one collective may be received in another order than they were sent).
+    fn recv_with<R>(&self, peer: usize, tag: Tag, f: impl FnOnce(&[u8]) -> R) -> Result<R>;
+    /// Receives the frame tagged `tag` from `peer` as an owned buffer.
+    #[cfg(test)]
+    fn recv(&self, peer: usize, tag: Tag) -> Result<Vec<u8>> {
+        self.recv_with(peer, tag, <[u8]>::to_vec)
+    }
 }
 
 /// Splits `len` elements into `parts` contiguous ranges of near-equal size (the first ones one
@@ -122,12 +125,13 @@ pub(crate) mod testing {
             cv.notify_all();
             Ok(())
         }
-        fn recv(&self, peer: usize, tag: Tag) -> Result<Vec<u8>> {
+        fn recv_with<R>(&self, peer: usize, tag: Tag, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
             let (q, cv) = &self.queues[self.rank][peer];
             let mut q = q.lock().unwrap();
             loop {
                 if let Some(i) = q.iter().position(|(t, _)| *t == tag) {
-                    return Ok(q.remove(i).expect("found").1);
+                    let payload = q.remove(i).expect("found").1;
+                    return Ok(f(&payload));
                 }
                 q = cv.wait(q).unwrap();
             }

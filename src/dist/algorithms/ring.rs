@@ -133,20 +133,21 @@ impl Ring {
                 let Some(seg) = segs[chunk_at(s)].get(k).cloned() else {
                     continue;
                 };
-                let bytes = links.recv(prev, tag(s, k))?;
-                expect_len(&bytes, seg.len() * es, prev)?;
-                if s < self.reduce_steps {
-                    match input {
-                        Some(input) => {
-                            let mine = &input[seg.start * es..seg.end * es];
-                            out.reduce_pair(seg.clone(), mine, &bytes, self.op);
+                links.recv_with(prev, tag(s, k), |bytes| {
+                    expect_len(bytes, seg.len() * es, prev)?;
+                    if s < self.reduce_steps {
+                        match input {
+                            Some(input) => {
+                                let mine = &input[seg.start * es..seg.end * es];
+                                out.reduce_pair(seg.clone(), mine, bytes, self.op);
+                            }
+                            None => out.reduce_from(seg.clone(), bytes, self.op),
                         }
-                        None => out.reduce_from(seg.clone(), &bytes, self.op),
+                    } else {
+                        out.bytes_mut(seg.clone()).copy_from_slice(bytes);
                     }
-                } else {
-                    out.bytes_mut(seg.clone()).copy_from_slice(&bytes);
-                }
-                links.recycle(bytes);
+                    Ok::<(), crate::Error>(())
+                })??;
                 if s + 1 < self.steps {
                     links.send(next, tag(s + 1, k), out.bytes(seg))?;
                 }

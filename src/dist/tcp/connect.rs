@@ -2,12 +2,13 @@
 //! ranks below it and accepts the ranks above it. Each connection is checked (token, job,
 //! ranks, world size) before it joins; a stranger is refused and the wait goes on.
 
-use super::mesh::{Mesh, MeshOptions};
+use super::conn::{Conn, Listeners, PeerAddress};
+use super::mesh::{Mesh, MeshOptions, ShmLink};
 use crate::dist::store::Store;
 use crate::dist::wire::{self, io_err, Hello, Purpose};
 use crate::error::{Error, Result};
 use std::collections::BTreeSet;
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -21,6 +22,10 @@ pub(crate) struct Identity<'a> {
     pub world: usize,
     pub token: &'a str,
     pub job: u64,
+    /// Whether peers on this machine may be reached over Unix-domain sockets.
+    pub unix: bool,
+    /// Whether ring neighbours on this machine may exchange data through shared memory.
+    pub shm: bool,
 }
 
 /// Connects this rank to every other rank of the job.
@@ -33,12 +38,12 @@ pub(crate) fn connect_mesh(
 ) -> Result<Mesh> {
     let (rank, world) = (me.rank, me.world);
     if world == 1 {
-        return Mesh::new(0, 1, vec![None], options);
+        return Mesh::new(0, 1, vec![None], vec![None], options);
     }
-    let listener = TcpListener::bind((local_ip, 0))
+    let listeners = Listeners::bind(local_ip, me.job, rank, me.unix)
         .map_err(io_err(format!("listening on {local_ip} for peers")))?;
-    let addr = listener.local_addr().map_err(io_err("peer listener"))?;
-    store.set(&format!("addr/{rank}"), addr.to_string().as_bytes())?;
+    let addr = listeners.address().map_err(io_err("peer listener"))?;
+    store.set(&format!("addr/{rank}"), addr.as_bytes())?;
     let keys: Vec<String> = (0..world).map(|r| format!("addr/{r}")).collect();
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let missing = store.wait(&key_refs, rendezvous_timeout)?;
@@ -59,7 +64,7 @@ pub(crate) fn connect_mesh(
     let stop = Arc::new(AtomicBool::new(false));
     let acceptor = {
         let (stop, token) = (stop.clone(), me.token.to_string());
-        let (job, rdz) = (me.job, rendezvous_timeout);
+        let (job, unix, shm, rdz) = (me.job, me.unix, me.shm, rendezvous_timeout);
         std::thread::Builder::new()
             .name("accept-peers".into())
             .spawn(move || {
@@ -68,19 +73,21 @@ pub(crate) fn connect_mesh(
                     world,
                     token: &token,
                     job,
+                    unix,
+                    shm,
                 };
-                accept_peers(listener, &me, deadline, rdz, &stop)
+                accept_peers(listeners, &me, deadline, rdz, &stop)
             })
             .map_err(io_err("starting the peer acceptor"))?
     };
-    let mut streams: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    let mut streams: Vec<Option<Conn>> = (0..world).map(|_| None).collect();
     let connected: Result<()> = (0..rank).try_for_each(|peer| {
         let value = store.get(&format!("addr/{peer}"), rendezvous_timeout)?;
         let text = String::from_utf8_lossy(&value);
-        let addr: SocketAddr = text.parse().map_err(|_| Error::Rendezvous {
+        let addr = PeerAddress::parse(&text).ok_or_else(|| Error::Rendezvous {
             detail: format!("rank {peer} published an invalid address {text:?}"),
         })?;
-        streams[peer] = Some(connect_peer(peer, addr, me, deadline)?);
+        streams[peer] = Some(connect_peer(peer, &addr, me, deadline)?);
         Ok(())
     });
     if connected.is_err() {
@@ -93,27 +100,101 @@ pub(crate) fn connect_mesh(
     for (peer, stream) in accepted? {
         streams[peer] = Some(stream);
     }
-    Mesh::new(rank, world, streams, options)
+    let shm = share_memory(me, &streams);
+    Mesh::new(rank, world, streams, shm, options)
+}
+
+/// Sets up shared-memory data channels with the ring neighbours reached over Unix sockets
+/// (ranks of this machine). Per pair, the lower rank sends one byte, with a region's descriptor
+/// when it offers one; the higher rank answers an offer (accept or decline), and the lower rank
+/// reads that answer. Offers never wait, so no rank waits in a cycle; every byte sent is read,
+/// so the socket is clean for the mesh. Anything that fails leaves that pair on its socket.
+#[cfg(target_os = "linux")]
+fn share_memory(me: &Identity<'_>, streams: &[Option<Conn>]) -> Vec<Option<ShmLink>> {
+    use super::shm::{recv_fd, send_fd, Region};
+    use crate::dist::algorithms::SEGMENT_BYTES;
+    use std::io::{Read, Write};
+    let (n, r) = (me.world, me.rank);
+    let mut links: Vec<Option<ShmLink>> = (0..n).map(|_| None).collect();
+    let neighbours: BTreeSet<usize> = [(r + 1) % n, (r + n - 1) % n]
+        .into_iter()
+        .filter(|&p| p != r)
+        .collect();
+    let unix = |p: usize| match &streams[p] {
+        Some(Conn::Unix(s)) => {
+            let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+            Some(s)
+        }
+        _ => None,
+    };
+    let mut offered = Vec::new();
+    for &p in neighbours.iter().filter(|&&p| p > r) {
+        let Some(s) = unix(p) else { continue };
+        let region = me.shm.then(|| Region::create(SEGMENT_BYTES).ok()).flatten();
+        match region {
+            Some(region) if send_fd(s, region.fd()).is_ok() => offered.push((p, s, region)),
+            _ => {
+                let _ = (&*s).write_all(&[0]);
+            }
+        }
+    }
+    for &p in neighbours.iter().filter(|&&p| p < r) {
+        let Some(s) = unix(p) else { continue };
+        // Only an offer (a byte with a descriptor) gets an answer.
+        let Ok((_, Some(fd))) = recv_fd(s) else {
+            continue;
+        };
+        let opened = me
+            .shm
+            .then(|| Region::open(fd, SEGMENT_BYTES).ok())
+            .flatten();
+        if (&*s).write_all(&[u8::from(opened.is_some())]).is_err() {
+            continue;
+        }
+        if let Some(region) = opened {
+            links[p] = Some(ShmLink {
+                send: region.channel(1, SEGMENT_BYTES),
+                recv: region.channel(0, SEGMENT_BYTES),
+                _region: region,
+            });
+        }
+    }
+    for (p, s, region) in offered {
+        let mut answer = [0u8];
+        if matches!((&*s).read_exact(&mut answer), Ok(()) if answer[0] == 1) {
+            links[p] = Some(ShmLink {
+                send: region.channel(0, SEGMENT_BYTES),
+                recv: region.channel(1, SEGMENT_BYTES),
+                _region: region,
+            });
+        }
+    }
+    links
+}
+
+#[cfg(not(target_os = "linux"))]
+fn share_memory(me: &Identity<'_>, _: &[Option<Conn>]) -> Vec<Option<ShmLink>> {
+    (0..me.world).map(|_| None).collect()
 }
 
 fn connect_peer(
     peer: usize,
-    addr: SocketAddr,
+    addr: &PeerAddress,
     me: &Identity<'_>,
     deadline: Instant,
-) -> Result<TcpStream> {
+) -> Result<Conn> {
     let stream = loop {
-        match TcpStream::connect_timeout(&addr, HANDSHAKE_TIMEOUT) {
+        match addr.connect(me.unix, HANDSHAKE_TIMEOUT) {
             Ok(s) => break s,
             Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
             Err(e) => {
                 return Err(Error::Rendezvous {
-                    detail: format!("cannot connect to rank {peer} at {addr}: {e}"),
+                    detail: format!("cannot connect to rank {peer} at {}: {e}", addr.tcp),
                 })
             }
         }
     };
-    let ctx = format!("handshake with rank {peer} at {addr}");
+    let ctx = format!("handshake with rank {peer} at {}", addr.tcp);
     stream
         .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
         .map_err(io_err(ctx.clone()))?;
@@ -129,7 +210,7 @@ fn connect_peer(
     std::io::Write::write_all(&mut s, &hello.encode()).map_err(io_err(ctx.clone()))?;
     if let Some(reason) = wire::read_reply(&mut s).map_err(io_err(ctx))? {
         return Err(Error::Refused {
-            peer: format!("rank {peer} at {addr}"),
+            peer: format!("rank {peer} at {}", addr.tcp),
             reason,
         });
     }
@@ -138,23 +219,20 @@ fn connect_peer(
 
 /// Accepts the ranks above this one; refuses anything else and keeps waiting.
 fn accept_peers(
-    listener: TcpListener,
+    listeners: Listeners,
     me: &Identity<'_>,
     deadline: Instant,
     waited: Duration,
     stop: &AtomicBool,
-) -> Result<Vec<(usize, TcpStream)>> {
-    listener
-        .set_nonblocking(true)
-        .map_err(io_err("peer listener"))?;
+) -> Result<Vec<(usize, Conn)>> {
     let mut expected: BTreeSet<usize> = (me.rank + 1..me.world).collect();
     let mut accepted = Vec::new();
-    let (tx, rx) = mpsc::channel::<(std::io::Result<Hello>, TcpStream)>();
+    let (tx, rx) = mpsc::channel::<(std::io::Result<Hello>, Conn)>();
     while !expected.is_empty() {
         if stop.load(Ordering::SeqCst) {
             return Ok(accepted);
         }
-        if let Ok((stream, _)) = listener.accept() {
+        if let Some(stream) = listeners.accept() {
             let tx = tx.clone();
             // Each handshake on a thread of its own: a silent stranger delays nobody.
             let _ = std::thread::Builder::new()

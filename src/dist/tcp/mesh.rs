@@ -11,13 +11,15 @@
 //!
 //! Once broken, the mesh stays broken: every later operation fails with the first reason.
 
+use super::conn::Conn;
+#[cfg(target_os = "linux")]
+use super::shm::{futex_wait, futex_wake, Channel, Region};
 use crate::dist::algorithms::Links;
 use crate::dist::wire::{self, encode_header, read_header, FrameKind, Tag};
 use crate::error::{Error, Result};
 use crate::replicate::lock;
 use std::collections::VecDeque;
 use std::io::{BufReader, Read, Write};
-use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -92,17 +94,37 @@ struct State {
 }
 
 struct PeerWriter {
-    stream: Mutex<TcpStream>,
+    stream: Mutex<Conn>,
     last_sent_ms: AtomicU64,
 }
+
+/// Shared-memory data channels with one peer on this machine.
+#[cfg(target_os = "linux")]
+pub(crate) struct ShmLink {
+    pub send: Channel,
+    pub recv: Channel,
+    /// The mapping both channels point into; dropped (unmapped) after them.
+    pub _region: Region,
+}
+
+#[cfg(not(target_os = "linux"))]
+pub(crate) enum ShmLink {}
+
+/// How long a futex wait sleeps before looking at the mesh's state again.
+#[cfg(target_os = "linux")]
+const WAIT_SLICE: Duration = Duration::from_millis(100);
 
 struct Inner {
     rank: usize,
     world: usize,
+    /// How each peer is reached ("tcp", "unix", "shm"; `None` for this rank).
+    kinds: Vec<Option<&'static str>>,
+    /// Shared-memory data channels, with neighbours on this machine.
+    shm: Vec<Option<ShmLink>>,
     options: MeshOptions,
     epoch: Instant,
     writers: Vec<Option<PeerWriter>>,
-    sockets: Vec<Option<TcpStream>>,
+    sockets: Vec<Option<Conn>>,
     state: Mutex<State>,
     changed: Condvar,
     stop: (Mutex<bool>, Condvar),
@@ -115,13 +137,23 @@ pub(crate) struct Mesh {
 }
 
 impl Mesh {
-    /// Takes over `streams[p]`, a handshaken connection to every peer `p` (`None` for this rank).
+    /// Takes over `streams[p]`, a handshaken connection to every peer `p` (`None` for this
+    /// rank), and `shm[p]`, shared-memory data channels to some of them.
     pub fn new(
         rank: usize,
         world: usize,
-        streams: Vec<Option<TcpStream>>,
+        streams: Vec<Option<Conn>>,
+        shm: Vec<Option<ShmLink>>,
         options: MeshOptions,
     ) -> Result<Self> {
+        let kinds = streams
+            .iter()
+            .zip(&shm)
+            .map(|(s, m)| match (s, m) {
+                (Some(_), Some(_)) => Some("shm"),
+                (s, _) => s.as_ref().map(Conn::kind),
+            })
+            .collect();
         let mut writers = Vec::with_capacity(world);
         let mut sockets = Vec::with_capacity(world);
         let mut readers = Vec::new();
@@ -132,7 +164,7 @@ impl Mesh {
                 continue;
             };
             let ctx = || format!("setting up the connection to rank {peer}");
-            stream.set_nodelay(true).map_err(wire::io_err(ctx()))?;
+            stream.tune().map_err(wire::io_err(ctx()))?;
             stream.set_read_timeout(None).map_err(wire::io_err(ctx()))?;
             stream
                 .set_write_timeout(Some(options.peer_timeout))
@@ -148,6 +180,8 @@ impl Mesh {
         let inner = Arc::new(Inner {
             rank,
             world,
+            kinds,
+            shm,
             options,
             epoch: now,
             writers,
@@ -175,6 +209,11 @@ impl Mesh {
             threads.push(spawn("heartbeat".into(), move || hb.heartbeat())?);
         }
         Ok(Self { inner, threads })
+    }
+
+    /// How each peer is reached ("tcp", "unix"; `None` for this rank).
+    pub fn transports(&self) -> Vec<Option<&'static str>> {
+        self.inner.kinds.clone()
     }
 
     /// Fails when the mesh is broken.
@@ -213,6 +252,7 @@ impl Inner {
             (st.broken.get_or_insert(reason).clone(), fresh)
         };
         self.changed.notify_all();
+        self.ring_all_doorbells();
         if fresh {
             #[cfg(unix)]
             crate::launch::note_loss(first.lost);
@@ -228,7 +268,33 @@ impl Inner {
         first.error()
     }
 
+    /// Wakes this process's waiters on the shared-memory channels with `peer`: a frame from it
+    /// arrived on the socket, or something happened that they must look at.
+    fn ring_doorbell(&self, peer: usize) {
+        #[cfg(target_os = "linux")]
+        if let Some(link) = &self.shm[peer] {
+            for word in [link.recv.produced(), link.send.consumed()] {
+                word.fetch_add(1, Ordering::Release);
+                futex_wake(word);
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        let _ = peer;
+    }
+
+    fn ring_all_doorbells(&self) {
+        for p in 0..self.world {
+            self.ring_doorbell(p);
+        }
+    }
+
     fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()> {
+        #[cfg(target_os = "linux")]
+        if let Some(link) = &self.shm[peer] {
+            if tag.kind == FrameKind::Data && payload.len() <= link.send.capacity() {
+                return self.send_shm(peer, &link.send, tag, payload);
+            }
+        }
         if let Some(b) = &lock(&self.state).broken {
             return Err(b.error());
         }
@@ -266,22 +332,95 @@ impl Inner {
         })
     }
 
-    fn recv(&self, peer: usize, tag: Tag) -> Result<Vec<u8>> {
+    /// Puts a frame in a free slot of `ch`, waiting for the peer to free one.
+    #[cfg(target_os = "linux")]
+    fn send_shm(&self, peer: usize, ch: &Channel, tag: Tag, payload: &[u8]) -> Result<()> {
         let deadline = Instant::now() + self.options.timeout;
-        let seq = tag.seq;
-        let mut st = lock(&self.state);
         loop {
+            // Read before trying, so that a slot freed after the try ends the wait.
+            let bell = ch.consumed().load(Ordering::Acquire);
+            {
+                let st = lock(&self.state);
+                if let Some(b) = &st.broken {
+                    return Err(b.error());
+                }
+                if ch.try_send(tag, payload) {
+                    return Ok(());
+                }
+                if st.departed[peer] {
+                    drop(st);
+                    return Err(self.departed(peer, tag.seq));
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.timed_out(peer, tag.seq));
+            }
+            futex_wait(ch.consumed(), bell, (deadline - now).min(WAIT_SLICE));
+        }
+    }
+
+    fn departed(&self, peer: usize, seq: u64) -> Error {
+        self.fail(Broken {
+            lost: Some(peer),
+            detail: format!("it shut down its process group before finishing collective #{seq}"),
+        })
+    }
+
+    fn timed_out(&self, peer: usize, seq: u64) -> Error {
+        let waited = self.options.timeout;
+        self.fail(Broken {
+            lost: None,
+            detail: format!(
+                "rank {} timed out after {waited:?} waiting for rank {peer} in collective #{seq}",
+                self.rank
+            ),
+        });
+        Error::Timeout {
+            what: format!("waiting for rank {peer} in collective #{seq}"),
+            waited,
+        }
+    }
+
+    /// Waits for the frame `tag` from `peer`, on its socket or in its shared-memory channel,
+    /// and runs `f` on its bytes where they lie.
+    fn recv_with<R>(&self, peer: usize, tag: Tag, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        let deadline = Instant::now() + self.options.timeout;
+        #[cfg(target_os = "linux")]
+        let shm = self.shm[peer].as_ref().map(|l| &l.recv);
+        loop {
+            // Read before looking, so that a frame arriving after the look ends the wait.
+            #[cfg(target_os = "linux")]
+            let bell = shm.map(|c| c.produced().load(Ordering::Acquire));
+            let mut st = lock(&self.state);
             if let Some(b) = &st.broken {
                 return Err(b.error());
             }
-            let inbox = &mut st.inbox[peer];
-            if let Some(i) = inbox.iter().position(|f| f.tag == tag) {
-                return Ok(inbox.remove(i).expect("found").payload);
+            if let Some(i) = st.inbox[peer].iter().position(|fr| fr.tag == tag) {
+                let payload = st.inbox[peer].remove(i).expect("found").payload;
+                drop(st);
+                let out = f(&payload);
+                self.recycle(payload);
+                return Ok(out);
+            }
+            #[cfg(target_os = "linux")]
+            if let Some(c) = shm {
+                if let Some(i) = c.find(tag) {
+                    drop(st);
+                    let out = f(c.bytes(i));
+                    c.release(i);
+                    return Ok(out);
+                }
             }
             // Frames of one link arrive in collective order: one from an earlier collective
             // was never consumed, so the ranks disagree on what they are doing.
-            if let Some(stale) = inbox.iter().find(|f| f.tag.seq < seq) {
-                let stale = stale.tag;
+            let stale = st.inbox[peer]
+                .iter()
+                .find(|fr| fr.tag.seq < tag.seq)
+                .map(|fr| fr.tag);
+            #[cfg(target_os = "linux")]
+            let stale = stale.or_else(|| shm.and_then(|c| c.stale(tag.seq)));
+            if let Some(stale) = stale {
                 drop(st);
                 return Err(self.fail(Broken {
                     lost: None,
@@ -294,40 +433,37 @@ impl Inner {
             }
             if st.departed[peer] {
                 drop(st);
-                return Err(self.fail(Broken {
-                    lost: Some(peer),
-                    detail: format!(
-                        "it shut down its process group before finishing collective #{seq}"
-                    ),
-                }));
+                return Err(self.departed(peer, tag.seq));
             }
             let now = Instant::now();
             if now >= deadline {
                 drop(st);
-                let waited = self.options.timeout;
-                self.fail(Broken {
-                    lost: None,
-                    detail: format!(
-                        "rank {} timed out after {waited:?} waiting for rank {peer} in \
-                         collective #{seq}",
-                        self.rank
-                    ),
-                });
-                return Err(Error::Timeout {
-                    what: format!("waiting for rank {peer} in collective #{seq}"),
-                    waited,
-                });
+                return Err(self.timed_out(peer, tag.seq));
             }
-            st = self
-                .changed
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            #[cfg(target_os = "linux")]
+            if let (Some(c), Some(bell)) = (shm, bell) {
+                drop(st);
+                futex_wait(c.produced(), bell, (deadline - now).min(WAIT_SLICE));
+                continue;
+            }
+            drop(
+                self.changed
+                    .wait_timeout(st, deadline - now)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0,
+            );
+        }
+    }
+
+    fn recycle(&self, buf: Vec<u8>) {
+        let mut st = lock(&self.state);
+        if st.pool.len() < 32 {
+            st.pool.push(buf);
         }
     }
 
     /// The reading end of the connection to `peer`.
-    fn receive(&self, peer: usize, stream: TcpStream) {
+    fn receive(&self, peer: usize, stream: Conn) {
         let mut r = BufReader::with_capacity(64 << 10, stream);
         let error = loop {
             let (tag, len) = match read_header(&mut r) {
@@ -339,11 +475,11 @@ impl Inner {
                 st.last_seen[peer] = Instant::now();
                 st.pool.pop().unwrap_or_default()
             };
-            payload.clear();
-            match (&mut r).take(len as u64).read_to_end(&mut payload) {
-                Ok(n) if n == len => {}
-                Ok(_) => break std::io::ErrorKind::UnexpectedEof.into(),
-                Err(e) => break e,
+            // Pooled buffers stay initialised, so reading into them costs no zero-filling
+            // (only growth is filled, once).
+            payload.resize(len, 0);
+            if let Err(e) = r.read_exact(&mut payload) {
+                break e;
             }
             let mut st = lock(&self.state);
             st.last_seen[peer] = Instant::now();
@@ -367,6 +503,11 @@ impl Inner {
             }
             drop(st);
             self.changed.notify_all();
+            if tag.kind == FrameKind::Abort {
+                self.ring_all_doorbells();
+            } else {
+                self.ring_doorbell(peer);
+            }
         };
         let (closing, departed) = {
             let st = lock(&self.state);
@@ -377,6 +518,7 @@ impl Inner {
         }
         if departed {
             self.changed.notify_all();
+            self.ring_doorbell(peer);
             return;
         }
         let detail = match error.kind() {
@@ -460,14 +602,8 @@ impl Links for Mesh {
     fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()> {
         self.inner.send(peer, tag, payload)
     }
-    fn recv(&self, peer: usize, tag: Tag) -> Result<Vec<u8>> {
-        self.inner.recv(peer, tag)
-    }
-    fn recycle(&self, buf: Vec<u8>) {
-        let mut st = lock(&self.inner.state);
-        if st.pool.len() < 32 {
-            st.pool.push(buf);
-        }
+    fn recv_with<R>(&self, peer: usize, tag: Tag, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        self.inner.recv_with(peer, tag, f)
     }
 }
 
@@ -483,7 +619,7 @@ impl Drop for Mesh {
             }
         }
         for s in self.inner.sockets.iter().flatten() {
-            let _ = s.shutdown(Shutdown::Both);
+            s.shutdown();
         }
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -495,7 +631,7 @@ impl Drop for Mesh {
 mod tests {
     use super::*;
     use crate::dist::algorithms::data;
-    use std::net::TcpListener;
+    use std::net::{TcpListener, TcpStream};
 
     /// A two-rank mesh over loopback.
     fn pair(options: MeshOptions) -> (Mesh, Mesh) {
@@ -503,9 +639,13 @@ mod tests {
         let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (b, _) = l.accept().unwrap();
         (
-            Mesh::new(0, 2, vec![None, Some(a)], options).unwrap(),
-            Mesh::new(1, 2, vec![Some(b), None], options).unwrap(),
+            Mesh::new(0, 2, vec![None, Some(Conn::Tcp(a))], no_shm(), options).unwrap(),
+            Mesh::new(1, 2, vec![Some(Conn::Tcp(b)), None], no_shm(), options).unwrap(),
         )
+    }
+
+    fn no_shm() -> Vec<Option<ShmLink>> {
+        vec![None, None]
     }
 
     fn options(timeout_ms: u64, peer_ms: u64) -> MeshOptions {

@@ -4,8 +4,11 @@
 //! starts with the ranks' agreement on what is being called ([`consensus`]), then runs its
 //! algorithm over the [`Mesh`].
 
+pub(crate) mod conn;
 pub(crate) mod connect;
 pub(crate) mod mesh;
+#[cfg(target_os = "linux")]
+pub(crate) mod shm;
 
 use super::algorithms::{broadcast, consensus, ring, Links};
 use super::element::{with_bytes, HostBuf};
@@ -101,5 +104,9 @@ impl Communicator for TcpComm {
 
     fn check(&self, seq: u64, desc: &str) -> Result<()> {
         consensus::check(&self.mesh, seq, desc)
+    }
+
+    fn transports(&self) -> Vec<Option<&'static str>> {
+        self.mesh.transports()
     }
 }
