@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs every GPU check of candle-parallel in one sitting, on the GPU machine, from the .gpu/
+# folder that scripts/gpu-pack.sh filled. Everything goes to one log, $OUT/gpu-checks.log
+# (default ./logs): the device tool brings back only a few files.
+#
+#   cd .gpu && ./gpu-checks.sh
+set -uo pipefail
+cd "$(dirname "$0")"
+OUT=${OUT:-logs}
+mkdir -p "$OUT"
+LOG="$OUT/gpu-checks.log"
+: > "$LOG"
+for f in *.xz; do xz -d -k -f "$f" && chmod +x "${f%.xz}"; done
+run() { # name, command...: runs it, logs it, and never stops the sitting
+  local name=$1; shift
+  echo "=== $name: $*" | tee -a "$LOG"
+  ( time ./run-on-gpu.sh "$@" ) 2>&1 | tee -a "$LOG" | tail -n 25
+  echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$LOG"
+}
+nvidia-smi 2>&1 | tee -a "$LOG"
+# DataParallel over two devices on GPU 0 vs one; NCCL with one rank; TCP with CUDA tensors.
+run gpu_tests ./gpu --test-threads=1 --nocapture
+# The CPU suites again, on this machine (16 cores).
+run data_parallel ./data_parallel
+run dist_processes ./dist_processes
+# One epoch of CIFAR-10 (synthetic) on 1 and on 2 devices of GPU 0.
+run cifar_dp_1 ./cifar_dp --epochs 1 --devices 1
+run cifar_dp_2 ./cifar_dp --epochs 1 --devices 2
+# Throughput table: 1, 2, 4 devices on GPU 0, batch 128 and 512.
+run dp_throughput ./dp_throughput --devices 1,2,4 --batches 128,512 --steps 50
+# PyTorch's same Net at the same batches on the same GPU.
+run torch_net_bench python3 torch_net_bench.py --batches 128,512 --steps 50
+# Host-memory all-reduce on this machine's cores.
+run allreduce_bandwidth ./allreduce_bandwidth
+echo "log: $LOG"

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Builds the CUDA + NCCL binaries here (no GPU needed) and packs them into .gpu/ for the GPU
+# machine, with scripts/gpu-checks.sh to run everything there in one sitting (../shared/GPU.md).
+#
+#   scripts/gpu-pack.sh            # then run .gpu/gpu-checks.sh on the GPU machine
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${CUDA_BUILD:-../shared/scripts/cuda-build.sh}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
+FEATURES=cuda,nccl
+
+"$BUILD" build --release --features "$FEATURES" --examples --bins
+# Test and bench executables: cargo lists them in its JSON messages.
+list() { # `test --release` or `bench` (whose profile is always release)
+  "$BUILD" "$@" --features "$FEATURES" --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    kind = m.get("target", {}).get("kind", [])
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and kind in (["test"], ["bench"]):
+        print(m["target"]["name"], m["executable"])'
+}
+
+# Debug info would double the compressed size; the GPU code (most of a binary) stays.
+pack() { # name, executable
+  strip --strip-debug -o ".gpu/$1" "$2" && xz -T0 -f ".gpu/$1"
+}
+
+mkdir -p .gpu
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
+rm -f .gpu/*.xz
+"$BUILD" --launcher > .gpu/run-on-gpu.sh
+chmod +x .gpu/run-on-gpu.sh
+for example in cifar_dp dp_tutorial; do
+  pack "$example" "$CARGO_TARGET_DIR/release/examples/$example"
+done
+{ list test --release; list bench; } | while read -r name exe; do
+  case "$name" in
+    gpu|data_parallel|dist_processes|dp_throughput|allreduce_bandwidth) pack "$name" "$exe" ;;
+  esac
+done
+cp scripts/gpu-checks.sh scripts/torch_net_bench.py .gpu/
+du -sh .gpu
+ls -l .gpu
