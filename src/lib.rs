@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! candle-parallel: PyTorch-style multi-device training for candle.
 //!
 //! - [`comm`]: scatter, gather, broadcast and reduce_add across candle devices, differentiable.

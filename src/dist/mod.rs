@@ -41,6 +41,7 @@ mod autograd;
 pub(crate) mod element;
 mod group;
 mod inproc;
+mod meet;
 #[cfg(feature = "nccl")]
 mod nccl;
 mod rendezvous;

@@ -13,7 +13,8 @@
 use super::algorithms::consensus;
 use super::algorithms::Links;
 use super::group::{Backend, Communicator, InitOptions, Inner, ProcessGroup};
-use super::rendezvous::{form_mesh, meet, Rendezvous};
+use super::meet::{form_mesh, meet};
+use super::rendezvous::Rendezvous;
 use super::tcp::mesh::Broken;
 use super::tcp::Mesh;
 use super::ReduceOp;

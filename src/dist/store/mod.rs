@@ -1,0 +1,167 @@
+//! A TCP key-value store for rendezvous, hosted by rank 0 (`torch.distributed.TCPStore`).
+//!
+//! Ranks use it to find each other (each publishes its address), to hand out the NCCL unique id,
+//! to detect two processes claiming one rank, and for barriers. Values are bytes; [`Store::add`]
+//! keeps an 8-byte counter. Waits are bounded: a wait that runs out of time says which keys
+//! are still missing.
+//!
+//! ```rust
+//! use candle_parallel::dist::store::{Store, StoreServer};
+//! use std::time::Duration;
+//! # fn main() -> candle_parallel::Result<()> {
+//! let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "token")?;
+//! let store = Store::connect(server.local_addr(), "token", 0, Duration::from_secs(5))?;
+//! store.set("greeting", b"hello")?;
+//! assert_eq!(store.get("greeting", Duration::from_secs(1))?, b"hello");
+//! assert_eq!(store.add("joined", 1)?, 1);
+//! let missing = store.wait(&["greeting", "absent"], Duration::from_millis(50))?;
+//! assert_eq!(missing, ["absent"]);
+//! # Ok(()) }
+//! ```
+
+mod client;
+mod server;
+
+pub use client::Store;
+pub use server::StoreServer;
+
+use super::wire::put_bytes;
+use crate::error::{Error, Result};
+use std::time::Duration;
+
+pub(super) const MAX_KEY: usize = 4096;
+pub(super) const MAX_VALUE: usize = 64 << 20;
+pub(super) const MAX_KEYS: usize = 1 << 16;
+/// How long a connecting client may take to say hello.
+pub(super) const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub(super) const SET: u8 = 1;
+pub(super) const GET: u8 = 2;
+pub(super) const ADD: u8 = 3;
+pub(super) const WAIT: u8 = 4;
+pub(super) const COMPARE_SET: u8 = 5;
+pub(super) const DELETE: u8 = 6;
+
+pub(super) const OK: u8 = 0;
+pub(super) const TIMED_OUT: u8 = 1;
+
+pub(super) fn millis(d: Duration) -> u64 {
+    d.as_millis().min(u128::from(u64::MAX)) as u64
+}
+
+pub(super) fn put_key(req: &mut Vec<u8>, key: &str) -> Result<()> {
+    if key.len() > MAX_KEY {
+        return Err(Error::InvalidArgument {
+            what: "store key",
+            detail: format!("{} bytes; keys are at most {MAX_KEY} bytes", key.len()),
+        });
+    }
+    put_bytes(req, key.as_bytes());
+    Ok(())
+}
+
+pub(super) fn put_value(req: &mut Vec<u8>, value: &[u8]) -> Result<()> {
+    if value.len() > MAX_VALUE {
+        return Err(Error::InvalidArgument {
+            what: "store value",
+            detail: format!(
+                "{} bytes; values are at most {MAX_VALUE} bytes",
+                value.len()
+            ),
+        });
+    }
+    put_bytes(req, value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::net::{TcpListener, TcpStream};
+    use std::time::Instant;
+
+    fn server() -> StoreServer {
+        StoreServer::bind("127.0.0.1:0".parse().unwrap(), "tok").unwrap()
+    }
+
+    #[test]
+    fn get_waits_for_a_later_set_from_another_client() -> Result<()> {
+        let s = server();
+        let a = Store::connect(s.local_addr(), "tok", 0, Duration::from_secs(5))?;
+        let b = Store::connect(s.local_addr(), "tok", 1, Duration::from_secs(5))?;
+        let setter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            b.set("k", b"v").unwrap();
+        });
+        assert_eq!(a.get("k", Duration::from_secs(5))?, b"v");
+        setter.join().unwrap();
+        let err = a.get("never", Duration::from_millis(50)).unwrap_err();
+        assert!(matches!(err, Error::Timeout { .. }), "{err}");
+        assert!(err.to_string().contains("\"never\""), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn counters_and_compare_set_are_atomic_across_clients() -> Result<()> {
+        let s = server();
+        let addr = s.local_addr();
+        let handles: Vec<_> = (0..8)
+            .map(|i| {
+                std::thread::spawn(move || {
+                    let c = Store::connect(addr, "tok", i, Duration::from_secs(5)).unwrap();
+                    for _ in 0..50 {
+                        c.add("n", 1).unwrap();
+                    }
+                    c.compare_set("winner", None, &[i as u8]).unwrap()
+                })
+            })
+            .collect();
+        let winners: Vec<Vec<u8>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(winners.windows(2).all(|w| w[0] == w[1]), "{winners:?}");
+        let c = Store::connect(addr, "tok", 9, Duration::from_secs(5))?;
+        assert_eq!(c.add("n", 0)?, 400);
+        assert!(c.delete("n")?);
+        assert!(!c.delete("n")?);
+        Ok(())
+    }
+
+    #[test]
+    fn a_wrong_token_is_refused_and_the_store_keeps_serving() -> Result<()> {
+        let s = server();
+        let err = Store::connect(s.local_addr(), "intruder", 0, Duration::from_secs(5))
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("wrong job token"), "{err}");
+        // A stranger speaking another protocol is dropped too.
+        let mut raw = TcpStream::connect(s.local_addr()).unwrap();
+        raw.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let ok = Store::connect(s.local_addr(), "tok", 0, Duration::from_secs(5))?;
+        ok.set("still", b"fine")?;
+        assert_eq!(ok.wait(&["still"], Duration::ZERO)?, Vec::<String>::new());
+        Ok(())
+    }
+
+    #[test]
+    fn connecting_to_nobody_fails_after_the_timeout() {
+        let addr = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let started = Instant::now();
+        let err = Store::connect(addr, "t", 1, Duration::from_millis(300))
+            .err()
+            .expect("nobody listens");
+        assert!(matches!(err, Error::Unreachable { .. }), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn binding_a_used_port_says_so() {
+        let s = server();
+        let err = StoreServer::bind(s.local_addr(), "t")
+            .err()
+            .expect("in use");
+        assert!(matches!(err, Error::PortInUse { .. }), "{err}");
+    }
+}

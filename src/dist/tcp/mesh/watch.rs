@@ -1,0 +1,141 @@
+//! Watching the peers: the thread reading each connection (which notices a peer's loss) and
+//! the heartbeat thread (which keeps connections audible and notices silent peers).
+
+use super::{Broken, Frame, Inner};
+use crate::dist::tcp::conn::Conn;
+use crate::dist::wire::{encode_header, read_header, FrameKind, Tag};
+use crate::replicate::lock;
+use std::io::{BufReader, Read, Write};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+impl Inner {
+    /// The reading end of the connection to `peer`.
+    pub(super) fn receive(&self, peer: usize, stream: Conn) {
+        let mut r = BufReader::with_capacity(64 << 10, stream);
+        let error = loop {
+            let (tag, len) = match read_header(&mut r) {
+                Ok(h) => h,
+                Err(e) => break e,
+            };
+            let mut payload = {
+                let mut st = lock(&self.state);
+                st.last_seen[peer] = Instant::now();
+                st.pool.pop().unwrap_or_default()
+            };
+            // Pooled buffers stay initialised, so reading into them costs no zero-filling
+            // (only growth is filled, once).
+            payload.resize(len, 0);
+            if let Err(e) = r.read_exact(&mut payload) {
+                break e;
+            }
+            let mut st = lock(&self.state);
+            st.last_seen[peer] = Instant::now();
+            match tag.kind {
+                FrameKind::Heartbeat => st.pool.push(payload),
+                FrameKind::Bye => {
+                    st.departed[peer] = true;
+                    st.pool.push(payload);
+                }
+                FrameKind::Abort => {
+                    let reason = Broken::decode(&payload, peer);
+                    if st.broken.is_none() {
+                        #[cfg(unix)]
+                        crate::launch::note_loss(reason.lost.or(Some(peer)));
+                    }
+                    st.broken.get_or_insert(reason);
+                }
+                FrameKind::Data | FrameKind::Desc => {
+                    st.inbox[peer].push_back(Frame { tag, payload })
+                }
+            }
+            drop(st);
+            self.changed.notify_all();
+            if tag.kind == FrameKind::Abort {
+                self.ring_all_doorbells();
+            } else {
+                self.ring_doorbell(peer);
+            }
+        };
+        let (closing, departed) = {
+            let st = lock(&self.state);
+            (st.closing, st.departed[peer])
+        };
+        if closing {
+            return;
+        }
+        if departed {
+            self.changed.notify_all();
+            self.ring_doorbell(peer);
+            return;
+        }
+        let detail = match error.kind() {
+            std::io::ErrorKind::UnexpectedEof
+            | std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::ConnectionAborted => {
+                "its connection closed: the process exited, crashed or was killed".to_string()
+            }
+            _ => format!("reading from it failed: {error}"),
+        };
+        self.fail(Broken {
+            lost: Some(peer),
+            detail,
+        });
+    }
+
+    /// Sends heartbeats to quiet connections and declares silent peers lost.
+    pub(super) fn heartbeat(&self) {
+        let interval = (self.options.peer_timeout / 5)
+            .clamp(Duration::from_millis(20), Duration::from_secs(5));
+        let (stop, cv) = &self.stop;
+        let mut stopped = lock(stop);
+        loop {
+            // Checked under the lock before every wait: a stop set before this thread first
+            // waits must not be missed.
+            if *stopped {
+                return;
+            }
+            stopped = cv
+                .wait_timeout(stopped, interval)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            if *stopped {
+                return;
+            }
+            let overdue = {
+                let st = lock(&self.state);
+                if st.broken.is_some() {
+                    None
+                } else {
+                    (0..self.world).find(|&p| {
+                        p != self.rank
+                            && !st.departed[p]
+                            && st.last_seen[p].elapsed() > self.options.peer_timeout
+                    })
+                }
+            };
+            if let Some(p) = overdue {
+                self.fail(Broken {
+                    lost: Some(p),
+                    detail: format!(
+                        "no message or heartbeat from it for {:?}: the process hangs, was \
+                         stopped, or the network is down",
+                        self.options.peer_timeout
+                    ),
+                });
+            }
+            let now = self.now_ms();
+            let header = encode_header(Tag::control(FrameKind::Heartbeat), 0);
+            for w in self.writers.iter().flatten() {
+                if now.saturating_sub(w.last_sent_ms.load(Ordering::Relaxed))
+                    >= interval.as_millis() as u64
+                {
+                    if let Ok(mut s) = w.stream.try_lock() {
+                        let _ = s.write_all(&header);
+                        w.last_sent_ms.store(now, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+    }
+}
