@@ -1,5 +1,7 @@
 //! DataParallel gives the plain model's numbers: outputs, gradients and training trajectories.
 
+mod common;
+
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{loss, Optimizer, VarBuilder, VarMap};
 use candle_parallel::cifar::Net;
@@ -7,6 +9,7 @@ use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::rng::Rng;
 use candle_parallel::{DataParallel, DataParallelConfig, Error};
+use common::max_abs_diff;
 use std::collections::HashMap;
 
 const SEED: u64 = 17;
@@ -35,19 +38,6 @@ fn labels(batch: usize, seed: u64) -> Tensor {
     let mut rng = Rng::new(seed ^ 0xABCD);
     let v: Vec<u32> = (0..batch).map(|_| rng.below(10) as u32).collect();
     Tensor::from_vec(v, batch, &Device::Cpu).unwrap()
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 fn by_name(varmap: &VarMap) -> HashMap<String, Var> {

@@ -108,15 +108,7 @@ fn every_collective_matches_local_values_over_unix_sockets_without_shared_memory
 
 #[test]
 fn every_collective_matches_local_values_in_a_tcp_group_of_one() {
-    let r = Rendezvous {
-        master_addr: "127.0.0.1".into(),
-        master_port: common::free_port(),
-        rank: 0,
-        world_size: 1,
-        local_rank: 0,
-        local_world_size: 1,
-    };
-    let pg = ProcessGroup::new(&r, &Device::Cpu, options()).unwrap();
+    let pg = ProcessGroup::new(&common::solo_rendezvous(), &Device::Cpu, options()).unwrap();
     assert_eq!(pg.transports(), [None]);
     check_collectives(&pg);
 }

@@ -12,7 +12,7 @@ use candle_parallel::dist::{Backend, InitOptions, ProcessGroup, ReduceOp, Rendez
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::{DataParallel, Error};
-use common::{is_child, Ranks, DONE};
+use common::{is_child, max_abs_diff, solo_rendezvous, Ranks, DONE};
 use std::time::Duration;
 
 fn have_gpu() -> bool {
@@ -21,21 +21,6 @@ fn have_gpu() -> bool {
         eprintln!("no GPU visible: skipped");
     }
     n > 0
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.to_device(&Device::Cpu).unwrap();
-    let b = b.to_device(&Device::Cpu).unwrap();
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 fn images(batch: usize, device: &Device) -> Tensor {
@@ -72,7 +57,10 @@ fn data_parallel_over_two_devices_on_gpu_0_matches_one_device() {
         let want = plain.forward(&x).unwrap();
         let got = dp.forward_t(&x, true).unwrap();
         assert!(got.device().same_device(&d0));
-        assert!(max_diff(&got, &want) <= 1e-5, "step {step}: outputs differ");
+        assert!(
+            max_abs_diff(&got, &want) <= 1e-5,
+            "step {step}: outputs differ"
+        );
         plain_opt
             .backward_step(&loss::cross_entropy(&want, &y).unwrap())
             .unwrap();
@@ -82,7 +70,7 @@ fn data_parallel_over_two_devices_on_gpu_0_matches_one_device() {
     }
     let plain_data = plain_vars.data().lock().unwrap().clone();
     for (name, var) in dp_vars.data().lock().unwrap().iter() {
-        let diff = max_diff(var.as_tensor(), plain_data[name].as_tensor());
+        let diff = max_abs_diff(var.as_tensor(), plain_data[name].as_tensor());
         assert!(diff <= 1e-4, "after 20 steps {name} differs by {diff}");
     }
 }
@@ -109,15 +97,7 @@ fn nccl_collectives_with_one_rank_return_the_input_on_its_gpu() {
         return;
     }
     let device = Device::new_cuda_with_stream(0).unwrap();
-    let r = Rendezvous {
-        master_addr: "127.0.0.1".into(),
-        master_port: common::free_port(),
-        rank: 0,
-        world_size: 1,
-        local_rank: 0,
-        local_world_size: 1,
-    };
-    let pg = ProcessGroup::new(&r, &device, InitOptions::default()).unwrap();
+    let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitOptions::default()).unwrap();
     assert_eq!(pg.backend(), Backend::Nccl);
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         let x = Tensor::arange(0f32, 12., &Device::Cpu)
@@ -138,19 +118,23 @@ fn nccl_collectives_with_one_rank_return_the_input_on_its_gpu() {
         ] {
             let y = pg.all_reduce(&x, op).unwrap();
             assert!(y.device().same_device(&device));
-            assert_eq!(max_diff(&as_f32(&y), &as_f32(&x)), 0.0, "{op} {dtype:?}");
+            assert_eq!(
+                max_abs_diff(&as_f32(&y), &as_f32(&x)),
+                0.0,
+                "{op} {dtype:?}"
+            );
         }
         let b = pg.broadcast(&x, 0).unwrap();
-        assert_eq!(max_diff(&as_f32(&b), &as_f32(&x)), 0.0);
+        assert_eq!(max_abs_diff(&as_f32(&b), &as_f32(&x)), 0.0);
         let g = pg.all_gather(&x).unwrap();
         assert_eq!(g.len(), 1);
-        assert_eq!(max_diff(&as_f32(&g[0]), &as_f32(&x)), 0.0);
+        assert_eq!(max_abs_diff(&as_f32(&g[0]), &as_f32(&x)), 0.0);
         let s = pg.reduce_scatter(&x, ReduceOp::Sum).unwrap();
-        assert_eq!(max_diff(&as_f32(&s), &as_f32(&x)), 0.0);
+        assert_eq!(max_abs_diff(&as_f32(&s), &as_f32(&x)), 0.0);
         let many = pg
             .all_reduce_many(&[x.clone(), x.clone()], ReduceOp::Sum)
             .unwrap();
-        assert_eq!(max_diff(&as_f32(&many[1]), &as_f32(&x)), 0.0);
+        assert_eq!(max_abs_diff(&as_f32(&many[1]), &as_f32(&x)), 0.0);
     }
     pg.barrier().unwrap();
     // A CPU tensor is refused with a reason, not a crash.

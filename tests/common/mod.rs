@@ -84,6 +84,36 @@ pub fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// The largest absolute difference between two tensors of one shape (on any device).
+pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
+    let cpu = candle_core::Device::Cpu;
+    let (a, b) = (a.to_device(&cpu).unwrap(), b.to_device(&cpu).unwrap());
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// A group of one rank meeting on a free port of 127.0.0.1.
+pub fn solo_rendezvous() -> candle_parallel::dist::Rendezvous {
+    candle_parallel::dist::Rendezvous {
+        master_addr: "127.0.0.1".into(),
+        master_port: free_port(),
+        rank: 0,
+        world_size: 1,
+        local_rank: 0,
+        local_world_size: 1,
+    }
+}
+
 /// Marks a process as a child rank started by [`Ranks::start`].
 pub const CHILD: &str = "CP_TEST_CHILD";
 

@@ -306,9 +306,9 @@ pub(crate) fn futex_wake(word: &AtomicU32) {
     }
 }
 
-/// Sends `fd` over `stream` (SCM_RIGHTS) with one byte of payload.
-pub(crate) fn send_fd(stream: &UnixStream, fd: RawFd) -> std::io::Result<()> {
-    let mut byte = [1u8];
+/// Runs `f` with a message header for one byte of payload (`byte`) and room for one
+/// descriptor in its control buffer.
+fn with_message<R>(byte: &mut [u8; 1], f: impl FnOnce(&mut libc::msghdr) -> R) -> R {
     let mut iov = libc::iovec {
         iov_base: byte.as_mut_ptr().cast(),
         iov_len: 1,
@@ -316,57 +316,56 @@ pub(crate) fn send_fd(stream: &UnixStream, fd: RawFd) -> std::io::Result<()> {
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
     let mut control = vec![0u8; space];
-    // SAFETY: a zeroed msghdr pointing at live buffers; the control message is filled through
-    // the CMSG accessors within `control`.
-    unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
-        if libc::sendmsg(stream.as_raw_fd(), &msg, 0) != 1 {
-            return Err(std::io::Error::last_os_error());
+    // SAFETY: an all-zero msghdr is valid; it points at `iov` and `control`, which outlive `f`.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    f(&mut msg)
+}
+
+/// Sends `fd` over `stream` (SCM_RIGHTS) with one byte of payload.
+pub(crate) fn send_fd(stream: &UnixStream, fd: RawFd) -> std::io::Result<()> {
+    with_message(&mut [1u8], |msg| {
+        // SAFETY: the control buffer has room for one descriptor's message, which is filled
+        // through the CMSG accessors.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+            if libc::sendmsg(stream.as_raw_fd(), msg, 0) != 1 {
+                return Err(std::io::Error::last_os_error());
+            }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Receives one byte and, if it came with one, a descriptor sent by [`send_fd`].
 pub(crate) fn recv_fd(stream: &UnixStream) -> std::io::Result<(u8, Option<OwnedFd>)> {
     let mut byte = [0u8];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: as in `send_fd`.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: recvmsg into live buffers; the descriptor is taken only from a well-formed
-    // SCM_RIGHTS control message.
-    unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
-        if libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) != 1 {
-            return Err(std::io::Error::last_os_error());
+    let fd = with_message(&mut byte, |msg| {
+        // SAFETY: recvmsg into the message's live buffers; the descriptor is taken only from a
+        // well-formed SCM_RIGHTS control message.
+        unsafe {
+            if libc::recvmsg(stream.as_raw_fd(), msg, libc::MSG_CMSG_CLOEXEC) != 1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let cmsg = libc::CMSG_FIRSTHDR(msg);
+            if cmsg.is_null()
+                || (*cmsg).cmsg_level != libc::SOL_SOCKET
+                || (*cmsg).cmsg_type != libc::SCM_RIGHTS
+            {
+                return Ok(None);
+            }
+            let fd = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>());
+            Ok(Some(OwnedFd::from_raw_fd(fd)))
         }
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        if cmsg.is_null()
-            || (*cmsg).cmsg_level != libc::SOL_SOCKET
-            || (*cmsg).cmsg_type != libc::SCM_RIGHTS
-        {
-            return Ok((byte[0], None));
-        }
-        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>());
-        Ok((byte[0], Some(OwnedFd::from_raw_fd(fd))))
-    }
+    })?;
+    Ok((byte[0], fd))
 }
 
 #[cfg(test)]
