@@ -31,6 +31,21 @@ pub fn splitmix64(x: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A seed that differs between calls and between processes, for ids, nonces and job tokens
+/// that must not collide by accident: the standard library's per-process random hashing keys,
+/// mixed with the process id and the time. Not for cryptography.
+pub fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
 /// A 64-bit FNV-1a hash of `bytes`, for deriving seeds from names.
 pub fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
@@ -138,6 +153,12 @@ mod tests {
             .collect();
         assert_eq!(a, b);
         assert_ne!(Rng::new(7).next_u64(), Rng::new(8).next_u64());
+    }
+
+    #[test]
+    fn fresh_seeds_differ_from_call_to_call() {
+        let seeds: std::collections::HashSet<u64> = (0..100).map(|_| fresh_seed()).collect();
+        assert_eq!(seeds.len(), 100);
     }
 
     #[test]

@@ -8,21 +8,10 @@ use super::tcp::connect::{connect_mesh, Identity};
 use super::tcp::mesh::MeshOptions;
 use super::tcp::{Mesh, TcpComm};
 use crate::error::{Error, Result};
+use crate::rng::fresh_seed;
 use candle_core::Device;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
-
-fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(std::process::id());
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish()
-}
 
 /// The store, reached (and on rank 0 hosted) for this rendezvous.
 pub(crate) struct Meeting {
@@ -55,7 +44,7 @@ pub(crate) fn meet(r: &Rendezvous, options: &InitOptions) -> Result<Meeting> {
         r.rank,
         options.rendezvous_timeout,
     )?);
-    let nonce = random_u64().to_le_bytes();
+    let nonce = fresh_seed().to_le_bytes();
     let owner = store.compare_set(&format!("rank/{}", r.rank), None, &nonce)?;
     if owner != nonce {
         return Err(Error::Rendezvous {
@@ -78,7 +67,7 @@ pub(crate) fn meet(r: &Rendezvous, options: &InitOptions) -> Result<Meeting> {
             ),
         });
     }
-    let job = store.compare_set("job", None, &random_u64().to_le_bytes())?;
+    let job = store.compare_set("job", None, &fresh_seed().to_le_bytes())?;
     let job = u64::from_le_bytes(job.as_slice().try_into().map_err(|_| Error::Rendezvous {
         detail: "the store holds an invalid job id".into(),
     })?);

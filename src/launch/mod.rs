@@ -207,12 +207,8 @@ fn token(config: &LaunchConfig) -> String {
     if config.nnodes > 1 {
         return String::new(); // machines cannot agree on a random one
     }
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(std::process::id());
-    let a = h.finish();
-    h.write_u64(a);
-    format!("{a:016x}{:016x}", h.finish())
+    let (a, b) = (crate::rng::fresh_seed(), crate::rng::fresh_seed());
+    format!("{a:016x}{b:016x}")
 }
 
 /// The exit code a launcher should end with for `result`.

@@ -341,10 +341,7 @@ struct ErrorDir(std::path::PathBuf);
 
 impl ErrorDir {
     fn create() -> Result<Self> {
-        use std::hash::{BuildHasher, Hasher};
-        let nonce = std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish();
+        let nonce = crate::rng::fresh_seed();
         let dir =
             std::env::temp_dir().join(format!("candle-run-{}-{nonce:016x}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|source| Error::Io {
