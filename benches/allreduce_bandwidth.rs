@@ -12,7 +12,7 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_parallel::dist::{ProcessGroup, ReduceOp};
+use candle_parallel::distributed::{ProcessGroup, ReduceOp};
 use candle_parallel::launch::{self, LaunchConfig};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

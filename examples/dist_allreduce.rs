@@ -8,7 +8,7 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use candle_parallel::dist::{ProcessGroup, ReduceOp};
+use candle_parallel::distributed::{ProcessGroup, ReduceOp};
 use candle_parallel::launch;
 use clap::Parser;
 

@@ -18,8 +18,8 @@
 //! # Ok(()) }
 //! ```
 
-use crate::replicate::lock;
 use crate::rng::{fnv1a, Rng};
+use crate::sync::lock;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::init::NormalOrUniform;
 use candle_nn::var_builder::SimpleBackend;

@@ -4,7 +4,8 @@
 //! - [`comm`]: scatter, gather, broadcast and reduce_add across candle devices, differentiable.
 //! - [`DataParallel`]: one process, one model, every device (`torch.nn.DataParallel`).
 //! - [`replicate`] and [`parallel_apply`]: the pieces `DataParallel` is made of.
-//! - [`dist`]: process groups (TCP, in-process, NCCL), rendezvous and collectives.
+//! - [`distributed`] (also reachable as `dist`): process groups (TCP, in-process, NCCL),
+//!   rendezvous and collectives, blocking and asynchronous.
 //! - [`sampler::DistributedSampler`]: each rank's share of a dataset.
 //! - [`launch`]: start N ranks (the `candle-run` launcher and its library entry).
 //!
@@ -28,7 +29,7 @@ pub mod cifar;
 pub mod comm;
 pub mod data_parallel;
 pub mod devices;
-pub mod dist;
+pub mod distributed;
 mod error;
 pub mod init;
 #[cfg(unix)]
@@ -38,6 +39,9 @@ pub mod parallel_apply;
 pub mod replicate;
 pub mod rng;
 pub mod sampler;
+mod sync;
 
 pub use data_parallel::{DataParallel, DataParallelConfig};
+/// `torch.distributed`'s short name: the same module as [`distributed`].
+pub use distributed as dist;
 pub use error::{Error, Result};

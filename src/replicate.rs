@@ -25,6 +25,7 @@
 
 use crate::comm::move_to;
 use crate::error::{device_name, Error, Result};
+use crate::sync::lock;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
@@ -170,12 +171,6 @@ impl SimpleBackend for Replica {
     fn contains_tensor(&self, name: &str) -> bool {
         lock(self.varmap.data()).contains_key(name)
     }
-}
-
-/// Locks a mutex, also after another thread panicked while holding it: the data it guards
-/// (names and variable handles) cannot be left half-written by any of our operations.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The variables of `varmap` named in `names`, in that order.

@@ -18,7 +18,7 @@
 //! # Ok(()) }
 //! ```
 
-use crate::dist::ProcessGroup;
+use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::rng::Rng;
 

@@ -3,7 +3,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_parallel::dist::{self, Backend, InitOptions, ReduceOp};
+use candle_parallel::distributed::{self, Backend, InitOptions, ReduceOp};
 use candle_parallel::Error;
 use common::collectives::{check_collectives, check_mismatches};
 use std::time::{Duration, Instant};
@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 #[test]
 fn every_collective_matches_local_values_for_1_to_4_thread_ranks() {
     for world in 1..=4 {
-        let ranks = dist::spawn(world, |pg| {
+        let ranks = distributed::spawn_threads(world, |pg| {
             assert_eq!(pg.backend(), Backend::InProcess);
             check_collectives(&pg);
             Ok(pg.rank())
@@ -24,7 +24,7 @@ fn every_collective_matches_local_values_for_1_to_4_thread_ranks() {
 #[test]
 fn mismatches_fail_on_every_thread_rank_and_the_group_recovers() {
     for world in [2, 3] {
-        dist::spawn(world, |pg| {
+        distributed::spawn_threads(world, |pg| {
             check_mismatches(&pg);
             Ok(())
         })
@@ -34,7 +34,7 @@ fn mismatches_fail_on_every_thread_rank_and_the_group_recovers() {
 
 #[test]
 fn a_rank_that_leaves_early_is_named_by_the_others() {
-    let results = dist::spawn(3, |pg| {
+    let results = distributed::spawn_threads(3, |pg| {
         if pg.rank() == 2 {
             return Ok(None); // leaves without joining the all-reduce
         }
@@ -56,7 +56,7 @@ fn a_rank_that_leaves_early_is_named_by_the_others() {
 #[test]
 fn a_panicking_rank_fails_the_spawn_and_releases_the_others() {
     let started = Instant::now();
-    let err = dist::spawn(2, |pg| {
+    let err = distributed::spawn_threads(2, |pg| {
         if pg.rank() == 1 {
             panic!("rank 1 exploded");
         }
@@ -73,7 +73,7 @@ fn a_late_rank_makes_the_wait_time_out() {
         timeout: Duration::from_millis(200),
         ..Default::default()
     };
-    let results = dist::spawn_with(2, options, |pg| {
+    let results = distributed::spawn_threads_with(2, options, |pg| {
         if pg.rank() == 1 {
             std::thread::sleep(Duration::from_millis(800));
             return Ok(String::new());
@@ -91,7 +91,7 @@ fn a_late_rank_makes_the_wait_time_out() {
 #[test]
 fn gradients_flow_through_the_differentiable_all_reduce() {
     // y = all_reduce(w_r * x_r) summed: d(sum_k c_k * y)/dw_r = x_r * all_reduce(c)_k summed.
-    let grads = dist::spawn(3, |pg| {
+    let grads = distributed::spawn_threads(3, |pg| {
         let r = pg.rank() as f64;
         let w = Var::new(&[1f64 + r, 2.0], &Device::Cpu)?;
         let x = Tensor::new(&[r + 1.0, 1.0], &Device::Cpu)?;
@@ -106,7 +106,7 @@ fn gradients_flow_through_the_differentiable_all_reduce() {
     for (r, g) in grads.iter().enumerate() {
         assert_eq!(g, &[(r as f64 + 1.0) * 6.0, 30.0], "rank {r}");
     }
-    let err = dist::spawn(1, |pg| {
+    let err = distributed::spawn_threads(1, |pg| {
         let x = Tensor::zeros(2, DType::F32, &Device::Cpu)?;
         pg.all_reduce_differentiable(&x, ReduceOp::Max).map(|_| ())
     })

@@ -4,8 +4,8 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use candle_parallel::dist::store::Store;
-use candle_parallel::dist::{Backend, InitOptions, ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::distributed::store::Store;
+use candle_parallel::distributed::{Backend, InitOptions, ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::Error;
 use common::collectives::{check_collectives, check_mismatches};
 use common::{is_child, Ranks, DONE};

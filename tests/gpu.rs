@@ -8,7 +8,7 @@ mod common;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{loss, Optimizer, VarMap};
 use candle_parallel::cifar::Net;
-use candle_parallel::dist::{Backend, InitOptions, ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::distributed::{Backend, InitOptions, ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::{DataParallel, Error};

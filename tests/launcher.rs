@@ -3,7 +3,7 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use candle_parallel::dist::{ProcessGroup, ReduceOp};
+use candle_parallel::distributed::{ProcessGroup, ReduceOp};
 use common::{is_child, Ranks, DONE};
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -20,7 +20,7 @@ fn main() {
         }) => {
             if config.nnodes > 1
                 && config.token.is_none()
-                && std::env::var_os(candle_parallel::dist::TOKEN_VAR).is_none()
+                && std::env::var_os(candle_parallel::distributed::TOKEN_VAR).is_none()
             {
                 eprintln!(
                     "candle-run: warning: CANDLE_PARALLEL_TOKEN is not set; set the same value on \

@@ -11,7 +11,7 @@
 //!
 //! ```no_run
 //! use candle_core::{Device, Tensor};
-//! use candle_parallel::dist::{ProcessGroup, ReduceOp};
+//! use candle_parallel::distributed::{ProcessGroup, ReduceOp};
 //! use candle_parallel::launch;
 //!
 //! fn main() -> candle_parallel::Result<()> {
@@ -33,7 +33,8 @@ mod supervisor;
 pub use cli::{parse_args, Parsed, USAGE};
 pub use supervisor::launch;
 
-use crate::dist::TOKEN_VAR;
+pub use crate::distributed::error_file::{record_error, ERROR_FILE_VAR};
+use crate::distributed::TOKEN_VAR;
 use crate::error::{Error, Result};
 use std::ffi::OsString;
 use std::time::Duration;
@@ -109,39 +110,6 @@ impl LaunchConfig {
             return bad("--master-port", "0 is not a port".into());
         }
         Ok(())
-    }
-}
-
-/// The environment variable naming the file where a rank records why it failed
-/// (torchrun's `TORCHELASTIC_ERROR_FILE`); see [`record_error`].
-pub const ERROR_FILE_VAR: &str = "CANDLE_PARALLEL_ERROR_FILE";
-
-/// Records `error` for the launcher, when this process is a rank started by one, so that when
-/// several ranks fail the launcher can report the one that failed first. [`spawn`] does this
-/// for its ranks; other programs may call it before exiting with an error. Does nothing outside
-/// a launcher.
-pub fn record_error(error: &dyn std::fmt::Display) {
-    if let Some(path) = std::env::var_os(ERROR_FILE_VAR) {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let _ = std::fs::write(path, format!("{nanos}\n{error}"));
-    }
-}
-
-/// Notes, for the launcher, that this rank's process group broke because it lost `rank` (or
-/// for another reason, `None`): a failure of this rank is then a consequence, not the cause.
-/// The first note wins.
-pub(crate) fn note_loss(rank: Option<usize>) {
-    if let Some(path) = std::env::var_os(ERROR_FILE_VAR) {
-        let mut path = path;
-        path.push(".lost");
-        let note = rank.map_or_else(|| "?".to_string(), |r| r.to_string());
-        let _ = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .and_then(|mut f| std::io::Write::write_all(&mut f, note.as_bytes()));
     }
 }
 

@@ -1,7 +1,7 @@
 //! Starting, watching and stopping the ranks of one machine.
 
 use super::{signals, token, LaunchConfig};
-use crate::dist::TOKEN_VAR;
+use crate::distributed::TOKEN_VAR;
 use crate::error::{Error, Result};
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read, Write};

@@ -2,7 +2,7 @@
 //! multi-process (TCP) and the in-process tests, so both backends meet one standard.
 
 use candle_core::{DType, Device, Tensor};
-use candle_parallel::dist::{ProcessGroup, ReduceOp};
+use candle_parallel::distributed::{ProcessGroup, ReduceOp};
 
 pub const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 pub const OPS: [ReduceOp; 5] = [

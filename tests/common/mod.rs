@@ -103,8 +103,8 @@ pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
 }
 
 /// A group of one rank meeting on a free port of 127.0.0.1.
-pub fn solo_rendezvous() -> candle_parallel::dist::Rendezvous {
-    candle_parallel::dist::Rendezvous {
+pub fn solo_rendezvous() -> candle_parallel::distributed::Rendezvous {
+    candle_parallel::distributed::Rendezvous {
         master_addr: "127.0.0.1".into(),
         master_port: free_port(),
         rank: 0,

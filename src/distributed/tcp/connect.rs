@@ -4,8 +4,8 @@
 
 use super::conn::{Conn, Listeners, PeerAddress};
 use super::mesh::{Mesh, MeshOptions, ShmLink};
-use crate::dist::store::Store;
-use crate::dist::wire::{self, io_err, Hello, Purpose};
+use crate::distributed::store::Store;
+use crate::distributed::wire::{self, io_err, Hello, Purpose};
 use crate::error::{Error, Result};
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -26,6 +26,8 @@ pub(crate) struct Identity<'a> {
     pub unix: bool,
     /// Whether ring neighbours on this machine may exchange data through shared memory.
     pub shm: bool,
+    /// The group's prefix for its keys in the store ("" for the world).
+    pub prefix: &'a str,
 }
 
 /// Connects this rank to every other rank of the job.
@@ -43,14 +45,15 @@ pub(crate) fn connect_mesh(
     let listeners = Listeners::bind(local_ip, me.job, rank, me.unix)
         .map_err(io_err(format!("listening on {local_ip} for peers")))?;
     let addr = listeners.address().map_err(io_err("peer listener"))?;
-    store.set(&format!("addr/{rank}"), addr.as_bytes())?;
-    let keys: Vec<String> = (0..world).map(|r| format!("addr/{r}")).collect();
+    let key = |r: usize| format!("{}addr/{r}", me.prefix);
+    store.set(&key(rank), addr.as_bytes())?;
+    let keys: Vec<String> = (0..world).map(key).collect();
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let missing = store.wait(&key_refs, rendezvous_timeout)?;
     if !missing.is_empty() {
         let ranks: Vec<String> = missing
             .iter()
-            .map(|k| k.trim_start_matches("addr/").to_string())
+            .map(|k| k.rsplit('/').next().unwrap_or_default().to_string())
             .collect();
         return Err(Error::Rendezvous {
             detail: format!(
@@ -65,6 +68,7 @@ pub(crate) fn connect_mesh(
     let acceptor = {
         let (stop, token) = (stop.clone(), me.token.to_string());
         let (job, unix, shm, rdz) = (me.job, me.unix, me.shm, rendezvous_timeout);
+        let prefix = me.prefix.to_string();
         std::thread::Builder::new()
             .name("accept-peers".into())
             .spawn(move || {
@@ -75,6 +79,7 @@ pub(crate) fn connect_mesh(
                     job,
                     unix,
                     shm,
+                    prefix: &prefix,
                 };
                 accept_peers(listeners, &me, deadline, rdz, &stop)
             })
@@ -82,7 +87,7 @@ pub(crate) fn connect_mesh(
     };
     let mut streams: Vec<Option<Conn>> = (0..world).map(|_| None).collect();
     let connected: Result<()> = (0..rank).try_for_each(|peer| {
-        let value = store.get(&format!("addr/{peer}"), rendezvous_timeout)?;
+        let value = store.get(&key(peer), rendezvous_timeout)?;
         let text = String::from_utf8_lossy(&value);
         let addr = PeerAddress::parse(&text).ok_or_else(|| Error::Rendezvous {
             detail: format!("rank {peer} published an invalid address {text:?}"),
@@ -112,7 +117,7 @@ pub(crate) fn connect_mesh(
 #[cfg(target_os = "linux")]
 fn share_memory(me: &Identity<'_>, streams: &[Option<Conn>]) -> Vec<Option<ShmLink>> {
     use super::shm::{recv_fd, send_fd, Region};
-    use crate::dist::algorithms::SEGMENT_BYTES;
+    use crate::distributed::algorithms::SEGMENT_BYTES;
     use std::io::{Read, Write};
     let (n, r) = (me.world, me.rank);
     let mut links: Vec<Option<ShmLink>> = (0..n).map(|_| None).collect();

@@ -16,10 +16,10 @@ use super::conn::Conn;
 use super::shm::{futex_wait, futex_wake, Channel, Region};
 mod watch;
 
-use crate::dist::algorithms::Links;
-use crate::dist::wire::{self, encode_header, FrameKind, Tag};
+use crate::distributed::algorithms::Links;
+use crate::distributed::wire::{self, encode_header, FrameKind, Tag};
 use crate::error::{Error, Result};
-use crate::replicate::lock;
+use crate::sync::lock;
 use std::collections::VecDeque;
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -256,8 +256,7 @@ impl Inner {
         self.changed.notify_all();
         self.ring_all_doorbells();
         if fresh {
-            #[cfg(unix)]
-            crate::launch::note_loss(first.lost);
+            crate::distributed::error_file::note_loss(first.lost);
             let payload = first.encode();
             let header = encode_header(Tag::control(FrameKind::Abort), payload.len());
             for w in self.writers.iter().flatten() {
@@ -503,7 +502,7 @@ impl Drop for Mesh {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::algorithms::data;
+    use crate::distributed::algorithms::data;
     use std::net::{TcpListener, TcpStream};
 
     /// A two-rank mesh over loopback.

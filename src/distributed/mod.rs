@@ -1,14 +1,18 @@
 //! Process groups: ranks that find each other and run collectives on candle tensors
-//! (`torch.distributed`).
+//! (`torch.distributed`; also reachable as `candle_parallel::dist`).
 //!
 //! - [`ProcessGroup`] is the one face: `rank`, `world_size`, `all_reduce`, `broadcast`,
-//!   `all_gather`, `reduce_scatter`, `barrier`, on f32, f64, f16 and bf16 tensors of any shape.
-//!   Results stay on the input's device.
+//!   `all_gather`, `reduce_scatter`, `barrier`, on f32, f64, f16 and bf16 tensors of any shape,
+//!   each blocking or asynchronous (`all_reduce_async` and so on, returning a [`Work`]). Results
+//!   stay on the input's device.
 //! - Groups are created from torchrun's or Slurm's environment ([`ProcessGroup::from_env`]),
 //!   from a `tcp://host:port` address ([`ProcessGroup::from_url`]), explicitly
-//!   ([`ProcessGroup::new`] with a [`Rendezvous`]), or as threads of one process ([`spawn`]).
+//!   ([`ProcessGroup::new`] with a [`Rendezvous`]), or as threads of one process
+//!   ([`spawn_threads`]); a group makes groups of some or all of its ranks with
+//!   [`ProcessGroup::new_group`].
 //! - Backends: TCP (host memory over sockets: ring all-reduce, pipelined), in-process (threads
-//!   sharing memory), NCCL (feature `nccl`, on candle's CUDA stream).
+//!   sharing memory), NCCL (feature `nccl`, on a CUDA stream of its own, ordered with candle's
+//!   by events). Every backend reduces by one rule ([`reduce_op`]).
 //! - Ranks meet through a [`store`] hosted by rank 0; connections must present the job token
 //!   (`CANDLE_PARALLEL_TOKEN`, set by `candle-run`).
 //!
@@ -20,14 +24,14 @@
 //!
 //! ```rust
 //! use candle_core::{Device, Tensor};
-//! use candle_parallel::dist::{self, ReduceOp};
+//! use candle_parallel::distributed::{self, ReduceOp};
 //! # fn main() -> candle_parallel::Result<()> {
 //! // Four ranks as threads; with processes, each would call ProcessGroup::from_env instead.
-//! let results = dist::spawn(4, |pg| {
+//! let results = distributed::spawn_threads(4, |pg| {
 //!     let x = Tensor::new(&[pg.rank() as f32, 1.0], &Device::Cpu)?;
 //!     let mean = pg.all_reduce(&x, ReduceOp::Avg)?;
-//!     let from_root = pg.broadcast(&x, 2)?;
-//!     Ok((mean.to_vec1::<f32>()?, from_root.to_vec1::<f32>()?))
+//!     let from_root = pg.broadcast_async(&x, 2)?; // in flight while we go on
+//!     Ok((mean.to_vec1::<f32>()?, from_root.wait()?.to_vec1::<f32>()?))
 //! })?;
 //! for (mean, from_root) in results {
 //!     assert_eq!(mean, [1.5, 1.0]);
@@ -38,17 +42,25 @@
 
 pub(crate) mod algorithms;
 mod autograd;
-pub(crate) mod element;
+mod communicator;
+pub mod error_file;
 mod group;
-mod inproc;
-mod meet;
+pub(crate) mod host_buf;
+mod join;
 #[cfg(feature = "nccl")]
 mod nccl;
+mod options;
+pub mod reduce_op;
 mod rendezvous;
 pub mod store;
 pub(crate) mod tcp;
+mod threads;
 pub(crate) mod wire;
+pub mod work;
 
-pub use group::{Backend, InitOptions, ProcessGroup, ReduceOp, TOKEN_VAR};
-pub use inproc::{spawn, spawn_with};
+pub use group::ProcessGroup;
+pub use options::{Backend, InitOptions, TOKEN_VAR};
+pub use reduce_op::ReduceOp;
 pub use rendezvous::Rendezvous;
+pub use threads::{spawn_threads, spawn_threads_with};
+pub use work::Work;

@@ -13,8 +13,8 @@
 //! steps.
 
 use super::{bounds, data, expect_len, segments, Links};
-use crate::dist::element::HostBuf;
-use crate::dist::ReduceOp;
+use crate::distributed::host_buf::HostBuf;
+use crate::distributed::ReduceOp;
 use crate::error::Result;
 use std::ops::Range;
 
@@ -161,8 +161,8 @@ impl Ring {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::algorithms::testing::run as run_ranks;
-    use crate::dist::algorithms::SEGMENT_BYTES;
+    use crate::distributed::algorithms::testing::run as run_ranks;
+    use crate::distributed::algorithms::SEGMENT_BYTES;
 
     fn values(rank: usize, len: usize) -> Vec<f64> {
         (0..len).map(|i| (rank * 1000 + i) as f64 * 0.5).collect()

@@ -4,11 +4,11 @@ use super::{
     ADD, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS, MAX_VALUE, OK, SET, TIMED_OUT,
     WAIT,
 };
-use crate::dist::wire::{
+use crate::distributed::wire::{
     self, io_err, put_bytes, read_bytes, read_len, read_string, Hello, Purpose,
 };
 use crate::error::{Error, Result};
-use crate::replicate::lock;
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};

@@ -3,7 +3,7 @@
 //! root's predecessor. Every link carries the buffer once, and segments overlap in flight.
 
 use super::{data, expect_len, segments, Links};
-use crate::dist::element::HostBuf;
+use crate::distributed::host_buf::HostBuf;
 use crate::error::Result;
 
 /// Overwrites `buf` on every rank with the root's.
@@ -39,8 +39,8 @@ pub(crate) fn broadcast(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::algorithms::testing::run;
-    use crate::dist::algorithms::SEGMENT_BYTES;
+    use crate::distributed::algorithms::testing::run;
+    use crate::distributed::algorithms::SEGMENT_BYTES;
 
     #[test]
     fn every_rank_gets_the_roots_buffer_from_any_root() {

@@ -4,9 +4,9 @@ use super::{
     millis, put_key, put_value, ADD, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS,
     MAX_VALUE, SET, TIMED_OUT, WAIT,
 };
-use crate::dist::wire::{self, io_err, read_bytes, read_len, read_string, Hello, Purpose};
+use crate::distributed::wire::{self, io_err, read_bytes, read_len, read_string, Hello, Purpose};
 use crate::error::{Error, Result};
-use crate::replicate::lock;
+use crate::sync::lock;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Mutex;

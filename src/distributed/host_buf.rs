@@ -1,11 +1,10 @@
-//! Tensors as host buffers for the host-memory backends, and the element-wise reductions.
+//! Tensors as host buffers for the host-memory backends (TCP, in-process).
 //!
 //! The TCP backend moves raw little-endian bytes between machines. [`HostBuf`] holds a
-//! tensor's elements on the host in their own dtype and reduces received bytes into them.
-//! Half-precision values are reduced through f32 and rounded back after each step, as an
-//! element-wise half-precision reduction does.
+//! tensor's elements on the host in their own dtype and reduces received bytes into them, with
+//! the arithmetic of [`reduce_op`](super::reduce_op).
 
-use super::ReduceOp;
+use super::reduce_op::{check_dtype, Element, ReduceOp};
 use crate::error::Result;
 use candle_core::{CpuStorage, DType, Device, Shape, Storage, Tensor};
 use half::{bf16, f16};
@@ -16,84 +15,6 @@ const _: () = assert!(
     cfg!(target_endian = "little"),
     "candle-parallel needs a little-endian host"
 );
-
-/// A float element type that can cross the wire.
-pub(crate) trait Element: Copy + Send + Sync + 'static {
-    const SIZE: usize;
-    fn from_le(bytes: &[u8]) -> Self;
-    fn reduce(op: ReduceOp, a: Self, b: Self) -> Self;
-    fn div(self, n: usize) -> Self;
-}
-
-macro_rules! float_element {
-    ($t:ty) => {
-        impl Element for $t {
-            const SIZE: usize = std::mem::size_of::<$t>();
-            #[inline(always)]
-            fn from_le(bytes: &[u8]) -> Self {
-                <$t>::from_le_bytes(bytes.try_into().expect("element-sized chunk"))
-            }
-            #[inline(always)]
-            fn reduce(op: ReduceOp, a: Self, b: Self) -> Self {
-                match op {
-                    ReduceOp::Sum | ReduceOp::Avg => a + b,
-                    ReduceOp::Product => a * b,
-                    ReduceOp::Max => max_nan(a, b),
-                    ReduceOp::Min => min_nan(a, b),
-                }
-            }
-            fn div(self, n: usize) -> Self {
-                self / n as $t
-            }
-        }
-    };
-}
-
-macro_rules! half_element {
-    ($t:ty) => {
-        impl Element for $t {
-            const SIZE: usize = 2;
-            #[inline(always)]
-            fn from_le(bytes: &[u8]) -> Self {
-                <$t>::from_le_bytes(bytes.try_into().expect("element-sized chunk"))
-            }
-            #[inline(always)]
-            fn reduce(op: ReduceOp, a: Self, b: Self) -> Self {
-                <$t>::from_f32(f32::reduce(op, a.to_f32(), b.to_f32()))
-            }
-            fn div(self, n: usize) -> Self {
-                <$t>::from_f32(self.to_f32() / n as f32)
-            }
-        }
-    };
-}
-
-float_element!(f32);
-float_element!(f64);
-half_element!(f16);
-half_element!(bf16);
-
-/// Maximum that propagates NaN, as torch's reductions do.
-#[inline(always)]
-fn max_nan<T: PartialOrd + Copy>(a: T, b: T) -> T {
-    #[allow(clippy::eq_op)]
-    if a != a || a > b {
-        a
-    } else {
-        b // also when b is NaN
-    }
-}
-
-/// Minimum that propagates NaN.
-#[inline(always)]
-fn min_nan<T: PartialOrd + Copy>(a: T, b: T) -> T {
-    #[allow(clippy::eq_op)]
-    if a != a || a < b {
-        a
-    } else {
-        b
-    }
-}
 
 /// Reduces `src` (little-endian elements) into `dst` with `op`.
 fn reduce_into<T: Element>(dst: &mut [T], src: &[u8], op: ReduceOp) {
@@ -107,10 +28,10 @@ fn reduce_into<T: Element>(dst: &mut [T], src: &[u8], op: ReduceOp) {
         };
     }
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => lp!(|a, b| T::reduce(ReduceOp::Sum, a, b)),
-        ReduceOp::Product => lp!(|a, b| T::reduce(ReduceOp::Product, a, b)),
-        ReduceOp::Max => lp!(|a, b| T::reduce(ReduceOp::Max, a, b)),
-        ReduceOp::Min => lp!(|a, b| T::reduce(ReduceOp::Min, a, b)),
+        ReduceOp::Sum | ReduceOp::Avg => lp!(|a, b| T::combine(ReduceOp::Sum, a, b)),
+        ReduceOp::Product => lp!(|a, b| T::combine(ReduceOp::Product, a, b)),
+        ReduceOp::Max => lp!(|a, b| T::combine(ReduceOp::Max, a, b)),
+        ReduceOp::Min => lp!(|a, b| T::combine(ReduceOp::Min, a, b)),
     }
 }
 
@@ -129,10 +50,10 @@ fn reduce_pair_into<T: Element>(dst: &mut [T], a: &[u8], b: &[u8], op: ReduceOp)
         };
     }
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => lp!(|x, y| T::reduce(ReduceOp::Sum, x, y)),
-        ReduceOp::Product => lp!(|x, y| T::reduce(ReduceOp::Product, x, y)),
-        ReduceOp::Max => lp!(|x, y| T::reduce(ReduceOp::Max, x, y)),
-        ReduceOp::Min => lp!(|x, y| T::reduce(ReduceOp::Min, x, y)),
+        ReduceOp::Sum | ReduceOp::Avg => lp!(|x, y| T::combine(ReduceOp::Sum, x, y)),
+        ReduceOp::Product => lp!(|x, y| T::combine(ReduceOp::Product, x, y)),
+        ReduceOp::Max => lp!(|x, y| T::combine(ReduceOp::Max, x, y)),
+        ReduceOp::Min => lp!(|x, y| T::combine(ReduceOp::Min, x, y)),
     }
 }
 
@@ -218,20 +139,13 @@ macro_rules! dispatch {
 impl HostBuf {
     /// Copies the elements of `t` (any layout, any device) to the host.
     pub fn from_tensor(t: &Tensor) -> Result<Self> {
+        check_dtype(t.dtype())?;
         let flat = t.flatten_all()?;
         Ok(match t.dtype() {
-            DType::F32 => Self::F32(flat.to_vec1()?),
             DType::F64 => Self::F64(flat.to_vec1()?),
             DType::F16 => Self::F16(flat.to_vec1()?),
             DType::BF16 => Self::BF16(flat.to_vec1()?),
-            other => {
-                return Err(crate::Error::InvalidArgument {
-                    what: "collective dtype",
-                    detail: format!(
-                        "{other:?} is not supported: collectives take f32, f64, f16 or bf16 tensors"
-                    ),
-                })
-            }
+            _ => Self::F32(flat.to_vec1()?),
         })
     }
 
@@ -286,9 +200,9 @@ impl HostBuf {
         dispatch!(self, v => reduce_pair_into(&mut v[range], a, b, op))
     }
 
-    /// Divides every element by `n` (the last step of an average).
+    /// Divides every element by the number of ranks `n` (the last step of an average).
     pub fn divide(&mut self, n: usize) {
-        dispatch!(self, v => v.iter_mut().for_each(|x| *x = x.div(n)))
+        dispatch!(self, v => v.iter_mut().for_each(|x| *x = x.average(n)))
     }
 
     /// Elements `range` as a new buffer.

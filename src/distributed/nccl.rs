@@ -19,7 +19,7 @@ use super::tcp::mesh::Broken;
 use super::tcp::Mesh;
 use super::ReduceOp;
 use crate::error::{device_name, Error, Result};
-use crate::replicate::lock;
+use crate::sync::lock;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::cudarc::nccl::{result, sys};

@@ -2,9 +2,9 @@
 //! the heartbeat thread (which keeps connections audible and notices silent peers).
 
 use super::{Broken, Frame, Inner};
-use crate::dist::tcp::conn::Conn;
-use crate::dist::wire::{encode_header, read_header, FrameKind, Tag};
-use crate::replicate::lock;
+use crate::distributed::tcp::conn::Conn;
+use crate::distributed::wire::{encode_header, read_header, FrameKind, Tag};
+use crate::sync::lock;
 use std::io::{BufReader, Read, Write};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -40,8 +40,7 @@ impl Inner {
                 FrameKind::Abort => {
                     let reason = Broken::decode(&payload, peer);
                     if st.broken.is_none() {
-                        #[cfg(unix)]
-                        crate::launch::note_loss(reason.lost.or(Some(peer)));
+                        crate::distributed::error_file::note_loss(reason.lost.or(Some(peer)));
                     }
                     st.broken.get_or_insert(reason);
                 }

@@ -4,7 +4,7 @@
 //! usable. As each rank waits for all others, this is also a barrier.
 
 use super::Links;
-use crate::dist::wire::{FrameKind, Tag};
+use crate::distributed::wire::{FrameKind, Tag};
 use crate::error::{Error, Result};
 
 /// Checks that every rank describes collective `seq` as `desc`.
@@ -55,7 +55,7 @@ pub(crate) fn describe(seq: u64, calls: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::algorithms::testing::run;
+    use crate::distributed::algorithms::testing::run;
 
     #[test]
     fn agreeing_ranks_pass_and_a_mismatch_fails_everywhere_with_one_message() {

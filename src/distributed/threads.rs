@@ -1,16 +1,21 @@
-//! The in-process backend: ranks are threads of one process and share memory.
+//! The in-process backend: ranks are threads of one process and share memory
+//! ([`spawn_threads`]).
 //!
-//! Each collective is one meeting: every rank leaves its tensors and its description of the
-//! call, and once all are there each rank computes its result from all of them with candle's
-//! own ops, in rank order (so every rank gets the same numbers, and tensors may live on any
-//! device). A rank whose closure ends (returns, fails or panics) leaves the group; ranks
+//! Each collective is one round: every rank leaves its tensors and its description of the call,
+//! and once all are there each rank computes its result from all of them, in rank order, with
+//! the arithmetic every backend shares ([`reduce_op`](super::reduce_op)); tensors may live on
+//! any device. A rank whose closure ends (returns, fails or panics) leaves the group; ranks
 //! waiting for it fail at once, naming it.
 
 use super::algorithms::consensus::describe;
-use super::group::{Backend, Communicator, InitOptions, Inner, ProcessGroup};
+use super::communicator::{Call, Communicator, Connected, GroupPath};
+use super::group::{Membership, ProcessGroup};
+use super::host_buf::{with_bytes, HostBuf};
+use super::options::{Backend, InitOptions};
+use super::work::Finished;
 use super::ReduceOp;
 use crate::error::{Error, Result};
-use crate::replicate::lock;
+use crate::sync::lock;
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -23,17 +28,26 @@ struct Deposit {
     tensors: Vec<Tensor>,
 }
 
-struct Meeting {
+/// One collective's deposits, until every rank has read them.
+struct Round {
     deposits: Vec<Option<Deposit>>,
     readers_left: usize,
 }
 
+/// A group made by `new_group`, until every member has taken its part.
+struct NewGroup {
+    shared: Arc<Shared>,
+    members_left: usize,
+}
+
 struct State {
-    meetings: HashMap<u64, Meeting>,
+    rounds: HashMap<u64, Round>,
+    new_groups: HashMap<u64, NewGroup>,
     /// Why each rank left, once it has.
     left: Vec<Option<String>>,
 }
 
+/// What the thread-ranks of one group share.
 struct Shared {
     world: usize,
     timeout: Duration,
@@ -41,37 +55,67 @@ struct Shared {
     changed: Condvar,
 }
 
-struct InProcessComm {
-    rank: usize,
-    shared: Arc<Shared>,
+impl Shared {
+    fn new(world: usize, timeout: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            world,
+            timeout,
+            state: Mutex::new(State {
+                rounds: HashMap::new(),
+                new_groups: HashMap::new(),
+                left: vec![None; world],
+            }),
+            changed: Condvar::new(),
+        })
+    }
+
+    fn leave(&self, rank: usize, why: &str) {
+        lock(&self.state).left[rank].get_or_insert_with(|| why.to_string());
+        self.changed.notify_all();
+    }
 }
 
-impl InProcessComm {
+struct ThreadComm {
+    rank: usize,
+    shared: Arc<Shared>,
+    /// Groups made by `new_group` leave when their communicator goes; the world's ranks leave
+    /// when their closure ends (see [`Leave`]), which says better why.
+    leave_on_drop: bool,
+}
+
+impl Drop for ThreadComm {
+    fn drop(&mut self) {
+        if self.leave_on_drop {
+            self.shared.leave(self.rank, "it dropped the group");
+        }
+    }
+}
+
+impl ThreadComm {
     /// Deposits this rank's part of collective `seq` and returns every rank's, once all are
     /// there and agree on the description.
-    fn meet(&self, seq: u64, desc: &str, tensors: Vec<Tensor>) -> Result<Vec<Deposit>> {
-        let sh = &self.shared;
+    fn meet(&self, call: &Call, tensors: Vec<Tensor>) -> Result<Vec<Deposit>> {
+        let (sh, seq) = (&self.shared, call.seq);
         let deadline = Instant::now() + sh.timeout;
         let mut st = lock(&sh.state);
         let world = sh.world;
-        st.meetings
+        st.rounds
             .entry(seq)
-            .or_insert_with(|| Meeting {
+            .or_insert_with(|| Round {
                 deposits: vec![None; world],
                 readers_left: world,
             })
             .deposits[self.rank] = Some(Deposit {
-            desc: desc.to_string(),
+            desc: call.desc.clone(),
             tensors,
         });
         sh.changed.notify_all();
         loop {
-            let meeting = &st.meetings[&seq];
-            if meeting.deposits.iter().all(Option::is_some) {
+            let round = &st.rounds[&seq];
+            if round.deposits.iter().all(Option::is_some) {
                 break;
             }
-            let absent =
-                (0..world).find(|&r| meeting.deposits[r].is_none() && st.left[r].is_some());
+            let absent = (0..world).find(|&r| round.deposits[r].is_none() && st.left[r].is_some());
             if let Some(r) = absent {
                 let why = st.left[r].clone().unwrap_or_default();
                 return Err(Error::PeerLost {
@@ -92,14 +136,14 @@ impl InProcessComm {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        let meeting = st.meetings.get_mut(&seq).expect("meeting exists");
-        let all: Vec<Deposit> = meeting.deposits.iter().flatten().cloned().collect();
-        meeting.readers_left -= 1;
-        if meeting.readers_left == 0 {
-            st.meetings.remove(&seq);
+        let round = st.rounds.get_mut(&seq).expect("round exists");
+        let all: Vec<Deposit> = round.deposits.iter().flatten().cloned().collect();
+        round.readers_left -= 1;
+        if round.readers_left == 0 {
+            st.rounds.remove(&seq);
         }
         drop(st);
-        if all.iter().any(|d| d.desc != desc) {
+        if all.iter().any(|d| d.desc != call.desc) {
             let calls: Vec<String> = all.iter().map(|d| d.desc.clone()).collect();
             return Err(Error::Mismatch {
                 detail: describe(seq, &calls),
@@ -119,61 +163,91 @@ fn fresh(t: &Tensor, device: &Device) -> Result<Tensor> {
     Ok(moved.detach())
 }
 
-fn combine(a: &Tensor, b: &Tensor, op: ReduceOp) -> Result<Tensor> {
-    Ok(match op {
-        ReduceOp::Sum | ReduceOp::Avg => (a + b)?,
-        ReduceOp::Product => (a * b)?,
-        ReduceOp::Max => a.maximum(b)?,
-        ReduceOp::Min => a.minimum(b)?,
-    })
-}
-
-/// Reduces tensor `i` of every deposit, in rank order, on `device`.
+/// Reduces tensor `i` of every deposit, in rank order, onto `device`.
 fn reduce(all: &[Deposit], i: usize, op: ReduceOp, device: &Device) -> Result<Tensor> {
-    let mut acc = fresh(&all[0].tensors[i], device)?;
+    let first = &all[0].tensors[i];
+    let mut acc = HostBuf::from_tensor(first)?;
+    let len = acc.len();
     for d in &all[1..] {
-        acc = combine(&acc, &d.tensors[i].to_device(device)?, op)?;
+        with_bytes(&d.tensors[i], |bytes| {
+            acc.reduce_from(0..len, bytes, op);
+            Ok(())
+        })?;
     }
     if op == ReduceOp::Avg {
-        acc = (acc / all.len() as f64)?;
+        acc.divide(all.len());
     }
-    Ok(acc.detach())
+    acc.into_tensor(first.shape(), device)
 }
 
-impl Communicator for InProcessComm {
-    fn all_reduce(&self, seq: u64, desc: &str, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
-        let all = self.meet(seq, desc, ts.to_vec())?;
-        (0..ts.len())
+impl Communicator for ThreadComm {
+    fn all_reduce(&self, call: Call, ts: &[Tensor], op: ReduceOp) -> Result<Finished<Vec<Tensor>>> {
+        let all = self.meet(&call, ts.to_vec())?;
+        let out = (0..ts.len())
             .map(|i| reduce(&all, i, op, ts[i].device()))
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Finished::ready(out))
     }
 
-    fn broadcast(&self, seq: u64, desc: &str, t: &Tensor, root: usize) -> Result<Tensor> {
+    fn broadcast(&self, call: Call, t: &Tensor, root: usize) -> Result<Finished<Tensor>> {
         let mine = if self.rank == root {
             vec![t.clone()]
         } else {
             vec![]
         };
-        let all = self.meet(seq, desc, mine)?;
-        fresh(&all[root].tensors[0], t.device())
+        let all = self.meet(&call, mine)?;
+        Ok(Finished::ready(fresh(&all[root].tensors[0], t.device())?))
     }
 
-    fn all_gather(&self, seq: u64, desc: &str, t: &Tensor) -> Result<Vec<Tensor>> {
-        let all = self.meet(seq, desc, vec![t.clone()])?;
-        all.iter()
+    fn all_gather(&self, call: Call, t: &Tensor) -> Result<Finished<Vec<Tensor>>> {
+        let all = self.meet(&call, vec![t.clone()])?;
+        let out = all
+            .iter()
             .map(|d| fresh(&d.tensors[0], t.device()))
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Finished::ready(out))
     }
 
-    fn reduce_scatter(&self, seq: u64, desc: &str, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let all = self.meet(seq, desc, vec![t.clone()])?;
+    fn reduce_scatter(&self, call: Call, t: &Tensor, op: ReduceOp) -> Result<Finished<Tensor>> {
+        let all = self.meet(&call, vec![t.clone()])?;
         let rows = t.dim(0)? / self.shared.world;
         let reduced = reduce(&all, 0, op, t.device())?;
-        Ok(reduced.narrow(0, self.rank * rows, rows)?.contiguous()?)
+        Ok(Finished::ready(
+            reduced.narrow(0, self.rank * rows, rows)?.contiguous()?,
+        ))
     }
 
-    fn check(&self, seq: u64, desc: &str) -> Result<()> {
-        self.meet(seq, desc, vec![]).map(|_| ())
+    fn check(&self, call: &Call) -> Result<()> {
+        self.meet(call, vec![]).map(|_| ())
+    }
+
+    /// The first member to arrive makes the new group's shared state; the others take it.
+    fn split(&self, call: &Call, members: &[usize], _: &GroupPath) -> Result<Option<Connected>> {
+        let Some(rank) = members.iter().position(|&r| r == self.rank) else {
+            return Ok(None);
+        };
+        let shared = {
+            let mut st = lock(&self.shared.state);
+            let entry = st.new_groups.entry(call.seq).or_insert_with(|| NewGroup {
+                shared: Shared::new(members.len(), self.shared.timeout),
+                members_left: members.len(),
+            });
+            entry.members_left -= 1;
+            let shared = entry.shared.clone();
+            if entry.members_left == 0 {
+                st.new_groups.remove(&call.seq);
+            }
+            shared
+        };
+        Ok(Some(Connected {
+            comm: Box::new(ThreadComm {
+                rank,
+                shared,
+                leave_on_drop: true,
+            }),
+            store: None,
+            server: None,
+        }))
     }
 }
 
@@ -186,8 +260,7 @@ struct Leave<'a> {
 
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
-        lock(&self.shared.state).left[self.rank] = Some(self.why.to_string());
-        self.shared.changed.notify_all();
+        self.shared.leave(self.rank, self.why);
     }
 }
 
@@ -196,25 +269,25 @@ impl Drop for Leave<'_> {
 ///
 /// ```rust
 /// use candle_core::{Device, Tensor};
-/// use candle_parallel::dist::{self, ReduceOp};
+/// use candle_parallel::distributed::{self, ReduceOp};
 /// # fn main() -> candle_parallel::Result<()> {
-/// let sums = dist::spawn(3, |pg| {
+/// let sums = distributed::spawn_threads(3, |pg| {
 ///     let x = Tensor::new(&[pg.rank() as f32 + 1.0], &Device::Cpu)?;
 ///     Ok(pg.all_reduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?[0])
 /// })?;
 /// assert_eq!(sums, [6.0, 6.0, 6.0]);
 /// # Ok(()) }
 /// ```
-pub fn spawn<T, F>(world_size: usize, f: F) -> Result<Vec<T>>
+pub fn spawn_threads<T, F>(world_size: usize, f: F) -> Result<Vec<T>>
 where
     T: Send,
     F: Fn(ProcessGroup) -> Result<T> + Sync,
 {
-    spawn_with(world_size, InitOptions::default(), f)
+    spawn_threads_with(world_size, InitOptions::default(), f)
 }
 
-/// As [`spawn`], with options (only `timeout` applies to in-process groups).
-pub fn spawn_with<T, F>(world_size: usize, options: InitOptions, f: F) -> Result<Vec<T>>
+/// As [`spawn_threads`], with options (only `timeout` applies to in-process groups).
+pub fn spawn_threads_with<T, F>(world_size: usize, options: InitOptions, f: F) -> Result<Vec<T>>
 where
     T: Send,
     F: Fn(ProcessGroup) -> Result<T> + Sync,
@@ -225,15 +298,7 @@ where
             detail: "0: a group needs at least one rank".into(),
         });
     }
-    let shared = Arc::new(Shared {
-        world: world_size,
-        timeout: options.timeout,
-        state: Mutex::new(State {
-            meetings: HashMap::new(),
-            left: vec![None; world_size],
-        }),
-        changed: Condvar::new(),
-    });
+    let shared = Shared::new(world_size, options.timeout);
     let results: Vec<Result<T>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..world_size)
             .map(|rank| {
@@ -246,21 +311,30 @@ where
                             rank,
                             why: "its closure returned",
                         };
-                        let group = ProcessGroup::from_inner(Inner {
+                        let membership = Membership {
                             rank,
                             world_size,
                             local_rank: rank,
                             local_world_size: world_size,
-                            backend: Backend::InProcess,
-                            comm: Box::new(InProcessComm {
+                        };
+                        let connected = Connected {
+                            comm: Box::new(ThreadComm {
                                 rank,
                                 shared: shared.clone(),
+                                leave_on_drop: false,
                             }),
-                            seq: Mutex::new(0),
                             store: None,
-                            _server: None,
-                        });
-                        let out = catch_unwind(AssertUnwindSafe(|| f(group)));
+                            server: None,
+                        };
+                        let out = catch_unwind(AssertUnwindSafe(|| {
+                            let group = ProcessGroup::assemble(
+                                membership,
+                                Backend::InProcess,
+                                GroupPath::default(),
+                                connected,
+                            )?;
+                            f(group)
+                        }));
                         leave.why = match &out {
                             Ok(Ok(_)) => "its closure returned",
                             Ok(Err(_)) => "its closure returned an error",

@@ -1,0 +1,87 @@
+//! What a backend provides: the [`Communicator`] that a [`ProcessGroup`](super::ProcessGroup)
+//! drives from its worker thread.
+
+use super::store::{Store, StoreServer};
+use super::work::Finished;
+use super::ReduceOp;
+use crate::error::Result;
+use candle_core::Tensor;
+use std::sync::Arc;
+
+/// What a backend hands back when it has connected a group.
+pub(crate) struct Connected {
+    pub comm: Box<dyn Communicator>,
+    /// The group's connection to the rendezvous store (absent for in-process groups).
+    pub store: Option<Arc<Store>>,
+    /// Rank 0's store server (the world group's; groups made from it share it).
+    pub server: Option<Arc<StoreServer>>,
+}
+
+/// What a device backend records on the issuing thread, when a collective is issued: the point
+/// in the producing device queue that the collective must wait for (NCCL: a CUDA event).
+pub(crate) type IssueMark = Box<dyn std::any::Any + Send>;
+
+/// One collective as the worker hands it to the backend: its sequence number in the group,
+/// the description every rank must agree on, and what [`Communicator::issue`] recorded.
+pub(crate) struct Call {
+    pub seq: u64,
+    pub desc: String,
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub mark: Option<IssueMark>,
+}
+
+/// Which group a communicator serves: the whole world (the empty path) or a group made by
+/// `new_group`, named by the path of `new_group` calls that made it. Every rank derives the
+/// same name, so it keys the group's entries in the store and its connections.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub(crate) struct GroupPath(pub String);
+
+impl GroupPath {
+    /// The group made by the `new_group` call that was collective `seq` of this group.
+    pub fn child(&self, seq: u64) -> Self {
+        Self(format!("{}/{seq}", self.0))
+    }
+
+    /// A prefix for this group's store keys ("" for the world, whose keys predate groups).
+    pub fn store_prefix(&self) -> String {
+        if self.0.is_empty() {
+            String::new()
+        } else {
+            format!("group{}/", self.0)
+        }
+    }
+
+    /// This group's id within `job`: the job's own id for the world, a mix of both for others,
+    /// so that connections meant for one group are refused by another.
+    pub fn id_within(&self, job: u64) -> u64 {
+        if self.0.is_empty() {
+            job
+        } else {
+            crate::rng::fnv1a(self.0.as_bytes()) ^ job.rotate_left(17)
+        }
+    }
+}
+
+/// A backend's side of a process group. Each collective runs on the group's worker thread, one
+/// at a time, in issue order; every rank agrees on `call.desc` before data moves and fails on
+/// every rank when they do not.
+pub(crate) trait Communicator: Send + Sync {
+    /// Runs on the issuing thread as a collective is issued, before it is queued: device
+    /// backends mark where the inputs are produced. Host backends need nothing.
+    fn issue(&self, _inputs: &[Tensor]) -> Result<Option<IssueMark>> {
+        Ok(None)
+    }
+    fn all_reduce(&self, call: Call, ts: &[Tensor], op: ReduceOp) -> Result<Finished<Vec<Tensor>>>;
+    fn broadcast(&self, call: Call, t: &Tensor, root: usize) -> Result<Finished<Tensor>>;
+    fn all_gather(&self, call: Call, t: &Tensor) -> Result<Finished<Vec<Tensor>>>;
+    fn reduce_scatter(&self, call: Call, t: &Tensor, op: ReduceOp) -> Result<Finished<Tensor>>;
+    /// Only the agreement on `call.desc`: a barrier.
+    fn check(&self, call: &Call) -> Result<()>;
+    /// After the ranks agreed on `call` (a `new_group` of `members`), connects the new group
+    /// `path` on members and returns `None` on the others.
+    fn split(&self, call: &Call, members: &[usize], path: &GroupPath) -> Result<Option<Connected>>;
+    /// How each peer is reached, for backends with per-peer links.
+    fn transports(&self) -> Vec<Option<&'static str>> {
+        Vec::new()
+    }
+}

@@ -1,0 +1,447 @@
+//! `ProcessGroup`: the one face of the distributed layer. Its state, its constructors, and its
+//! collectives, blocking and asynchronous.
+
+use super::communicator::{Call, Communicator, Connected, GroupPath};
+use super::options::{Backend, InitOptions};
+use super::reduce_op::{check_dtype, ReduceOp};
+use super::rendezvous::{config, Rendezvous};
+use super::store::{Store, StoreServer};
+use super::work::{Finished, Work, Worker};
+use crate::error::{Error, Result};
+use candle_core::{Device, Tensor};
+use std::fmt;
+use std::sync::Arc;
+
+/// Where this process stands in a group.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Membership {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+}
+
+impl Membership {
+    pub fn of(r: &Rendezvous) -> Self {
+        Self {
+            rank: r.rank,
+            world_size: r.world_size,
+            local_rank: r.local_rank,
+            local_world_size: r.local_world_size,
+        }
+    }
+}
+
+struct GroupState {
+    /// Declared first, so dropped first: it runs every issued collective to the end before the
+    /// communicator goes.
+    worker: Worker,
+    comm: Arc<dyn Communicator>,
+    membership: Membership,
+    backend: Backend,
+    path: GroupPath,
+    store: Option<Arc<Store>>,
+    /// Rank 0's store server lives as long as any group that needs it.
+    _server: Option<Arc<StoreServer>>,
+}
+
+/// A group of ranks that run collectives together (`torch.distributed`'s process group).
+///
+/// Cheap to clone: clones share one group. Every rank must call the same collectives in the
+/// same order, with tensors of the same shape and dtype; a mismatch is reported as
+/// [`Error::Mismatch`] on every rank, and no data moves. A lost rank makes pending and later
+/// collectives fail with [`Error::PeerLost`] naming it.
+///
+/// Each collective has a blocking form (`all_reduce`) and an asynchronous one
+/// (`all_reduce_async`, returning a [`Work`]). Both run in the order they were issued on this
+/// group, on a thread of the group's own; collectives on different groups (see
+/// [`ProcessGroup::new_group`]) run independently, also at the same time.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    state: Arc<GroupState>,
+}
+
+impl fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("backend", &self.backend())
+            .finish()
+    }
+}
+
+/// "f32 [4, 3]".
+pub(crate) fn describe_tensor(t: &Tensor) -> String {
+    format!("{} {:?}", t.dtype().as_str(), t.dims())
+}
+
+impl<T> Finished<T> {
+    fn map<U>(self, f: impl FnOnce(T) -> U) -> Finished<U> {
+        Finished {
+            value: f(self.value),
+            device: self.device,
+        }
+    }
+}
+
+impl ProcessGroup {
+    /// Joins the group described by torchrun's (or Slurm's) environment, with the job token
+    /// from `CANDLE_PARALLEL_TOKEN`; the backend follows `device` (NCCL for CUDA with the `nccl`
+    /// feature, else TCP).
+    pub fn from_env(device: &Device) -> Result<Self> {
+        Self::new(&Rendezvous::from_env()?, device, InitOptions::from_env())
+    }
+
+    /// Joins the group at `tcp://host:port` as `rank` of `world_size`.
+    pub fn from_url(
+        url: &str,
+        rank: usize,
+        world_size: usize,
+        device: &Device,
+        options: InitOptions,
+    ) -> Result<Self> {
+        Self::new(
+            &Rendezvous::from_url(url, rank, world_size)?,
+            device,
+            options,
+        )
+    }
+
+    /// Joins the group described by `rendezvous`.
+    pub fn new(rendezvous: &Rendezvous, device: &Device, options: InitOptions) -> Result<Self> {
+        rendezvous.validate()?;
+        let backend = options
+            .backend
+            .unwrap_or(if device.is_cuda() && cfg!(feature = "nccl") {
+                Backend::Nccl
+            } else {
+                Backend::Tcp
+            });
+        let connected = match backend {
+            Backend::Tcp => super::tcp::connect(rendezvous, &options)?,
+            Backend::InProcess => {
+                return Err(config(
+                    "backend",
+                    "in-process groups are made by distributed::spawn_threads (ranks are \
+                     threads of one process)",
+                ))
+            }
+            #[cfg(feature = "nccl")]
+            Backend::Nccl => super::nccl::connect(rendezvous, device, &options)?,
+            #[cfg(not(feature = "nccl"))]
+            Backend::Nccl => {
+                return Err(config(
+                    "backend",
+                    "NCCL needs candle-parallel built with the `nccl` feature",
+                ))
+            }
+        };
+        Self::assemble(
+            Membership::of(rendezvous),
+            backend,
+            GroupPath::default(),
+            connected,
+        )
+    }
+
+    /// A group over a connected communicator: the one place a group's state is made.
+    pub(crate) fn assemble(
+        membership: Membership,
+        backend: Backend,
+        path: GroupPath,
+        connected: Connected,
+    ) -> Result<Self> {
+        let name = format!("pg-{backend}-r{}{}", membership.rank, path.0);
+        Ok(Self {
+            state: Arc::new(GroupState {
+                worker: Worker::start(name)?,
+                comm: Arc::from(connected.comm),
+                membership,
+                backend,
+                path,
+                store: connected.store,
+                _server: connected.server,
+            }),
+        })
+    }
+
+    /// This process's rank, in `0..world_size()`.
+    pub fn rank(&self) -> usize {
+        self.state.membership.rank
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.state.membership.world_size
+    }
+
+    /// This process's rank on its machine (`LOCAL_RANK`): the GPU to use.
+    pub fn local_rank(&self) -> usize {
+        self.state.membership.local_rank
+    }
+
+    /// The number of ranks on this machine (`LOCAL_WORLD_SIZE`).
+    pub fn local_world_size(&self) -> usize {
+        self.state.membership.local_world_size
+    }
+
+    /// The transport in use.
+    pub fn backend(&self) -> Backend {
+        self.state.backend
+    }
+
+    /// How this rank reaches each rank of the group: `Some("tcp")`, `Some("unix")` (a
+    /// Unix-domain socket to a rank on this machine), `Some("shm")` (shared memory for data, a
+    /// Unix socket for control) or `None` (itself); empty for backends without per-peer links
+    /// (in-process).
+    pub fn transports(&self) -> Vec<Option<&'static str>> {
+        self.state.comm.transports()
+    }
+
+    /// The rendezvous store (absent for in-process groups).
+    pub fn store(&self) -> Option<&Store> {
+        self.state.store.as_deref()
+    }
+
+    /// Issues one collective: numbers it and queues it behind the group's earlier calls. A call
+    /// that is invalid on this rank fails here, and still takes part in the agreement on its
+    /// description, so that the other ranks see a mismatch instead of waiting for this one.
+    fn issue<T, F>(
+        &self,
+        desc: String,
+        valid: Result<()>,
+        inputs: &[Tensor],
+        run: F,
+    ) -> Result<Work<T>>
+    where
+        T: Send + 'static,
+        F: FnOnce(&dyn Communicator, Call) -> Result<Finished<T>> + Send + 'static,
+    {
+        let comm = self.state.comm.clone();
+        match valid.and_then(|()| comm.issue(inputs)) {
+            Ok(mark) => Ok(self.state.worker.submit(desc.clone(), move |seq| {
+                run(&*comm, Call { seq, desc, mark })
+            })),
+            Err(e) => {
+                let desc = format!("{desc} (invalid on this rank: {e})");
+                let check = self.state.worker.submit(desc.clone(), move |seq| {
+                    let call = Call {
+                        seq,
+                        desc,
+                        mark: None,
+                    };
+                    comm.check(&call).map(Finished::ready)
+                });
+                drop(check);
+                Err(e)
+            }
+        }
+    }
+
+    /// Combines `t` from every rank with `op`; every rank gets the result, on `t`'s device.
+    pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.all_reduce_async(t, op)?.wait()
+    }
+
+    /// [`ProcessGroup::all_reduce`], issued without waiting: returns at once.
+    pub fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Work<Tensor>> {
+        let desc = format!("all_reduce({op}) {}", describe_tensor(t));
+        let ts = vec![t.clone()];
+        self.issue(
+            desc,
+            check_dtype(t.dtype()),
+            std::slice::from_ref(t),
+            move |comm, call| Ok(comm.all_reduce(call, &ts, op)?.map(|mut v| v.remove(0))),
+        )
+    }
+
+    /// All-reduces several tensors of one dtype as one collective (one NCCL group, one
+    /// coalesced transfer over TCP); returns them in order.
+    pub fn all_reduce_many(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
+        self.all_reduce_many_async(ts, op)?.wait()
+    }
+
+    /// [`ProcessGroup::all_reduce_many`], issued without waiting: returns at once.
+    pub fn all_reduce_many_async(&self, ts: &[Tensor], op: ReduceOp) -> Result<Work<Vec<Tensor>>> {
+        let valid = ts.iter().try_for_each(|t| {
+            check_dtype(t.dtype())?;
+            if t.dtype() != ts[0].dtype() {
+                return Err(Error::InvalidArgument {
+                    what: "all_reduce_many tensors",
+                    detail: format!(
+                        "dtypes {:?} and {:?} mixed; pass tensors of one dtype",
+                        ts[0].dtype(),
+                        t.dtype()
+                    ),
+                });
+            }
+            Ok(())
+        });
+        let parts: Vec<String> = ts.iter().map(describe_tensor).collect();
+        let desc = format!("all_reduce_many({op}) [{}]", parts.join(", "));
+        let owned = ts.to_vec();
+        self.issue(desc, valid, ts, move |comm, call| {
+            comm.all_reduce(call, &owned, op)
+        })
+    }
+
+    /// Every rank gets `root`'s tensor (the others' `t` gives the expected shape and dtype).
+    pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        self.broadcast_async(t, root)?.wait()
+    }
+
+    /// [`ProcessGroup::broadcast`], issued without waiting: returns at once.
+    pub fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Work<Tensor>> {
+        let valid = check_dtype(t.dtype()).and_then(|()| self.check_rank(root, "broadcast root"));
+        let desc = format!("broadcast(root {root}) {}", describe_tensor(t));
+        let owned = t.clone();
+        self.issue(desc, valid, std::slice::from_ref(t), move |comm, call| {
+            comm.broadcast(call, &owned, root)
+        })
+    }
+
+    /// Every rank gets every rank's `t`, in rank order.
+    pub fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        self.all_gather_async(t)?.wait()
+    }
+
+    /// [`ProcessGroup::all_gather`], issued without waiting: returns at once.
+    pub fn all_gather_async(&self, t: &Tensor) -> Result<Work<Vec<Tensor>>> {
+        let desc = format!("all_gather {}", describe_tensor(t));
+        let owned = t.clone();
+        self.issue(
+            desc,
+            check_dtype(t.dtype()),
+            std::slice::from_ref(t),
+            move |comm, call| comm.all_gather(call, &owned),
+        )
+    }
+
+    /// Reduces `t` across ranks and gives rank `r` the `r`-th of `world_size` equal slices along
+    /// dimension 0 (`torch.distributed.reduce_scatter_tensor`).
+    pub fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.reduce_scatter_async(t, op)?.wait()
+    }
+
+    /// [`ProcessGroup::reduce_scatter`], issued without waiting: returns at once.
+    pub fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Result<Work<Tensor>> {
+        let n = self.world_size();
+        let rows = t.dims().first().copied().unwrap_or(0);
+        let valid = check_dtype(t.dtype()).and_then(|()| {
+            if t.rank() == 0 || rows % n != 0 {
+                return Err(Error::InvalidArgument {
+                    what: "reduce_scatter input",
+                    detail: format!(
+                        "shape {:?}: dimension 0 must be divisible by the world size {n}",
+                        t.dims()
+                    ),
+                });
+            }
+            Ok(())
+        });
+        let desc = format!("reduce_scatter({op}) {}", describe_tensor(t));
+        let owned = t.clone();
+        self.issue(desc, valid, std::slice::from_ref(t), move |comm, call| {
+            comm.reduce_scatter(call, &owned, op)
+        })
+    }
+
+    /// Returns once every rank has called `barrier`.
+    pub fn barrier(&self) -> Result<()> {
+        self.barrier_async()?.wait()
+    }
+
+    /// [`ProcessGroup::barrier`], issued without waiting: the `Work` completes once every rank
+    /// has issued its barrier.
+    pub fn barrier_async(&self) -> Result<Work<()>> {
+        self.issue("barrier".into(), Ok(()), &[], |comm, call| {
+            comm.check(&call).map(Finished::ready)
+        })
+    }
+
+    /// A group of the ranks `ranks` (torch's `new_group`): a channel of their own, whose
+    /// collectives never interleave with this group's. Every rank of this group must call it,
+    /// with the same list, in the same order relative to its other collectives; members get the
+    /// new group, with ranks renumbered in list order (rank `ranks[i]` becomes rank `i`; torch
+    /// sorts the list first, so pass it sorted to get torch's numbering), the others `None`.
+    ///
+    /// `new_group(&(0..world).collect::<Vec<_>>())` gives the whole world a second, independent
+    /// group: DistributedDataParallel and SyncBatchNorm talk on groups of their own this way.
+    ///
+    /// ```rust
+    /// use candle_core::{Device, Tensor};
+    /// use candle_parallel::distributed::{self, ReduceOp};
+    /// # fn main() -> candle_parallel::Result<()> {
+    /// let sums = distributed::spawn_threads(3, |pg| {
+    ///     let x = Tensor::new(&[pg.rank() as f32], &Device::Cpu)?;
+    ///     match pg.new_group(&[0, 2])? {
+    ///         Some(pair) => Ok(Some(pair.all_reduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?[0])),
+    ///         None => Ok(None), // rank 1 is not a member
+    ///     }
+    /// })?;
+    /// assert_eq!(sums, [Some(2.0), None, Some(2.0)]);
+    /// # Ok(()) }
+    /// ```
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
+        let valid = self.check_members(ranks);
+        let desc = format!("new_group {ranks:?}");
+        let members = ranks.to_vec();
+        let parent = self.state.path.clone();
+        let work = self.issue(desc, valid, &[], move |comm, call| {
+            comm.check(&call)?;
+            let path = parent.child(call.seq);
+            let made = comm.split(&call, &members, &path)?;
+            Ok(Finished::ready(made.map(|c| (c, path))))
+        })?;
+        let Some((connected, path)) = work.wait()? else {
+            return Ok(None);
+        };
+        let rank = ranks
+            .iter()
+            .position(|&r| r == self.rank())
+            .expect("the backend made a group for a member");
+        let membership = Membership {
+            rank,
+            world_size: ranks.len(),
+            ..self.state.membership
+        };
+        let connected = Connected {
+            server: connected.server.or_else(|| self.state._server.clone()),
+            ..connected
+        };
+        Self::assemble(membership, self.backend(), path, connected).map(Some)
+    }
+
+    fn check_rank(&self, rank: usize, what: &'static str) -> Result<()> {
+        if rank >= self.world_size() {
+            return Err(Error::InvalidArgument {
+                what,
+                detail: format!(
+                    "rank {rank} is not in the group of {} ranks",
+                    self.world_size()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_members(&self, ranks: &[usize]) -> Result<()> {
+        if ranks.is_empty() {
+            return Err(Error::InvalidArgument {
+                what: "new_group ranks",
+                detail: "the list is empty; a group needs at least one rank".into(),
+            });
+        }
+        for (i, &r) in ranks.iter().enumerate() {
+            self.check_rank(r, "new_group rank")?;
+            if ranks[..i].contains(&r) {
+                return Err(Error::InvalidArgument {
+                    what: "new_group ranks",
+                    detail: format!("rank {r} is listed twice in {ranks:?}"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
