@@ -5,7 +5,9 @@ mod common;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_parallel::distributed::{self, Backend, InitOptions, ReduceOp};
 use candle_parallel::Error;
-use common::collectives::{check_collectives, check_mismatches};
+use common::collectives::{
+    check_async, check_collectives, check_mismatches, check_new_group, check_special_values,
+};
 use std::time::{Duration, Instant};
 
 #[test]
@@ -112,4 +114,53 @@ fn gradients_flow_through_the_differentiable_all_reduce() {
     })
     .unwrap_err();
     assert!(err.to_string().contains("use sum or avg"), "{err}");
+}
+
+#[test]
+fn async_calls_in_flight_give_exact_results_for_1_to_4_thread_ranks() {
+    for world in 1..=4 {
+        distributed::spawn_threads(world, |pg| {
+            check_async(&pg);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn nan_infinities_and_signed_zeros_follow_the_one_rule_for_1_to_3_thread_ranks() {
+    for world in 1..=3 {
+        distributed::spawn_threads(world, |pg| {
+            check_special_values(&pg);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn new_groups_of_thread_ranks_run_beside_their_parent() {
+    for world in [2, 3] {
+        distributed::spawn_threads(world, |pg| {
+            check_new_group(&pg);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn a_rank_that_leaves_while_an_async_call_is_in_flight_is_named_by_wait() {
+    let results = distributed::spawn_threads(3, |pg| {
+        let x = Tensor::ones(1000, DType::F32, &Device::Cpu)?;
+        if pg.rank() == 1 {
+            return Ok(None); // leaves without joining
+        }
+        let work = pg.all_reduce_async(&x, ReduceOp::Sum)?;
+        Ok(Some(work.wait().unwrap_err()))
+    })
+    .unwrap();
+    for err in results.into_iter().flatten() {
+        assert!(matches!(err, Error::PeerLost { rank: 1, .. }), "{err}");
+    }
 }

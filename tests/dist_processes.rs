@@ -7,7 +7,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_parallel::distributed::store::Store;
 use candle_parallel::distributed::{Backend, InitOptions, ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::Error;
-use common::collectives::{check_collectives, check_mismatches};
+use common::collectives::{
+    check_async, check_collectives, check_mismatches, check_new_group, check_special_values,
+};
 use common::{is_child, Ranks, DONE};
 use std::time::{Duration, Instant};
 
@@ -506,4 +508,83 @@ fn bad_local_configuration_fails_fast_with_a_clear_error() {
         .all_reduce(&Tensor::new(&[4f32], &Device::Cpu).unwrap(), ReduceOp::Avg)
         .unwrap();
     assert_eq!(y.to_vec1::<f32>().unwrap(), [4.0]);
+}
+
+#[test]
+fn async_calls_in_flight_give_exact_results_over_1_2_and_3_processes() {
+    let test = "async_calls_in_flight_give_exact_results_over_1_2_and_3_processes";
+    if is_child() {
+        check_async(&join());
+        return done();
+    }
+    for world in 1..=3 {
+        Ranks::world(test, world).assert_all_pass(LIMIT);
+    }
+}
+
+#[test]
+fn nan_infinities_and_signed_zeros_follow_the_one_rule_over_3_processes() {
+    let test = "nan_infinities_and_signed_zeros_follow_the_one_rule_over_3_processes";
+    if is_child() {
+        check_special_values(&join());
+        return done();
+    }
+    Ranks::world(test, 3).assert_all_pass(LIMIT);
+}
+
+#[test]
+fn new_groups_of_processes_run_beside_their_parent() {
+    let test = "new_groups_of_processes_run_beside_their_parent";
+    if is_child() {
+        check_new_group(&join());
+        return done();
+    }
+    Ranks::world(test, 3).assert_all_pass(LIMIT);
+    Ranks::world(test, 2).assert_all_pass(LIMIT);
+}
+
+#[test]
+fn a_rank_killed_while_an_async_call_is_in_flight_is_named_by_wait() {
+    if is_child() {
+        let pg = join();
+        if pg.rank() == 2 {
+            println!("ready");
+            std::thread::sleep(Duration::from_secs(60));
+            return;
+        }
+        let x = Tensor::zeros(1 << 20, DType::F32, &Device::Cpu).unwrap();
+        let work = pg.all_reduce_async(&x, ReduceOp::Sum).unwrap();
+        println!("issued");
+        let err = work.wait().unwrap_err();
+        assert!(matches!(err, Error::PeerLost { rank: 2, .. }), "{err}");
+        // Later calls fail at once too, from wait or from the call itself.
+        let again = pg
+            .all_reduce_async(&x, ReduceOp::Sum)
+            .and_then(|w| w.wait());
+        assert!(again.unwrap_err().to_string().contains("rank 2 was lost"));
+        return done();
+    }
+    let mut ranks = Ranks::world(
+        "a_rank_killed_while_an_async_call_is_in_flight_is_named_by_wait",
+        3,
+    );
+    ranks.wait_for(2, "ready", LIMIT);
+    ranks.wait_for(0, "issued", LIMIT);
+    ranks.wait_for(1, "issued", LIMIT);
+    std::thread::sleep(Duration::from_millis(200));
+    let killed = Instant::now();
+    ranks.kill(2);
+    let ended = ranks.wait(LIMIT);
+    for (i, e) in ended.iter().enumerate().take(2) {
+        assert!(
+            e.status.success() && e.output.contains(DONE),
+            "rank {i}:\n{}",
+            e.output
+        );
+    }
+    assert!(
+        killed.elapsed() < Duration::from_secs(30),
+        "the others took {:?} to notice",
+        killed.elapsed()
+    );
 }

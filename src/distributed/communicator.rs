@@ -80,6 +80,12 @@ pub(crate) trait Communicator: Send + Sync {
     /// After the ranks agreed on `call` (a `new_group` of `members`), connects the new group
     /// `path` on members and returns `None` on the others.
     fn split(&self, call: &Call, members: &[usize], path: &GroupPath) -> Result<Option<Connected>>;
+    /// Whether the backend's own `Max` and `Min` propagate NaN as [`ReduceOp`] defines them;
+    /// where not, the group carries NaN positions beside the data (see
+    /// `ProcessGroup::all_reduce_tensors`).
+    fn max_min_propagate_nan(&self) -> bool {
+        true
+    }
     /// How each peer is reached, for backends with per-peer links.
     fn transports(&self) -> Vec<Option<&'static str>> {
         Vec::new()

@@ -76,13 +76,21 @@ pub(crate) fn describe_tensor(t: &Tensor) -> String {
     format!("{} {:?}", t.dtype().as_str(), t.dims())
 }
 
-impl<T> Finished<T> {
-    fn map<U>(self, f: impl FnOnce(T) -> U) -> Finished<U> {
-        Finished {
-            value: f(self.value),
-            device: self.device,
-        }
-    }
+/// 1 where `t` is NaN, else 0 (-1 and 0 for `Min`), in `t`'s dtype: reduced with `op`, it is
+/// non-zero exactly where some rank had a NaN.
+fn nan_mask(t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    let mask = t.ne(t)?.to_dtype(t.dtype())?;
+    Ok(if op == ReduceOp::Min {
+        mask.neg()?
+    } else {
+        mask
+    })
+}
+
+/// `t` with NaN wherever the reduced `mask` is non-zero.
+fn restore_nan(t: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let nan = t.ones_like()?.affine(0.0, f64::NAN)?;
+    Ok(mask.ne(0.0)?.where_cond(&nan, t)?)
 }
 
 impl ProcessGroup {
@@ -247,13 +255,9 @@ impl ProcessGroup {
     /// [`ProcessGroup::all_reduce`], issued without waiting: returns at once.
     pub fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Work<Tensor>> {
         let desc = format!("all_reduce({op}) {}", describe_tensor(t));
-        let ts = vec![t.clone()];
-        self.issue(
-            desc,
-            check_dtype(t.dtype()),
-            std::slice::from_ref(t),
-            move |comm, call| Ok(comm.all_reduce(call, &ts, op)?.map(|mut v| v.remove(0))),
-        )
+        let work =
+            self.all_reduce_tensors(desc, check_dtype(t.dtype()), std::slice::from_ref(t), op)?;
+        Ok(work.map(|mut v| Ok(v.remove(0))))
     }
 
     /// All-reduces several tensors of one dtype as one collective (one NCCL group, one
@@ -280,10 +284,44 @@ impl ProcessGroup {
         });
         let parts: Vec<String> = ts.iter().map(describe_tensor).collect();
         let desc = format!("all_reduce_many({op}) [{}]", parts.join(", "));
-        let owned = ts.to_vec();
-        self.issue(desc, valid, ts, move |comm, call| {
-            comm.all_reduce(call, &owned, op)
-        })
+        self.all_reduce_tensors(desc, valid, ts, op)
+    }
+
+    /// Issues the all-reduce of `ts`. Where the backend's `Max`/`Min` drop NaN (NCCL), each
+    /// tensor travels with a mask of its NaN positions (reduced in the same collective, by the
+    /// same op), and the waiting thread puts NaN back where any rank had one.
+    fn all_reduce_tensors(
+        &self,
+        desc: String,
+        valid: Result<()>,
+        ts: &[Tensor],
+        op: ReduceOp,
+    ) -> Result<Work<Vec<Tensor>>> {
+        let masked = matches!(op, ReduceOp::Max | ReduceOp::Min)
+            && valid.is_ok()
+            && !self.state.comm.max_min_propagate_nan();
+        let mut all = ts.to_vec();
+        if masked {
+            for t in ts {
+                all.push(nan_mask(t, op)?);
+            }
+        }
+        let inputs = all.clone();
+        let work = self.issue(desc, valid, &inputs, move |comm, call| {
+            comm.all_reduce(call, &all, op)
+        })?;
+        if !masked {
+            return Ok(work);
+        }
+        let n = ts.len();
+        Ok(work.map(move |mut reduced| {
+            let masks = reduced.split_off(n);
+            reduced
+                .iter()
+                .zip(&masks)
+                .map(|(t, mask)| restore_nan(t, mask))
+                .collect()
+        }))
     }
 
     /// Every rank gets `root`'s tensor (the others' `t` gives the expected shape and dtype).
@@ -441,6 +479,49 @@ impl ProcessGroup {
                     detail: format!("rank {r} is listed twice in {ranks:?}"),
                 });
             }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nan_masks_restore_what_a_nan_dropping_max_or_min_lost() -> Result<()> {
+        let cpu = Device::Cpu;
+        let ranks = [
+            [1.0f32, f32::NAN, 3.0, f32::NAN],
+            [2.0, 0.5, f32::NAN, f32::NAN],
+        ];
+        for op in [ReduceOp::Max, ReduceOp::Min] {
+            // What NCCL's kernels do (fmaxf / fminf, like Rust's f32::max / min): drop NaN.
+            let dropping = |a: f32, b: f32| {
+                if op == ReduceOp::Max {
+                    a.max(b)
+                } else {
+                    a.min(b)
+                }
+            };
+            let combine = |a: &[f32], b: &[f32]| -> Vec<f32> {
+                a.iter().zip(b).map(|(&x, &y)| dropping(x, y)).collect()
+            };
+            let data = combine(&ranks[0], &ranks[1]);
+            let masks = ranks
+                .iter()
+                .map(|r| {
+                    nan_mask(&Tensor::new(r, &cpu)?, op)?
+                        .to_vec1::<f32>()
+                        .map_err(Into::into)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mask = combine(&masks[0], &masks[1]);
+            let out = restore_nan(&Tensor::new(data, &cpu)?, &Tensor::new(mask, &cpu)?)?;
+            let out = out.to_vec1::<f32>()?;
+            let first = if op == ReduceOp::Max { 2.0 } else { 1.0 };
+            assert_eq!(out[0], first, "{op}");
+            assert!(out[1..].iter().all(|x| x.is_nan()), "{op}: {out:?}");
         }
         Ok(())
     }

@@ -1,27 +1,46 @@
-//! The NCCL backend: collectives on GPUs, on candle's own CUDA stream.
+//! The NCCL backend: collectives on GPUs, on a CUDA stream of the group's own.
 //!
-//! Each collective is enqueued on the stream of the tensor's candle device, so it is ordered
-//! with candle's kernels and the host never waits for it. The NCCL unique id travels through the
-//! store. A TCP mesh beside the communicator carries the cross-rank agreement on every call
-//! (so mismatches fail on every rank instead of hanging the GPU) and watches the peers: when one
-//! is lost, a watchdog aborts the communicator, which releases kernels waiting for the dead
-//! peer, and every later call fails naming it.
+//! A collective is issued on the caller's thread and run by the group's worker, as on every
+//! backend; what moves the data is NCCL on the group's communication stream:
+//!
+//! - when the call is issued, an event is recorded on the stream that produced the inputs
+//!   (candle's stream, as seen from the issuing thread), and the communication stream waits
+//!   for it before NCCL reads them: the collective sees every kernel launched before the call,
+//!   and none launched after it has to wait;
+//! - outputs are allocated on the communication stream, and [`Work::wait`](super::Work::wait)
+//!   makes the consumer's stream wait for an event recorded after the NCCL call: kernels
+//!   launched afterwards read the result, and the host never waits for the GPU. (cudarc's
+//!   per-buffer events, active once the communication stream exists, order later uses and the
+//!   frees of inputs and outputs across the two streams as well.)
+//!
+//! So compute on candle's stream overlaps communication on the group's stream. Every group has
+//! a stream of its own: two groups' collectives, issued from two threads in any order, never
+//! wait for each other.
+//!
+//! The NCCL unique id travels through the store. A TCP mesh beside the communicator carries the
+//! cross-rank agreement on every call (so mismatches fail on every rank instead of hanging the
+//! GPU) and watches the peers: when one is lost, a watchdog aborts the communicator, which
+//! releases kernels waiting for the dead peer, and every later call fails naming it. Groups
+//! made by `new_group` split the communicator (`ncclCommSplit`) and connect a mesh of their own.
 //!
 //! We hold the raw communicator rather than cudarc's `Comm`, which keeps it private: the
 //! watchdog needs it to call `ncclCommAbort` from its own thread.
 
 use super::algorithms::consensus;
 use super::algorithms::Links;
-use super::group::{Backend, Communicator, InitOptions, Inner, ProcessGroup};
-use super::meet::{form_mesh, meet};
+use super::communicator::{Call, Communicator, Connected, GroupPath, IssueMark};
+use super::join::join;
+use super::options::InitOptions;
 use super::rendezvous::Rendezvous;
 use super::tcp::mesh::Broken;
-use super::tcp::Mesh;
+use super::tcp::{Mesh, MeshContext};
+use super::work::{DeviceCompletion, Finished};
 use super::ReduceOp;
 use crate::error::{device_name, Error, Result};
 use crate::sync::lock;
-use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DriverError,
+};
 use candle_core::cuda_backend::cudarc::nccl::{result, sys};
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{CudaDevice, CudaStorage, Device, Layout, Shape, Tensor};
@@ -29,6 +48,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+/// NCCL's color for ranks that take part in a split but join no new communicator.
+const SPLIT_NO_COLOR: i32 = -1;
 
 /// A raw NCCL communicator.
 struct RawComm(sys::ncclComm_t);
@@ -40,6 +62,7 @@ unsafe impl Send for RawComm {}
 struct Shared {
     /// `None` once aborted: an aborted communicator must never be used again.
     comm: Mutex<Option<RawComm>>,
+    /// The group's communication stream.
     stream: Arc<CudaStream>,
 }
 
@@ -71,13 +94,53 @@ pub(crate) struct NcclComm {
     shared: Arc<Shared>,
     mesh: Arc<Mesh>,
     device: CudaDevice,
+    context: MeshContext,
     stop: Arc<AtomicBool>,
     watchdog: Option<JoinHandle<()>>,
 }
 
+/// What [`NcclComm::issue`] records on the issuing thread.
+struct Issued {
+    /// The inputs, contiguous (made so on the issuing thread's stream).
+    inputs: Vec<Tensor>,
+    /// Recorded on the producing stream once the inputs are made.
+    ready: CudaEvent,
+}
+
+/// A collective enqueued on the communication stream.
+struct Enqueued {
+    done: CudaEvent,
+    device: CudaDevice,
+}
+
+impl DeviceCompletion for Enqueued {
+    fn is_complete(&self) -> bool {
+        self.done.is_complete()
+    }
+
+    fn order_consumer(self: Box<Self>) -> Result<()> {
+        // The device's stream as seen from the waiting thread: where its next kernels go.
+        let consumer = self.device.cuda_stream();
+        consumer
+            .context()
+            .bind_to_thread()
+            .and_then(|()| consumer.wait(&self.done))
+            .map_err(driver_error(
+                "ordering the consumer's stream after the collective",
+            ))
+    }
+}
+
+fn driver_error(op: &'static str) -> impl FnOnce(DriverError) -> Error {
+    move |e| Error::Nccl {
+        op,
+        detail: format!("{e:?}"),
+    }
+}
+
 /// What one NCCL call does.
 #[derive(Clone, Copy)]
-enum Call {
+enum Kind {
     AllReduce(ReduceOp),
     Broadcast(usize),
     AllGather,
@@ -94,32 +157,33 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
-/// One NCCL call as a candle custom op, so that it reads and writes candle's own buffers.
+/// One NCCL call as a candle custom op, so that it reads candle's buffers and hands back a
+/// tensor over a buffer of the communication stream.
 struct NcclOp<'a> {
-    call: Call,
+    kind: Kind,
     comm: sys::ncclComm_t,
-    stream: &'a CudaStream,
+    stream: &'a Arc<CudaStream>,
     world: usize,
 }
 
 impl NcclOp<'_> {
     fn output_len(&self, count: usize) -> usize {
-        match self.call {
-            Call::AllGather => count * self.world,
-            Call::ReduceScatter(_) => count / self.world,
-            Call::AllReduce(_) | Call::Broadcast(_) => count,
+        match self.kind {
+            Kind::AllGather => count * self.world,
+            Kind::ReduceScatter(_) => count / self.world,
+            Kind::AllReduce(_) | Kind::Broadcast(_) => count,
         }
     }
 
     fn output_shape(&self, shape: &Shape) -> Shape {
-        match self.call {
-            Call::AllGather => Shape::from(shape.elem_count() * self.world),
-            Call::ReduceScatter(_) => {
+        match self.kind {
+            Kind::AllGather => Shape::from(shape.elem_count() * self.world),
+            Kind::ReduceScatter(_) => {
                 let mut dims = shape.dims().to_vec();
                 dims[0] /= self.world;
                 Shape::from(dims)
             }
-            Call::AllReduce(_) | Call::Broadcast(_) => shape.clone(),
+            Kind::AllReduce(_) | Kind::Broadcast(_) => shape.clone(),
         }
     }
 
@@ -140,18 +204,18 @@ impl NcclOp<'_> {
         let (sp, dp) = (sp as *const std::ffi::c_void, dp as *mut std::ffi::c_void);
         let st = self.stream.cu_stream() as sys::cudaStream_t;
         // SAFETY: `sp` holds `count` elements and `dp` `output_len(count)` elements of the type
-        // `dt` names, both on the communicator's device; the guards keep them alive and ordered
-        // on `stream` until the call is enqueued.
+        // `dt` names, both on the communicator's device; the guards keep them alive and record
+        // their use on `stream` once the call is enqueued.
         let status = unsafe {
-            match self.call {
-                Call::AllReduce(op) => {
+            match self.kind {
+                Kind::AllReduce(op) => {
                     result::all_reduce(sp, dp, count, dt, nccl_op(op), self.comm, st)
                 }
-                Call::Broadcast(root) => {
+                Kind::Broadcast(root) => {
                     result::broadcast(sp, dp, count, dt, root as i32, self.comm, st)
                 }
-                Call::AllGather => result::all_gather(sp, dp, count, dt, self.comm, st),
-                Call::ReduceScatter(op) => result::reduce_scatter(
+                Kind::AllGather => result::all_gather(sp, dp, count, dt, self.comm, st),
+                Kind::ReduceScatter(op) => result::reduce_scatter(
                     sp,
                     dp,
                     count / self.world,
@@ -192,12 +256,13 @@ impl candle_core::CustomOp1 for NcclOp<'_> {
         };
         let count = end - start;
         let out = self.output_len(count);
-        let dev = s.device();
         macro_rules! run {
             ($src:expr, $t:ty, $variant:ident, $dt:ident) => {{
                 let src = $src.slice(start..end);
-                // SAFETY: NCCL writes every element of the output before anything reads it.
-                let mut dst = unsafe { dev.alloc::<$t>(out)? };
+                // SAFETY: NCCL writes every element of the output before anything reads it
+                // (readers wait for the collective's event).
+                let mut dst =
+                    unsafe { self.stream.alloc::<$t>(out) }.map_err(candle_core::Error::wrap)?;
                 self.enqueue(&src, &mut dst, count, sys::ncclDataType_t::$dt)?;
                 CudaStorageSlice::$variant(dst)
             }};
@@ -211,86 +276,68 @@ impl candle_core::CustomOp1 for NcclOp<'_> {
         };
         let storage = CudaStorage {
             slice,
-            device: dev.clone(),
+            device: s.device.clone(),
         };
         Ok((storage, self.output_shape(l.shape())))
     }
 }
 
 impl NcclComm {
-    /// Agrees on the call (an invalid one on this rank still takes part) and returns the live
-    /// communicator, locked.
-    fn ready(
-        &self,
-        seq: u64,
-        desc: &str,
-        ts: &[&Tensor],
-    ) -> Result<std::sync::MutexGuard<'_, Option<RawComm>>> {
-        let here = Device::Cuda(self.device.clone());
-        if let Some(t) = ts.iter().find(|t| !t.device().same_device(&here)) {
-            let e = Error::InvalidArgument {
-                what: "NCCL tensor device",
-                detail: format!(
-                    "the tensor is on {} but the group's device is {}; move it there first (the \
-                     same candle Device instance)",
-                    device_name(t.device()),
-                    device_name(&here)
-                ),
-            };
-            consensus::check(
-                &*self.mesh,
-                seq,
-                &format!("{desc} (invalid on this rank: {e})"),
-            )?;
-            return Err(e);
-        }
-        consensus::check(&*self.mesh, seq, desc)?;
+    /// Runs `kind` on every input recorded by `issue`, inside one NCCL group, once the ranks
+    /// agree on the call.
+    fn run(&self, call: Call, kind: Kind) -> Result<Finished<Vec<Tensor>>> {
+        let issued = call
+            .mark
+            .and_then(|m| m.downcast::<Issued>().ok())
+            .expect("NcclComm::issue marked the call");
+        consensus::check(&*self.mesh, call.seq, &call.desc)?;
         let guard = lock(&self.shared.comm);
-        if guard.is_none() {
+        let Some(comm) = guard.as_ref().map(|c| c.0) else {
             self.mesh.usable()?;
             return Err(Error::Aborted {
                 reason: "the NCCL communicator was aborted".into(),
             });
-        }
-        self.shared
-            .stream
+        };
+        let stream = &self.shared.stream;
+        stream
             .context()
             .bind_to_thread()
-            .map_err(|e| Error::Nccl {
-                op: "binding the CUDA context",
-                detail: format!("{e:?}"),
-            })?;
-        Ok(guard)
-    }
-
-    /// Runs `call` on every tensor of `ts` inside one NCCL group.
-    fn run(&self, seq: u64, desc: &str, ts: &[&Tensor], call: Call) -> Result<Vec<Tensor>> {
-        let guard = self.ready(seq, desc, ts)?;
-        let comm = guard.as_ref().expect("checked by ready").0;
+            .and_then(|()| stream.wait(&issued.ready))
+            .map_err(driver_error("waiting for the collective's inputs"))?;
         let op = NcclOp {
-            call,
+            kind,
             comm,
-            stream: &self.shared.stream,
+            stream,
             world: self.mesh.world(),
         };
-        let grouped = ts.len() > 1;
+        let grouped = issued.inputs.len() > 1;
         if grouped {
             result::group_start().map_err(|e| self.failed("ncclGroupStart", e))?;
         }
-        let outs: candle_core::Result<Vec<Tensor>> = ts
+        let outs: candle_core::Result<Vec<Tensor>> = issued
+            .inputs
             .iter()
-            .map(|t| t.contiguous()?.apply_op1_no_bwd(&op))
+            .map(|t| t.apply_op1_no_bwd(&op))
             .collect();
         if grouped {
             result::group_end().map_err(|e| self.failed("ncclGroupEnd", e))?;
         }
+        let done = stream.record_event(None);
         drop(guard);
-        outs.map_err(|e| {
+        let outs = outs.map_err(|e| {
             self.mesh.fail(Broken {
                 lost: None,
                 detail: format!("an NCCL call failed on rank {}: {e}", self.mesh.rank()),
             });
             Error::from(e)
+        })?;
+        let done = done.map_err(driver_error("recording the collective's completion"))?;
+        Ok(Finished {
+            value: outs,
+            device: Some(Box::new(Enqueued {
+                done,
+                device: self.device.clone(),
+            })),
         })
     }
 
@@ -302,34 +349,176 @@ impl NcclComm {
         });
         Error::Nccl { op, detail }
     }
+
+    /// Takes over `comm`: gives it a communication stream and a watchdog (and aborts it when
+    /// either cannot be had).
+    fn start(
+        comm: sys::ncclComm_t,
+        mesh: Mesh,
+        device: &CudaDevice,
+        context: MeshContext,
+    ) -> Result<Self> {
+        let stream = match device.cuda_stream().context().new_stream() {
+            Ok(s) => s,
+            Err(e) => {
+                // SAFETY: `comm` is valid and nobody else holds it.
+                let _ = unsafe { result::comm_abort(comm) };
+                return Err(driver_error("creating the communication stream")(e));
+            }
+        };
+        let shared = Arc::new(Shared {
+            comm: Mutex::new(Some(RawComm(comm))),
+            stream,
+        });
+        let mesh = Arc::new(mesh);
+        let stop = Arc::new(AtomicBool::new(false));
+        let watchdog = {
+            let (shared, mesh, stop) = (shared.clone(), mesh.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("nccl-watchdog".into())
+                .spawn(move || watchdog(&shared, &mesh, &stop))
+                .map_err(|source| Error::Io {
+                    context: "starting the NCCL watchdog".into(),
+                    source,
+                })
+        };
+        let watchdog = match watchdog {
+            Ok(w) => w,
+            Err(e) => {
+                shared.abort();
+                return Err(e);
+            }
+        };
+        Ok(Self {
+            shared,
+            mesh,
+            device: device.clone(),
+            context,
+            stop,
+            watchdog: Some(watchdog),
+        })
+    }
 }
 
 impl Communicator for NcclComm {
-    fn all_reduce(&self, seq: u64, desc: &str, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {
-        let refs: Vec<&Tensor> = ts.iter().collect();
-        self.run(seq, desc, &refs, Call::AllReduce(op))
+    /// Checks the inputs' device, makes them contiguous and marks where their producer's stream
+    /// stands, all on the issuing thread.
+    fn issue(&self, inputs: &[Tensor]) -> Result<Option<IssueMark>> {
+        let here = Device::Cuda(self.device.clone());
+        if let Some(t) = inputs.iter().find(|t| !t.device().same_device(&here)) {
+            return Err(Error::InvalidArgument {
+                what: "NCCL tensor device",
+                detail: format!(
+                    "the tensor is on {} but the group's device is {}; move it there first (the \
+                     same candle Device instance)",
+                    device_name(t.device()),
+                    device_name(&here)
+                ),
+            });
+        }
+        let inputs = inputs
+            .iter()
+            .map(Tensor::contiguous)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let producer = self.device.cuda_stream();
+        let ready = producer
+            .context()
+            .bind_to_thread()
+            .and_then(|()| producer.record_event(None))
+            .map_err(driver_error("marking the collective's inputs"))?;
+        Ok(Some(Box::new(Issued { inputs, ready })))
     }
 
-    fn broadcast(&self, seq: u64, desc: &str, t: &Tensor, root: usize) -> Result<Tensor> {
-        Ok(self.run(seq, desc, &[t], Call::Broadcast(root))?.remove(0))
+    fn all_reduce(&self, call: Call, _: &[Tensor], op: ReduceOp) -> Result<Finished<Vec<Tensor>>> {
+        self.run(call, Kind::AllReduce(op))
     }
 
-    fn all_gather(&self, seq: u64, desc: &str, t: &Tensor) -> Result<Vec<Tensor>> {
-        let all = self.run(seq, desc, &[t], Call::AllGather)?.remove(0);
+    fn broadcast(&self, call: Call, _: &Tensor, root: usize) -> Result<Finished<Tensor>> {
+        let mut out = self.run(call, Kind::Broadcast(root))?;
+        Ok(Finished {
+            value: out.value.remove(0),
+            device: out.device,
+        })
+    }
+
+    fn all_gather(&self, call: Call, t: &Tensor) -> Result<Finished<Vec<Tensor>>> {
+        let out = self.run(call, Kind::AllGather)?;
+        let all = &out.value[0];
         let m = t.elem_count();
-        (0..self.mesh.world())
+        // Views of the gathered buffer: no kernel runs here.
+        let parts = (0..self.mesh.world())
             .map(|i| Ok(all.narrow(0, i * m, m)?.reshape(t.shape())?))
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Finished {
+            value: parts,
+            device: out.device,
+        })
     }
 
-    fn reduce_scatter(&self, seq: u64, desc: &str, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        Ok(self
-            .run(seq, desc, &[t], Call::ReduceScatter(op))?
-            .remove(0))
+    fn reduce_scatter(&self, call: Call, _: &Tensor, op: ReduceOp) -> Result<Finished<Tensor>> {
+        let mut out = self.run(call, Kind::ReduceScatter(op))?;
+        Ok(Finished {
+            value: out.value.remove(0),
+            device: out.device,
+        })
     }
 
-    fn check(&self, seq: u64, desc: &str) -> Result<()> {
-        consensus::check(&*self.mesh, seq, desc)
+    fn check(&self, call: &Call) -> Result<()> {
+        consensus::check(&*self.mesh, call.seq, &call.desc)
+    }
+
+    /// Every rank of this group takes part in `ncclCommSplit` (the others with no color); then
+    /// the members connect the new group's mesh.
+    fn split(&self, _: &Call, members: &[usize], path: &GroupPath) -> Result<Option<Connected>> {
+        let position = members.iter().position(|&r| r == self.mesh.rank());
+        let mut split: sys::ncclComm_t = std::ptr::null_mut();
+        {
+            let guard = lock(&self.shared.comm);
+            let Some(comm) = guard.as_ref().map(|c| c.0) else {
+                self.mesh.usable()?;
+                return Err(Error::Aborted {
+                    reason: "the NCCL communicator was aborted".into(),
+                });
+            };
+            self.shared
+                .stream
+                .context()
+                .bind_to_thread()
+                .map_err(driver_error("binding the CUDA context"))?;
+            let (color, key) = match position {
+                Some(p) => (0, p as i32),
+                None => (SPLIT_NO_COLOR, 0),
+            };
+            // SAFETY: a valid communicator, serialised by the lock; `split` receives the new
+            // communicator (null for ranks without a color); a null config inherits the
+            // parent's.
+            unsafe { sys::ncclCommSplit(comm, color, key, &mut split, std::ptr::null_mut()) }
+                .result()
+                .map_err(|e| self.failed("ncclCommSplit", e))?;
+        }
+        let Some(rank) = position else {
+            return Ok(None);
+        };
+        let abort_split = |e: Error| {
+            // SAFETY: the new communicator is valid and nobody else holds it yet.
+            let _ = unsafe { result::comm_abort(split) };
+            e
+        };
+        let (store, mesh) = self
+            .context
+            .connect_group(rank, members.len(), path)
+            .map_err(abort_split)?;
+        let comm = NcclComm::start(split, mesh, &self.device, self.context.clone())?;
+        Ok(Some(Connected {
+            comm: Box::new(comm),
+            store: Some(store),
+            server: None,
+        }))
+    }
+
+    /// NCCL's `Max`/`Min` kernels (`fmaxf`/`fminf`) drop NaN.
+    fn max_min_propagate_nan(&self) -> bool {
+        false
     }
 }
 
@@ -346,7 +535,7 @@ impl Drop for NcclComm {
 }
 
 /// Watches the peers and NCCL's own error state; aborts the communicator when either fails.
-fn watchdog(shared: Arc<Shared>, mesh: Arc<Mesh>, stop: Arc<AtomicBool>) {
+fn watchdog(shared: &Shared, mesh: &Mesh, stop: &AtomicBool) {
     let _ = shared.stream.context().bind_to_thread();
     while !stop.load(Ordering::SeqCst) {
         if mesh.usable().is_err() {
@@ -365,12 +554,8 @@ fn watchdog(shared: Arc<Shared>, mesh: Arc<Mesh>, stop: Arc<AtomicBool>) {
     }
 }
 
-/// Creates an NCCL process group on `device`, one GPU per rank.
-pub(crate) fn nccl_group(
-    r: &Rendezvous,
-    device: &Device,
-    options: &InitOptions,
-) -> Result<ProcessGroup> {
+/// Joins the job described by `r` and connects its NCCL group on `device`, one GPU per rank.
+pub(crate) fn connect(r: &Rendezvous, device: &Device, options: &InitOptions) -> Result<Connected> {
     let Device::Cuda(cuda) = device else {
         return Err(Error::Config {
             what: "backend".into(),
@@ -380,18 +565,25 @@ pub(crate) fn nccl_group(
             ),
         });
     };
-    let meeting = meet(r, options)?;
-    let mesh = Arc::new(form_mesh(r, options, &meeting)?);
+    let joined = join(r, options)?;
+    let context = MeshContext {
+        store_addr: joined.store.addr(),
+        local_ip: joined.store.local_addr().ip(),
+        options: options.clone(),
+        job: joined.job,
+        world_rank: r.rank,
+    };
+    let mesh = context.connect(&joined.store, &GroupPath::default(), r.rank, r.world_size)?;
     let id = if r.rank == 0 {
         let id = result::get_uniqueid().map_err(|e| Error::Nccl {
             op: "ncclGetUniqueId",
             detail: format!("{e:?}"),
         })?;
         let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
-        meeting.store.set("nccl/id", &bytes)?;
+        joined.store.set("nccl/id", &bytes)?;
         id
     } else {
-        let bytes = meeting.store.get("nccl/id", options.rendezvous_timeout)?;
+        let bytes = joined.store.get("nccl/id", options.rendezvous_timeout)?;
         let mut id = sys::ncclUniqueId { internal: [0; 128] };
         if bytes.len() != id.internal.len() {
             return Err(Error::Rendezvous {
@@ -406,11 +598,10 @@ pub(crate) fn nccl_group(
         }
         id
     };
-    let stream = cuda.cuda_stream();
-    stream.context().bind_to_thread().map_err(|e| Error::Nccl {
-        op: "binding the CUDA context",
-        detail: format!("{e:?}"),
-    })?;
+    cuda.cuda_stream()
+        .context()
+        .bind_to_thread()
+        .map_err(driver_error("binding the CUDA context"))?;
     let mut comm = std::mem::MaybeUninit::uninit();
     // SAFETY: `comm` is written by a successful init, which we check before reading it.
     let comm = unsafe {
@@ -422,37 +613,10 @@ pub(crate) fn nccl_group(
         )?;
         comm.assume_init()
     };
-    let shared = Arc::new(Shared {
-        comm: Mutex::new(Some(RawComm(comm))),
-        stream,
-    });
-    let stop = Arc::new(AtomicBool::new(false));
-    let watchdog = {
-        let (shared, mesh, stop) = (shared.clone(), mesh.clone(), stop.clone());
-        std::thread::Builder::new()
-            .name("nccl-watchdog".into())
-            .spawn(move || watchdog(shared, mesh, stop))
-            .map_err(|source| Error::Io {
-                context: "starting the NCCL watchdog".into(),
-                source,
-            })?
-    };
-    let comm = NcclComm {
-        shared,
-        mesh,
-        device: cuda.clone(),
-        stop,
-        watchdog: Some(watchdog),
-    };
-    Ok(ProcessGroup::from_inner(Inner {
-        rank: r.rank,
-        world_size: r.world_size,
-        local_rank: r.local_rank,
-        local_world_size: r.local_world_size,
-        backend: Backend::Nccl,
+    let comm = NcclComm::start(comm, mesh, cuda, context)?;
+    Ok(Connected {
         comm: Box::new(comm),
-        seq: Mutex::new(0),
-        store: Some(meeting.store),
-        _server: meeting.server,
-    }))
+        store: Some(joined.store),
+        server: joined.server,
+    })
 }

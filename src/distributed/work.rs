@@ -84,45 +84,36 @@ impl<T> Slot<T> {
 /// result is discarded.
 #[must_use = "a collective's result is only available through `wait`"]
 pub struct Work<T> {
-    slot: Arc<Slot<T>>,
+    pending: Box<dyn Pending<T>>,
     what: String,
 }
 
-impl<T> Work<T> {
+impl<T: Send + 'static> Work<T> {
     /// Waits for the collective and returns its result. On CUDA devices with NCCL this returns
     /// once the collective is enqueued, and makes the device's stream wait for it: kernels
     /// launched afterwards see the result, and the host never waits for the GPU.
     pub fn wait(self) -> Result<T> {
-        let mut outcome = lock(&self.slot.outcome);
-        while matches!(*outcome, Outcome::Pending) {
-            outcome = self
-                .slot
-                .filled
-                .wait(outcome)
-                .unwrap_or_else(|p| p.into_inner());
-        }
-        match std::mem::replace(&mut *outcome, Outcome::Taken) {
-            Outcome::Done(result) => {
-                drop(outcome);
-                let finished = result?;
-                if let Some(device) = finished.device {
-                    device.order_consumer()?;
-                }
-                Ok(finished.value)
-            }
-            Outcome::Pending | Outcome::Taken => Err(Error::Aborted {
-                reason: format!("{} was already waited for", self.what),
-            }),
-        }
+        self.pending.wait()
     }
 
     /// Whether the collective has finished (successfully or not), on the host and, for device
     /// backends, on the device. Never blocks.
     pub fn is_completed(&self) -> bool {
-        match &*lock(&self.slot.outcome) {
-            Outcome::Pending => false,
-            Outcome::Done(Ok(f)) => f.device.as_ref().is_none_or(|d| d.is_complete()),
-            Outcome::Done(Err(_)) | Outcome::Taken => true,
+        self.pending.is_completed()
+    }
+
+    /// A `Work` whose result is `f` of this one's, applied by `wait` on the waiting thread
+    /// (after the device ordering, so `f` may launch kernels that read the result).
+    pub(crate) fn map<U: Send + 'static>(
+        self,
+        f: impl FnOnce(T) -> Result<U> + Send + 'static,
+    ) -> Work<U> {
+        Work {
+            pending: Box::new(Mapped {
+                inner: self.pending,
+                f,
+            }),
+            what: self.what,
         }
     }
 }
@@ -131,8 +122,59 @@ impl<T> std::fmt::Debug for Work<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Work")
             .field("collective", &self.what)
-            .field("completed", &self.is_completed())
+            .field("completed", &self.pending.is_completed())
             .finish()
+    }
+}
+
+/// What `Work` waits on: a slot the worker fills, possibly behind steps that transform it.
+trait Pending<T>: Send {
+    fn wait(self: Box<Self>) -> Result<T>;
+    fn is_completed(&self) -> bool;
+}
+
+impl<T: Send> Pending<T> for Arc<Slot<T>> {
+    fn wait(self: Box<Self>) -> Result<T> {
+        let mut outcome = lock(&self.outcome);
+        while matches!(*outcome, Outcome::Pending) {
+            outcome = self.filled.wait(outcome).unwrap_or_else(|p| p.into_inner());
+        }
+        let Outcome::Done(result) = std::mem::replace(&mut *outcome, Outcome::Taken) else {
+            unreachable!("a slot is filled once and taken once, by the one Work that owns it")
+        };
+        drop(outcome);
+        let finished = result?;
+        if let Some(device) = finished.device {
+            device.order_consumer()?;
+        }
+        Ok(finished.value)
+    }
+
+    fn is_completed(&self) -> bool {
+        match &*lock(&self.outcome) {
+            Outcome::Pending => false,
+            Outcome::Done(Ok(f)) => f.device.as_ref().is_none_or(|d| d.is_complete()),
+            Outcome::Done(Err(_)) | Outcome::Taken => true,
+        }
+    }
+}
+
+struct Mapped<T, F> {
+    inner: Box<dyn Pending<T>>,
+    f: F,
+}
+
+impl<T, U, F> Pending<U> for Mapped<T, F>
+where
+    F: FnOnce(T) -> Result<U> + Send,
+{
+    fn wait(self: Box<Self>) -> Result<U> {
+        let value = self.inner.wait()?;
+        (self.f)(value)
+    }
+
+    fn is_completed(&self) -> bool {
+        self.inner.is_completed()
     }
 }
 
@@ -195,7 +237,7 @@ impl Worker {
             filled: Condvar::new(),
         });
         let work = Work {
-            slot: slot.clone(),
+            pending: Box::new(slot.clone()),
             what: what.clone(),
         };
         let mut queue = lock(&self.shared.queue);
