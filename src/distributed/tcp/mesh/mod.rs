@@ -9,23 +9,33 @@
 //! - a rank that breaks (a lost peer, a timed-out wait) sends `Abort` to every peer, so ranks
 //!   waiting on someone else fail at once too, naming the rank that was lost.
 //!
-//! Once broken, the mesh stays broken: every later operation fails with the first reason.
+//! Each peer is reached by its socket ([`socket`]: framed I/O), and a ring neighbour on this
+//! machine also by shared memory ([`shm_link`]), which carries its data frames; the algorithms
+//! see one [`Links`] interface either way. How the mesh breaks is [`failure`]'s; the threads
+//! that watch the peers are [`watch`]'s.
 
-use super::conn::Conn;
-#[cfg(target_os = "linux")]
-use super::shm::{futex_wait, futex_wake, Channel, Region};
+mod failure;
+mod shm_link;
+mod socket;
 mod watch;
 
+pub(crate) use failure::Broken;
+pub(crate) use shm_link::ShmLink;
+
+use super::conn::Conn;
 use crate::distributed::algorithms::Links;
 use crate::distributed::wire::{self, encode_header, FrameKind, Tag};
 use crate::error::{Error, Result};
 use crate::sync::lock;
+use socket::{Frame, PeerWriter};
 use std::collections::VecDeque;
 use std::io::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+#[cfg(target_os = "linux")]
+use {super::shm::futex_wait, shm_link::WAIT_SLICE, std::sync::atomic::Ordering};
 
 /// How long to wait for peers.
 #[derive(Clone, Copy, Debug)]
@@ -36,87 +46,19 @@ pub(crate) struct MeshOptions {
     pub peer_timeout: Duration,
 }
 
-/// Why the mesh broke.
-#[derive(Clone, Debug)]
-pub(crate) struct Broken {
-    /// The rank that was lost, when one was.
-    pub lost: Option<usize>,
-    pub detail: String,
-}
-
-impl Broken {
-    pub fn error(&self) -> Error {
-        match self.lost {
-            Some(rank) => Error::PeerLost {
-                rank,
-                detail: self.detail.clone(),
-            },
-            None => Error::Aborted {
-                reason: self.detail.clone(),
-            },
-        }
-    }
-
-    fn encode(&self) -> Vec<u8> {
-        let mut b = self
-            .lost
-            .map_or(u32::MAX, |r| r as u32)
-            .to_le_bytes()
-            .to_vec();
-        b.extend_from_slice(self.detail.as_bytes());
-        b
-    }
-
-    fn decode(payload: &[u8], from: usize) -> Self {
-        let lost = payload
-            .get(..4)
-            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .filter(|&r| r != u32::MAX)
-            .map(|r| r as usize);
-        let detail = String::from_utf8_lossy(payload.get(4..).unwrap_or(&[])).into_owned();
-        Self {
-            lost,
-            detail: format!("{detail} (reported by rank {from})"),
-        }
-    }
-}
-
-struct Frame {
-    tag: Tag,
-    payload: Vec<u8>,
-}
-
+/// What the peers' threads and the collectives share, under one lock.
 struct State {
     inbox: Vec<VecDeque<Frame>>,
     last_seen: Vec<Instant>,
     departed: Vec<bool>,
     broken: Option<Broken>,
     closing: bool,
+    /// Payload buffers for the reader threads to reuse.
     pool: Vec<Vec<u8>>,
 }
 
-struct PeerWriter {
-    stream: Mutex<Conn>,
-    last_sent_ms: AtomicU64,
-}
-
-/// Shared-memory data channels with one peer on this machine.
-#[cfg(target_os = "linux")]
-pub(crate) struct ShmLink {
-    pub send: Channel,
-    pub recv: Channel,
-    /// The mapping both channels point into; dropped (unmapped) after them.
-    pub _region: Region,
-}
-
-#[cfg(not(target_os = "linux"))]
-pub(crate) enum ShmLink {}
-
-/// How long a futex wait sleeps before looking at the mesh's state again.
-#[cfg(target_os = "linux")]
-const WAIT_SLICE: Duration = Duration::from_millis(100);
-
-struct Inner {
+/// A mesh's state, shared by its handle and its threads.
+struct MeshState {
     rank: usize,
     world: usize,
     /// How each peer is reached ("tcp", "unix", "shm"; `None` for this rank).
@@ -134,7 +76,7 @@ struct Inner {
 
 /// The connected ranks of one process group.
 pub(crate) struct Mesh {
-    inner: Arc<Inner>,
+    shared: Arc<MeshState>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -179,7 +121,7 @@ impl Mesh {
             }));
         }
         let now = Instant::now();
-        let inner = Arc::new(Inner {
+        let shared = Arc::new(MeshState {
             rank,
             world,
             kinds,
@@ -201,27 +143,27 @@ impl Mesh {
         });
         let mut threads = Vec::new();
         for (peer, stream) in readers {
-            let inner = inner.clone();
-            threads.push(spawn(format!("recv-{peer}"), move || {
-                inner.receive(peer, stream)
+            let shared = shared.clone();
+            threads.push(start_thread(format!("recv-{peer}"), move || {
+                shared.receive(peer, stream)
             })?);
         }
         if world > 1 {
-            let hb = inner.clone();
-            threads.push(spawn("heartbeat".into(), move || hb.heartbeat())?);
+            let hb = shared.clone();
+            threads.push(start_thread("heartbeat".into(), move || hb.heartbeat())?);
         }
-        Ok(Self { inner, threads })
+        Ok(Self { shared, threads })
     }
 
-    /// How each peer is reached ("tcp", "unix"; `None` for this rank).
+    /// How each peer is reached ("tcp", "unix", "shm"; `None` for this rank).
     pub fn transports(&self) -> Vec<Option<&'static str>> {
-        self.inner.kinds.clone()
+        self.shared.kinds.clone()
     }
 
     /// Fails when the mesh is broken.
     #[cfg_attr(not(any(test, feature = "nccl")), allow(dead_code))]
     pub fn usable(&self) -> Result<()> {
-        match &lock(&self.inner.state).broken {
+        match &lock(&self.shared.state).broken {
             Some(b) => Err(b.error()),
             None => Ok(()),
         }
@@ -231,156 +173,32 @@ impl Mesh {
     /// error that now describes the mesh.
     #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
     pub fn fail(&self, reason: Broken) -> Error {
-        self.inner.fail(reason)
+        self.shared.fail(reason)
     }
 }
 
-fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+fn start_thread(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(name)
         .spawn(f)
         .map_err(wire::io_err("starting a communication thread"))
 }
 
-impl Inner {
+impl MeshState {
     fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
     }
 
-    fn fail(&self, reason: Broken) -> Error {
-        let (first, fresh) = {
-            let mut st = lock(&self.state);
-            let fresh = st.broken.is_none();
-            (st.broken.get_or_insert(reason).clone(), fresh)
-        };
-        self.changed.notify_all();
-        self.ring_all_doorbells();
-        if fresh {
-            crate::distributed::error_file::note_loss(first.lost);
-            let payload = first.encode();
-            let header = encode_header(Tag::control(FrameKind::Abort), payload.len());
-            for w in self.writers.iter().flatten() {
-                // Best effort; a writer held by a send stuck on the lost peer is skipped.
-                if let Ok(mut s) = w.stream.try_lock() {
-                    let _ = s.write_all(&header).and_then(|()| s.write_all(&payload));
-                }
-            }
-        }
-        first.error()
-    }
-
-    /// Wakes this process's waiters on the shared-memory channels with `peer`: a frame from it
-    /// arrived on the socket, or something happened that they must look at.
-    fn ring_doorbell(&self, peer: usize) {
-        #[cfg(target_os = "linux")]
-        if let Some(link) = &self.shm[peer] {
-            for word in [link.recv.produced(), link.send.consumed()] {
-                word.fetch_add(1, Ordering::Release);
-                futex_wake(word);
-            }
-        }
-        #[cfg(not(target_os = "linux"))]
-        let _ = peer;
-    }
-
-    fn ring_all_doorbells(&self) {
-        for p in 0..self.world {
-            self.ring_doorbell(p);
-        }
-    }
-
+    /// Sends a frame to `peer`: through shared memory when the link carries it, else on the
+    /// socket.
     fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()> {
         #[cfg(target_os = "linux")]
         if let Some(link) = &self.shm[peer] {
-            if tag.kind == FrameKind::Data && payload.len() <= link.send.capacity() {
-                return self.send_shm(peer, &link.send, tag, payload);
+            if link.carries(tag, payload.len()) {
+                return self.send_shm(peer, link, tag, payload);
             }
         }
-        if let Some(b) = &lock(&self.state).broken {
-            return Err(b.error());
-        }
-        let writer = self.writers[peer]
-            .as_ref()
-            .ok_or_else(|| Error::InvalidArgument {
-                what: "peer rank",
-                detail: format!("rank {peer} is this rank or outside the group"),
-            })?;
-        let header = encode_header(tag, payload.len());
-        let result = {
-            let mut s = lock(&writer.stream);
-            if payload.len() <= 16 << 10 {
-                let mut b = Vec::with_capacity(header.len() + payload.len());
-                b.extend_from_slice(&header);
-                b.extend_from_slice(payload);
-                s.write_all(&b)
-            } else {
-                s.write_all(&header).and_then(|()| s.write_all(payload))
-            }
-        };
-        writer.last_sent_ms.store(self.now_ms(), Ordering::Relaxed);
-        result.map_err(|e| {
-            let detail = match e.kind() {
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
-                    "it stopped reading for {:?} (hung, stopped or unreachable)",
-                    self.options.peer_timeout
-                ),
-                _ => format!("sending to it failed ({e}): the process exited or was killed"),
-            };
-            self.fail(Broken {
-                lost: Some(peer),
-                detail,
-            })
-        })
-    }
-
-    /// Puts a frame in a free slot of `ch`, waiting for the peer to free one.
-    #[cfg(target_os = "linux")]
-    fn send_shm(&self, peer: usize, ch: &Channel, tag: Tag, payload: &[u8]) -> Result<()> {
-        let deadline = Instant::now() + self.options.timeout;
-        loop {
-            // Read before trying, so that a slot freed after the try ends the wait.
-            let bell = ch.consumed().load(Ordering::Acquire);
-            {
-                let st = lock(&self.state);
-                if let Some(b) = &st.broken {
-                    return Err(b.error());
-                }
-                if ch.try_send(tag, payload) {
-                    return Ok(());
-                }
-                if st.departed[peer] {
-                    drop(st);
-                    return Err(self.departed(peer, tag.seq));
-                }
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(self.timed_out(peer, tag.seq));
-            }
-            futex_wait(ch.consumed(), bell, (deadline - now).min(WAIT_SLICE));
-        }
-    }
-
-    fn departed(&self, peer: usize, seq: u64) -> Error {
-        self.fail(Broken {
-            lost: Some(peer),
-            detail: format!("it shut down its process group before finishing collective #{seq}"),
-        })
-    }
-
-    fn timed_out(&self, peer: usize, seq: u64) -> Error {
-        let waited = self.options.timeout;
-        self.fail(Broken {
-            lost: None,
-            detail: format!(
-                "rank {} timed out after {waited:?} waiting for rank {peer} in collective #{seq}",
-                self.rank
-            ),
-        });
-        Error::Timeout {
-            what: format!("waiting for rank {peer} in collective #{seq}"),
-            waited,
-        }
+        self.send_socket(peer, tag, payload)
     }
 
     /// Waits for the frame `tag` from `peer`, on its socket or in its shared-memory channel,
@@ -397,8 +215,7 @@ impl Inner {
             if let Some(b) = &st.broken {
                 return Err(b.error());
             }
-            if let Some(i) = st.inbox[peer].iter().position(|fr| fr.tag == tag) {
-                let payload = st.inbox[peer].remove(i).expect("found").payload;
+            if let Some(payload) = Self::take_from_inbox(&mut st, peer, tag) {
                 drop(st);
                 let out = f(&payload);
                 self.recycle(payload);
@@ -455,42 +272,35 @@ impl Inner {
             );
         }
     }
-
-    fn recycle(&self, buf: Vec<u8>) {
-        let mut st = lock(&self.state);
-        if st.pool.len() < 32 {
-            st.pool.push(buf);
-        }
-    }
 }
 
 impl Links for Mesh {
     fn rank(&self) -> usize {
-        self.inner.rank
+        self.shared.rank
     }
     fn world(&self) -> usize {
-        self.inner.world
+        self.shared.world
     }
     fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()> {
-        self.inner.send(peer, tag, payload)
+        self.shared.send(peer, tag, payload)
     }
     fn recv_with<R>(&self, peer: usize, tag: Tag, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        self.inner.recv_with(peer, tag, f)
+        self.shared.recv_with(peer, tag, f)
     }
 }
 
 impl Drop for Mesh {
     fn drop(&mut self) {
-        lock(&self.inner.state).closing = true;
-        *lock(&self.inner.stop.0) = true;
-        self.inner.stop.1.notify_all();
+        lock(&self.shared.state).closing = true;
+        *lock(&self.shared.stop.0) = true;
+        self.shared.stop.1.notify_all();
         let bye = encode_header(Tag::control(FrameKind::Bye), 0);
-        for w in self.inner.writers.iter().flatten() {
+        for w in self.shared.writers.iter().flatten() {
             if let Ok(mut s) = w.stream.try_lock() {
                 let _ = s.write_all(&bye);
             }
         }
-        for s in self.inner.sockets.iter().flatten() {
+        for s in self.shared.sockets.iter().flatten() {
             s.shutdown();
         }
         for t in self.threads.drain(..) {

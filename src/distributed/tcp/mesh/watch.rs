@@ -1,7 +1,9 @@
 //! Watching the peers: the thread reading each connection (which notices a peer's loss) and
 //! the heartbeat thread (which keeps connections audible and notices silent peers).
 
-use super::{Broken, Frame, Inner};
+use super::failure::Broken;
+use super::socket::Frame;
+use super::MeshState;
 use crate::distributed::tcp::conn::Conn;
 use crate::distributed::wire::{encode_header, read_header, FrameKind, Tag};
 use crate::sync::lock;
@@ -9,7 +11,7 @@ use std::io::{BufReader, Read, Write};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-impl Inner {
+impl MeshState {
     /// The reading end of the connection to `peer`.
     pub(super) fn receive(&self, peer: usize, stream: Conn) {
         let mut r = BufReader::with_capacity(64 << 10, stream);

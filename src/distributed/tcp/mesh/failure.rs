@@ -1,0 +1,105 @@
+//! The failure protocol: why a mesh broke ([`Broken`]), and how it breaks: once, for the first
+//! reason, telling every peer (an `Abort` frame) and the launcher (the error file), and waking
+//! every waiter. Once broken, a mesh stays broken: every later operation fails with the first
+//! reason.
+
+use super::MeshState;
+use crate::distributed::wire::{encode_header, FrameKind, Tag};
+use crate::error::Error;
+use crate::sync::lock;
+use std::io::Write;
+
+/// Why the mesh broke.
+#[derive(Clone, Debug)]
+pub(crate) struct Broken {
+    /// The rank that was lost, when one was.
+    pub lost: Option<usize>,
+    pub detail: String,
+}
+
+impl Broken {
+    pub fn error(&self) -> Error {
+        match self.lost {
+            Some(rank) => Error::PeerLost {
+                rank,
+                detail: self.detail.clone(),
+            },
+            None => Error::Aborted {
+                reason: self.detail.clone(),
+            },
+        }
+    }
+
+    pub(super) fn encode(&self) -> Vec<u8> {
+        let mut b = self
+            .lost
+            .map_or(u32::MAX, |r| r as u32)
+            .to_le_bytes()
+            .to_vec();
+        b.extend_from_slice(self.detail.as_bytes());
+        b
+    }
+
+    pub(super) fn decode(payload: &[u8], from: usize) -> Self {
+        let lost = payload
+            .get(..4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .filter(|&r| r != u32::MAX)
+            .map(|r| r as usize);
+        let detail = String::from_utf8_lossy(payload.get(4..).unwrap_or(&[])).into_owned();
+        Self {
+            lost,
+            detail: format!("{detail} (reported by rank {from})"),
+        }
+    }
+}
+
+impl MeshState {
+    /// Breaks the mesh for `reason` (unless already broken), tells every peer, and returns the
+    /// error that now describes the mesh.
+    pub(super) fn fail(&self, reason: Broken) -> Error {
+        let (first, fresh) = {
+            let mut st = lock(&self.state);
+            let fresh = st.broken.is_none();
+            (st.broken.get_or_insert(reason).clone(), fresh)
+        };
+        self.changed.notify_all();
+        self.ring_all_doorbells();
+        if fresh {
+            crate::distributed::error_file::note_loss(first.lost);
+            let payload = first.encode();
+            let header = encode_header(Tag::control(FrameKind::Abort), payload.len());
+            for w in self.writers.iter().flatten() {
+                // Best effort; a writer held by a send stuck on the lost peer is skipped.
+                if let Ok(mut s) = w.stream.try_lock() {
+                    let _ = s.write_all(&header).and_then(|()| s.write_all(&payload));
+                }
+            }
+        }
+        first.error()
+    }
+
+    /// `peer` said goodbye while this rank still waits for it in collective `seq`.
+    pub(super) fn departed(&self, peer: usize, seq: u64) -> Error {
+        self.fail(Broken {
+            lost: Some(peer),
+            detail: format!("it shut down its process group before finishing collective #{seq}"),
+        })
+    }
+
+    /// A wait for `peer` in collective `seq` ran out: the mesh breaks, and every peer learns why.
+    pub(super) fn timed_out(&self, peer: usize, seq: u64) -> Error {
+        let waited = self.options.timeout;
+        self.fail(Broken {
+            lost: None,
+            detail: format!(
+                "rank {} timed out after {waited:?} waiting for rank {peer} in collective #{seq}",
+                self.rank
+            ),
+        });
+        Error::Timeout {
+            what: format!("waiting for rank {peer} in collective #{seq}"),
+            waited,
+        }
+    }
+}
