@@ -277,6 +277,39 @@ pub enum Error {
         code: i32,
     },
 
+    /// The ranks built different models under DistributedDataParallel.
+    #[error(
+        "the ranks' models differ at variable `{variable}` ({detail}); every rank must build the \
+         same model (names, shapes and dtypes) before DistributedDataParallel can keep them equal"
+    )]
+    ModelMismatch {
+        /// The first variable that differs.
+        variable: String,
+        /// Which ranks have what.
+        detail: String,
+    },
+
+    /// A variable of a DistributedDataParallel model is not on the device it trains on.
+    #[error(
+        "variable `{name}` is on {found}, but DistributedDataParallel trains on {expected}: \
+         create the model's variables on the device passed to DistributedDataParallel::new"
+    )]
+    VariableNotOnDevice {
+        /// The variable's name in the `VarMap`.
+        name: String,
+        /// Where it is.
+        found: String,
+        /// Where it should be.
+        expected: String,
+    },
+
+    /// DistributedDataParallel's forward and backward passes were not paired.
+    #[error("DistributedDataParallel: {detail}")]
+    UnfinishedReduction {
+        /// What happened and what to call instead.
+        detail: String,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

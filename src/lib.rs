@@ -3,6 +3,8 @@
 //!
 //! - [`comm`]: scatter, gather, broadcast and reduce_add across candle devices, differentiable.
 //! - [`DataParallel`]: one process, one model, every device (`torch.nn.DataParallel`).
+//! - [`DistributedDataParallel`]: one process per device, gradients averaged over the world in
+//!   buckets while backward runs (`torch.nn.parallel.DistributedDataParallel`).
 //! - [`replicate`] and [`parallel_apply`]: the pieces `DataParallel` is made of.
 //! - [`distributed`] (also reachable as `dist`): process groups (TCP, in-process, NCCL),
 //!   rendezvous and collectives, blocking and asynchronous.
@@ -28,6 +30,7 @@ pub mod checkpoint;
 pub mod cifar;
 pub mod comm;
 pub mod data_parallel;
+pub mod ddp;
 pub mod devices;
 pub mod distributed;
 mod error;
@@ -42,6 +45,7 @@ pub mod sampler;
 mod sync;
 
 pub use data_parallel::{DataParallel, DataParallelConfig};
+pub use ddp::{DdpConfig, DistributedDataParallel};
 /// `torch.distributed`'s short name: the same module as [`distributed`].
 pub use distributed as dist;
 pub use error::{Error, Result};

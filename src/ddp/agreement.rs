@@ -1,0 +1,161 @@
+//! Making the ranks' models one: the check that every rank built the same variables, and the
+//! broadcasts of rank 0's values (every variable at construction, the buffers before each
+//! training forward).
+
+use super::bucket::{assign_buckets, BucketParam};
+use super::hook::{Entry, Kind};
+use crate::distributed::ProcessGroup;
+use crate::error::{Error, Result};
+use candle_core::{DType, Device, Tensor, Var};
+
+/// "conv1.weight parameter f32 [6, 3, 5, 5]": what every rank must agree on, variable by variable.
+fn describe(e: &Entry) -> String {
+    let kind = match e.kind {
+        Kind::Parameter => "parameter",
+        Kind::Buffer => "buffer",
+    };
+    format!(
+        "{} {kind} {} {:?}",
+        e.name,
+        e.var.dtype().as_str(),
+        e.var.dims()
+    )
+}
+
+/// Every rank's `bytes`, in rank order (torch's `all_gather_object`, for bytes). Bytes travel
+/// as f32 values, which hold them exactly.
+fn all_gather_bytes(group: &ProcessGroup, bytes: &[u8], device: &Device) -> Result<Vec<Vec<u8>>> {
+    let len = Tensor::new(&[bytes.len() as f64], device)?;
+    let lens: Vec<usize> = group
+        .all_gather(&len)?
+        .iter()
+        .map(|t| Ok(t.to_device(&Device::Cpu)?.to_vec1::<f64>()?[0] as usize))
+        .collect::<Result<_>>()?;
+    let longest = lens.iter().copied().max().unwrap_or(0);
+    let mut padded: Vec<f32> = bytes.iter().map(|&b| f32::from(b)).collect();
+    padded.resize(longest, 0.0);
+    let mine = Tensor::from_vec(padded, longest, &Device::Cpu)?.to_device(device)?;
+    group
+        .all_gather(&mine)?
+        .iter()
+        .zip(&lens)
+        .map(|(t, &n)| {
+            let values = t.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+            Ok(values[..n].iter().map(|&v| v as u8).collect())
+        })
+        .collect()
+}
+
+/// Fails, on every rank and with the same message, unless every rank built the same variables
+/// (names, kinds, dtypes, shapes) in the same order; the message names the first variable that
+/// differs and which ranks have what.
+pub(crate) fn check_same_model(
+    group: &ProcessGroup,
+    entries: &[Entry],
+    device: &Device,
+) -> Result<()> {
+    let mine: Vec<String> = entries.iter().map(describe).collect();
+    let all = all_gather_bytes(group, mine.join("\n").as_bytes(), device)?;
+    let lists: Vec<Vec<String>> = all
+        .iter()
+        .map(|b| {
+            let text = String::from_utf8_lossy(b);
+            if text.is_empty() {
+                Vec::new()
+            } else {
+                text.lines().map(str::to_string).collect()
+            }
+        })
+        .collect();
+    let longest = lists.iter().map(Vec::len).max().unwrap_or(0);
+    for pos in 0..longest {
+        let at: Vec<Option<&String>> = lists.iter().map(|l| l.get(pos)).collect();
+        if at.windows(2).all(|w| w[0] == w[1]) {
+            continue;
+        }
+        // Group the ranks by what they have at this position.
+        let mut groups: Vec<(Option<&String>, Vec<usize>)> = Vec::new();
+        for (rank, d) in at.iter().enumerate() {
+            match groups.iter_mut().find(|(g, _)| g == d) {
+                Some((_, ranks)) => ranks.push(rank),
+                None => groups.push((*d, vec![rank])),
+            }
+        }
+        let variable = at
+            .iter()
+            .flatten()
+            .next()
+            .and_then(|d| d.split(' ').next())
+            .unwrap_or("?")
+            .to_string();
+        let parts: Vec<String> = groups
+            .iter()
+            .map(|(d, ranks)| {
+                let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+                let (who, has) = if ranks.len() == 1 {
+                    ("rank", "has")
+                } else {
+                    ("ranks", "have")
+                };
+                match d {
+                    Some(d) => format!("{who} {} {has} {d}", list.join(", ")),
+                    None => format!("{who} {} {has} no variable there", list.join(", ")),
+                }
+            })
+            .collect();
+        return Err(Error::ModelMismatch {
+            variable,
+            detail: format!("variable #{pos}: {}", parts.join("; ")),
+        });
+    }
+    Ok(())
+}
+
+/// Overwrites `vars` on every rank with rank 0's values: one broadcast per bucket of at most
+/// `bucket_bytes` (per dtype), all issued before the first is waited for.
+pub(crate) fn broadcast_from_rank_0(
+    group: &ProcessGroup,
+    vars: &[Var],
+    bucket_bytes: usize,
+) -> Result<()> {
+    if group.world_size() == 1 || vars.is_empty() {
+        return Ok(());
+    }
+    let params: Vec<BucketParam> = vars
+        .iter()
+        .enumerate()
+        .map(|(index, v)| BucketParam {
+            index,
+            bytes: v.elem_count() * v.dtype().size_in_bytes(),
+            dtype: v.dtype(),
+        })
+        .collect();
+    let buckets = assign_buckets(&params, bucket_bytes, bucket_bytes);
+    let works = buckets
+        .iter()
+        .map(|members| {
+            let parts = members
+                .iter()
+                .map(|&i| vars[i].as_tensor().flatten_all())
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let flat = Tensor::cat(&parts, 0)?;
+            group.broadcast_async(&flat, 0)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for (members, work) in buckets.iter().zip(works) {
+        let flat = work.wait()?;
+        let mut offset = 0;
+        for &i in members {
+            let v = &vars[i];
+            let n = v.elem_count();
+            v.set(&flat.narrow(0, offset, n)?.reshape(v.shape())?)?;
+            offset += n;
+        }
+    }
+    Ok(())
+}
+
+/// Whether `dtype` can travel in a collective (the others stay as each rank has them).
+pub(crate) fn travels(dtype: DType) -> bool {
+    crate::distributed::reduce_op::SUPPORTED_DTYPES.contains(&dtype)
+}

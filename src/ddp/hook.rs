@@ -1,0 +1,178 @@
+//! Where DistributedDataParallel learns that a gradient is ready, and how the model is built so
+//! that it does.
+//!
+//! candle has no gradient hooks, but its backward pass walks the graph in topological order, so
+//! a custom op's `bwd` runs once, after every use of the op's output has contributed, with the
+//! output's complete gradient. [`GradReady`] is such an op: an identity around a parameter.
+//! The model is built (by the user's constructor, through [`Registry`], a `VarBuilder` backend)
+//! over these identities instead of the variables themselves; in backward each parameter's
+//! `GradReady` hands the reducer its gradient the moment it is complete.
+//!
+//! A custom op cannot return storage shared with its input, so the identity's output is a copy
+//! of the variable: [`Registry`] keeps the copies so that DDP refreshes them in place from the
+//! variables before each forward (after the optimizer changed them). Buffers (BatchNorm's
+//! running statistics) are handed out as the `VarMap`'s own variables, so their in-place
+//! updates persist and checkpoints hold them.
+
+use super::reducer::Reducer;
+use crate::error::{device_name, Error};
+use crate::sync::lock;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, Var};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarMap};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// The identity whose backward tells the reducer that parameter `index`'s gradient is ready.
+pub(crate) struct GradReady {
+    pub index: usize,
+    pub reducer: Arc<Reducer>,
+}
+
+impl candle_core::CustomOp1 for GradReady {
+    fn name(&self) -> &'static str {
+        "ddp-grad-ready"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((s.try_clone(l)?, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        Ok((s.try_clone(l)?, l.shape().clone()))
+    }
+
+    /// Hands the gradient to the reducer, which from now on owns it: the variable itself gets
+    /// its gradient from `DistributedDataParallel::backward`, averaged over the world.
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        self.reducer.ready(self.index, grad);
+        Ok(None)
+    }
+}
+
+/// What a variable is to DistributedDataParallel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Trained: its gradient is averaged over the world.
+    Parameter,
+    /// State kept beside the parameters (running statistics): broadcast from rank 0.
+    Buffer,
+}
+
+/// One variable the model asked for, in the order it asked.
+#[derive(Clone)]
+pub(crate) struct Entry {
+    pub name: String,
+    pub var: Var,
+    pub kind: Kind,
+    /// What the model holds: the `GradReady` copy for a parameter, the variable for a buffer.
+    pub held: Tensor,
+}
+
+/// The `VarBuilder` backend DDP builds the model through: it takes (or creates) each variable
+/// in the `VarMap` and hands out a `GradReady` copy for a parameter, the variable itself for a
+/// buffer, and the same tensor again when a name is asked for twice (tied weights).
+pub(crate) struct Registry {
+    varmap: VarMap,
+    device: Device,
+    is_buffer: Box<dyn Fn(&str) -> bool + Send + Sync>,
+    reducer: Arc<Reducer>,
+    /// The entries, and each name's position among them.
+    entries: Mutex<(Vec<Entry>, HashMap<String, usize>)>,
+}
+
+impl Registry {
+    pub fn new(
+        varmap: &VarMap,
+        device: &Device,
+        is_buffer: impl Fn(&str) -> bool + Send + Sync + 'static,
+        reducer: Arc<Reducer>,
+    ) -> Self {
+        Self {
+            varmap: varmap.clone(),
+            device: device.clone(),
+            is_buffer: Box::new(is_buffer),
+            reducer,
+            entries: Mutex::new((Vec::new(), HashMap::new())),
+        }
+    }
+
+    /// The variables the model asked for, in the order it first asked.
+    pub fn entries(&self) -> Vec<Entry> {
+        lock(&self.entries).0.clone()
+    }
+
+    fn hand_out(&self, name: &str, var: Var) -> candle_core::Result<Tensor> {
+        let mut guard = lock(&self.entries);
+        let (entries, by_name) = &mut *guard;
+        if let Some(&i) = by_name.get(name) {
+            return Ok(entries[i].held.clone());
+        }
+        if !var.device().same_device(&self.device) {
+            return Err(Error::VariableNotOnDevice {
+                name: name.to_string(),
+                found: device_name(var.device()),
+                expected: device_name(&self.device),
+            }
+            .into_candle());
+        }
+        let (kind, held) = if (self.is_buffer)(name) {
+            (Kind::Buffer, var.as_tensor().clone())
+        } else {
+            // Parameters are numbered in the order the model asks for them.
+            let index = entries.iter().filter(|e| e.kind == Kind::Parameter).count();
+            let op = GradReady {
+                index,
+                reducer: self.reducer.clone(),
+            };
+            (Kind::Parameter, var.as_tensor().apply_op1(op)?)
+        };
+        by_name.insert(name.to_string(), entries.len());
+        entries.push(Entry {
+            name: name.to_string(),
+            var,
+            kind,
+            held: held.clone(),
+        });
+        Ok(held)
+    }
+
+    fn var(&self, name: &str) -> Option<Var> {
+        lock(self.varmap.data()).get(name).cloned()
+    }
+}
+
+impl SimpleBackend for &Registry {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.varmap.get(s, name, h, dtype, dev)?;
+        let var = self.var(name).expect("VarMap::get created it");
+        self.hand_out(name, var)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        let var = self.var(name).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "variable `{name}` is not in the VarMap: create it first, or ask for it with a \
+                 shape"
+            ))
+        })?;
+        self.hand_out(name, var)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        lock(self.varmap.data()).contains_key(name)
+    }
+}

@@ -1,0 +1,362 @@
+//! `DistributedDataParallel`: one process per device, one model replica per process, gradients
+//! averaged over the world while backward runs (`torch.nn.parallel.DistributedDataParallel`).
+//!
+//! Each rank builds the model with its own constructor, over its own `VarMap`. At construction
+//! the ranks check that they built the same variables (names, shapes, dtypes: a difference is an
+//! error on every rank naming the variable) and take rank 0's values, so that ranks that
+//! initialised differently start equal. In training, `backward` averages every parameter's
+//! gradient over the world in buckets (25 MiB, the first 1 MiB), each all-reduced on a group of
+//! DDP's own as soon as its gradients are ready, while the rest of backward runs; it returns
+//! once the last bucket is reduced, with the averaged gradients in the `GradStore` it returns.
+//! Every rank then takes the same optimizer step, and the replicas stay equal.
+//!
+//! From a one-device program, five lines change: the process group, the constructor, the
+//! parameters given to the optimizer, `forward_t` on the wrapper, and `model.backward(&loss)`
+//! with `opt.step(&grads)` instead of `opt.backward_step(&loss)`.
+//!
+//! ```rust
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{linear, loss, Optimizer, VarMap};
+//! use candle_parallel::distributed;
+//! use candle_parallel::optim::{Sgd, SgdConfig};
+//! use candle_parallel::DistributedDataParallel;
+//! # fn main() -> candle_parallel::Result<()> {
+//! // Two ranks as threads here; as processes, each calls ProcessGroup::from_env(&device).
+//! let weights = distributed::spawn_threads(2, |pg| {
+//!     let varmap = VarMap::new();
+//!     let model = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, |vb| linear(4, 2, vb))?;
+//!     let mut opt = Sgd::new(model.parameters(), SgdConfig { lr: 0.1, ..Default::default() })?;
+//!     // Each rank trains on its own share of the batch.
+//!     let x = Tensor::randn(0f32, 1., (8, 4), &Device::Cpu)?;
+//!     let y = Tensor::new(&[0u32, 1, 1, 0, 1, 0, 0, 1], &Device::Cpu)?;
+//!     let loss = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
+//!     let grads = model.backward(&loss)?; // averaged over both ranks
+//!     opt.step(&grads)?;
+//!     Ok(model.parameters()[1].to_vec2::<f32>()?)
+//! })?;
+//! assert_eq!(weights[0], weights[1]); // the replicas stay equal
+//! # Ok(()) }
+//! ```
+//!
+//! Differences from torch, on purpose: a parameter that gets no gradient on a rank (a branch
+//! not taken) contributes zeros, with no `find_unused_parameters` knob and no error; the
+//! gradients come back in a `GradStore` rather than in `.grad`; `backward` must be called on
+//! the wrapper (`model.backward(&loss)`), which a forward checks, as torch's DDP checks that
+//! the previous reduction finished.
+
+pub mod bucket;
+
+mod agreement;
+mod hook;
+mod reducer;
+
+pub use reducer::{BackwardStats, Compression};
+
+use crate::distributed::ProcessGroup;
+use crate::error::{Error, Result};
+use agreement::{broadcast_from_rank_0, check_same_model, travels};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{ModuleT, VarBuilder, VarMap};
+use hook::{Entry, Kind, Registry};
+use reducer::{Param, Reducer, Setup};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Options of [`DistributedDataParallel`]; `Default` gives torch's defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DdpConfig {
+    /// The size of a gradient bucket, in MiB (torch's `bucket_cap_mb`, default 25).
+    pub bucket_cap_mb: f64,
+    /// The size of the first bucket, in MiB (default 1): small, so that the first all-reduce
+    /// starts early in backward.
+    pub first_bucket_mb: f64,
+    /// Broadcast rank 0's buffers (BatchNorm's running statistics) before each training
+    /// forward (default true, as torch).
+    pub broadcast_buffers: bool,
+    /// How gradients travel (default: uncompressed).
+    pub compression: Compression,
+    /// Rebuild the buckets once, after the first iteration, from the order gradients actually
+    /// became ready (default true, as torch).
+    pub rebuild_buckets: bool,
+    /// Variables whose name ends in one of these path components are buffers, not parameters:
+    /// they get no gradient and are broadcast from rank 0 (default: candle-nn's BatchNorm
+    /// statistics `running_mean` and `running_var`, and torch's `num_batches_tracked`).
+    pub buffer_names: Vec<String>,
+    /// The dtype variables are created with when the `VarMap` lacks them (default f32).
+    pub dtype: DType,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        Self {
+            bucket_cap_mb: 25.0,
+            first_bucket_mb: 1.0,
+            broadcast_buffers: true,
+            compression: Compression::None,
+            rebuild_buckets: true,
+            buffer_names: ["running_mean", "running_var", "num_batches_tracked"]
+                .map(String::from)
+                .to_vec(),
+            dtype: DType::F32,
+        }
+    }
+}
+
+fn mib_to_bytes(what: &'static str, mib: f64) -> Result<usize> {
+    if !(mib.is_finite() && mib > 0.0) {
+        return Err(Error::InvalidArgument {
+            what,
+            detail: format!("{mib} MiB; a bucket must have a positive, finite size"),
+        });
+    }
+    Ok(((mib * (1 << 20) as f64) as usize).max(1))
+}
+
+/// Data parallelism over processes, one replica each (`torch.nn.parallel.DistributedDataParallel`).
+/// See the [module documentation](self).
+pub struct DistributedDataParallel<M> {
+    module: M,
+    varmap: VarMap,
+    /// DDP's own group: its collectives never interleave with the user's.
+    group: ProcessGroup,
+    reducer: Arc<Reducer>,
+    /// The parameters, in the order the model asked for them.
+    params: Vec<Entry>,
+    /// The buffers that travel (float dtypes), in the order the model asked for them.
+    buffers: Vec<Var>,
+    /// The parameters' names and variables, sorted by name.
+    sorted: Vec<(String, Var)>,
+    bucket_bytes: usize,
+    broadcast_buffers: bool,
+    /// Open `no_sync` guards.
+    no_sync: AtomicUsize,
+}
+
+impl<M> DistributedDataParallel<M> {
+    /// Wraps the model that `build` constructs, with default options. Every rank of `group`
+    /// must call it, at the same point of its program.
+    ///
+    /// `build` is called once, on `device`, with a `VarBuilder` over `varmap` (which creates
+    /// the variables `varmap` lacks). Then the ranks check that they built the same model and
+    /// take rank 0's parameters and buffers.
+    pub fn new<F>(varmap: &VarMap, group: &ProcessGroup, device: &Device, build: F) -> Result<Self>
+    where
+        F: Fn(VarBuilder) -> candle_core::Result<M>,
+    {
+        Self::with_config(varmap, group, device, DdpConfig::default(), build)
+    }
+
+    /// As [`DistributedDataParallel::new`], with options.
+    pub fn with_config<F>(
+        varmap: &VarMap,
+        group: &ProcessGroup,
+        device: &Device,
+        config: DdpConfig,
+        build: F,
+    ) -> Result<Self>
+    where
+        F: Fn(VarBuilder) -> candle_core::Result<M>,
+    {
+        let bucket_bytes = mib_to_bytes("DDP bucket_cap_mb", config.bucket_cap_mb)?;
+        let first_bucket_bytes = mib_to_bytes("DDP first_bucket_mb", config.first_bucket_mb)?;
+        let everyone: Vec<usize> = (0..group.world_size()).collect();
+        let own = group
+            .new_group(&everyone)?
+            .expect("every rank is a member of a group of every rank");
+        let reducer = Arc::new(Reducer::default());
+        let buffer_names = config.buffer_names.clone();
+        let is_buffer = move |name: &str| {
+            let last = name.rsplit('.').next().unwrap_or(name);
+            buffer_names.iter().any(|b| b == last)
+        };
+        let registry = Registry::new(varmap, device, is_buffer, reducer.clone());
+        let module = build(VarBuilder::from_backend(
+            Box::new(&registry),
+            config.dtype,
+            device.clone(),
+        ))?;
+        let entries = registry.entries();
+        check_same_model(&own, &entries, device)?;
+        let travelling: Vec<Var> = entries
+            .iter()
+            .filter(|e| travels(e.var.dtype()))
+            .map(|e| e.var.clone())
+            .collect();
+        broadcast_from_rank_0(&own, &travelling, bucket_bytes)?;
+        let params: Vec<Entry> = entries
+            .iter()
+            .filter(|e| e.kind == Kind::Parameter)
+            .cloned()
+            .collect();
+        let buffers = entries
+            .iter()
+            .filter(|e| e.kind == Kind::Buffer && travels(e.var.dtype()))
+            .map(|e| e.var.clone())
+            .collect();
+        let mut sorted: Vec<(String, Var)> = params
+            .iter()
+            .map(|e| (e.name.clone(), e.var.clone()))
+            .collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
+        reducer.configure(Setup {
+            group: own.clone(),
+            params: params
+                .iter()
+                .map(|e| Param {
+                    name: e.name.clone(),
+                    var: e.var.clone(),
+                })
+                .collect(),
+            // Backward meets the parameters in about the reverse of the order the model
+            // asked for them.
+            expected_order: (0..params.len()).rev().collect(),
+            first_bucket_bytes,
+            bucket_bytes,
+            compression: config.compression,
+            rebuild_buckets: config.rebuild_buckets,
+        });
+        Ok(Self {
+            module,
+            varmap: varmap.clone(),
+            group: own,
+            reducer,
+            params,
+            buffers,
+            sorted,
+            bucket_bytes,
+            broadcast_buffers: config.broadcast_buffers,
+            no_sync: AtomicUsize::new(0),
+        })
+    }
+
+    /// The wrapped model (torch's `.module`). It computes with the parameters' copies that DDP
+    /// refreshes before each of its forwards; save the variables (`varmap()`), not the module.
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    /// The `VarMap` holding the variables.
+    pub fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+
+    /// The trainable variables (buffers excluded), sorted by name: pass them to an optimizer.
+    pub fn parameters(&self) -> Vec<Var> {
+        self.sorted.iter().map(|(_, v)| v.clone()).collect()
+    }
+
+    /// The names of [`DistributedDataParallel::parameters`], in the same order.
+    pub fn parameter_names(&self) -> Vec<String> {
+        self.sorted.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// DDP's own process group (a second group over the same ranks as the one given).
+    pub fn process_group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// The gradient buckets, in the order they are all-reduced: each a list of parameter names.
+    pub fn buckets(&self) -> Vec<Vec<String>> {
+        self.reducer.bucket_names()
+    }
+
+    /// Timings of the last synchronised backward: how long autograd took and how much of the
+    /// communication came after it (was not hidden).
+    pub fn last_backward_stats(&self) -> BackwardStats {
+        self.reducer.stats()
+    }
+
+    /// Gradient accumulation without communication (torch's `no_sync`): while the guard lives,
+    /// forwards prepare backwards that sum gradients on this rank only; the first backward
+    /// after it all-reduces the sums. For k micro-batches whose losses are divided by k, the
+    /// result equals one batch k times larger.
+    ///
+    /// ```rust
+    /// # use candle_core::{Device, Tensor};
+    /// # use candle_nn::{linear, VarMap};
+    /// # use candle_parallel::{distributed, DistributedDataParallel};
+    /// # fn main() -> candle_parallel::Result<()> {
+    /// # distributed::spawn_threads(1, |pg| {
+    /// # let varmap = VarMap::new();
+    /// # let model = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, |vb| linear(2, 1, vb))?;
+    /// # let micro = Tensor::ones((4, 2), candle_core::DType::F32, &Device::Cpu)?;
+    /// let k = 3.0;
+    /// {
+    ///     let _local = model.no_sync();
+    ///     for _ in 0..2 {
+    ///         let loss = (model.forward_t(&micro, true)?.sum_all()? / k)?;
+    ///         model.backward(&loss)?; // summed here, not sent
+    ///     }
+    /// }
+    /// let loss = (model.forward_t(&micro, true)?.sum_all()? / k)?;
+    /// let grads = model.backward(&loss)?; // one all-reduce of the three micro-batches' sum
+    /// # Ok(()) })?; Ok(()) }
+    /// ```
+    pub fn no_sync(&self) -> NoSync<'_> {
+        self.no_sync.fetch_add(1, Ordering::SeqCst);
+        NoSync {
+            open: &self.no_sync,
+        }
+    }
+
+    /// Averages the gradients of `loss` over the world: runs backward (buckets are all-reduced
+    /// as their gradients come in), then waits for the last bucket. The returned `GradStore`
+    /// holds each parameter's averaged gradient (under `no_sync`: this rank's sum so far);
+    /// pass it to the optimizer's `step`. Call it once after each `forward_t`, on every rank.
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        let started = Instant::now();
+        let mut grads = loss.backward()?;
+        self.reducer.finish(&mut grads, started)?;
+        Ok(grads)
+    }
+}
+
+impl<M> DistributedDataParallel<M> {
+    /// Overwrites this rank's buffers (BatchNorm's running statistics) with rank 0's, on every
+    /// rank: what each training forward does first (unless `broadcast_buffers` is off). Call it
+    /// before evaluating or saving on every rank, for every rank to hold rank 0's statistics.
+    pub fn sync_buffers(&self) -> Result<()> {
+        broadcast_from_rank_0(&self.group, &self.buffers, self.bucket_bytes)
+    }
+}
+
+impl<M: ModuleT> DistributedDataParallel<M> {
+    /// The forward pass in training (`train = true`) or evaluation mode. In training mode it
+    /// first takes rank 0's buffers (unless `broadcast_buffers` is off); in every mode it
+    /// refreshes the model's parameter copies from the variables and starts an iteration of
+    /// the reducer.
+    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        self.reducer
+            .prepare(self.no_sync.load(Ordering::SeqCst) == 0)?;
+        if train && self.broadcast_buffers {
+            self.sync_buffers()?;
+        }
+        for e in &self.params {
+            e.held
+                .flatten_all()?
+                .slice_set(&e.var.as_tensor().flatten_all()?, 0, 0)?;
+        }
+        Ok(self.module.forward_t(xs, train)?)
+    }
+}
+
+/// The forward pass in training mode, for code written against candle's `Module`.
+impl<M: ModuleT> candle_core::Module for DistributedDataParallel<M> {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_t(xs, true).map_err(Error::into_candle)
+    }
+}
+
+/// While it lives, backwards sum gradients locally ([`DistributedDataParallel::no_sync`]).
+#[must_use = "no_sync only lasts while its guard lives"]
+pub struct NoSync<'a> {
+    open: &'a AtomicUsize,
+}
+
+impl Drop for NoSync<'_> {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}

@@ -1,0 +1,411 @@
+//! The cross-device gradient reducer (torch's `Reducer`): gradients averaged over the world in
+//! buckets, each all-reduced as soon as its gradients are ready, while backward goes on.
+//!
+//! Each parameter's [`GradReady`](super::hook::GradReady) reports its gradient as backward
+//! completes it. When every gradient of the next bucket is in, the bucket is flattened and its
+//! asynchronous all-reduce issued on DDP's own group; buckets go strictly in bucket order, so
+//! every rank issues the same collectives in the same order. When autograd is done,
+//! [`Reducer::finish`] fills the gradients of parameters that got none (zeros: a branch not
+//! taken on this rank), issues what is left, waits for every bucket in order and hands out the
+//! averaged gradients. After the first iteration the buckets are rebuilt once from the order in
+//! which gradients actually became ready (rank 0's, broadcast), as torch does.
+//!
+//! Under [`no_sync`](super::DistributedDataParallel::no_sync) gradients are summed locally
+//! instead, and the next synchronised backward all-reduces the sums.
+
+use super::bucket::{assign_buckets, BucketParam};
+use crate::distributed::{ProcessGroup, ReduceOp, Work};
+use crate::error::{Error, Result};
+use crate::sync::lock;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How gradients travel (torch's communication hooks `fp16_compress_hook` and
+/// `bf16_compress_hook`): divided by the world size, converted, summed, converted back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Compression {
+    /// Gradients travel in their own dtype (default).
+    #[default]
+    None,
+    /// Gradients travel as bf16: half the bytes, f32's range.
+    Bf16,
+    /// Gradients travel as f16: half the bytes, more precision than bf16, less range.
+    F16,
+}
+
+/// One parameter, as the reducer needs it.
+pub(crate) struct Param {
+    pub name: String,
+    pub var: Var,
+}
+
+impl Param {
+    fn bytes(&self) -> usize {
+        self.var.elem_count() * self.var.dtype().size_in_bytes()
+    }
+}
+
+/// What the reducer is told at construction.
+pub(crate) struct Setup {
+    pub group: ProcessGroup,
+    pub params: Vec<Param>,
+    /// Parameter indices in the order their gradients are expected to be ready.
+    pub expected_order: Vec<usize>,
+    pub first_bucket_bytes: usize,
+    pub bucket_bytes: usize,
+    pub compression: Compression,
+    pub rebuild_buckets: bool,
+}
+
+/// Timings of the last synchronised backward (for benchmarks).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BackwardStats {
+    /// From the start of `backward` to the end of autograd (with the all-reduces issued
+    /// meanwhile).
+    pub autograd: Duration,
+    /// From the end of autograd until every bucket was reduced: the communication that was
+    /// not hidden behind backward.
+    pub tail: Duration,
+    /// The number of buckets.
+    pub buckets: usize,
+    /// The buckets issued before autograd ended.
+    pub issued_during_autograd: usize,
+}
+
+/// Where the current iteration stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Between a finished backward and the next forward.
+    Idle,
+    /// After a forward: gradients may come in.
+    Collecting,
+}
+
+struct State {
+    setup: Setup,
+    buckets: Vec<Vec<usize>>,
+    bucket_of: Vec<usize>,
+    phase: Phase,
+    /// Whether this iteration's gradients are all-reduced (false under no_sync).
+    sync: bool,
+    /// This iteration's gradients, per parameter (with any no_sync sums added).
+    grads: Vec<Option<Tensor>>,
+    /// Sums of gradients from no_sync backwards, waiting for the next synchronised one.
+    accumulated: Vec<Option<Tensor>>,
+    /// Per bucket: gradients still missing.
+    missing: Vec<usize>,
+    /// The next bucket to issue.
+    next: usize,
+    works: Vec<Option<Work<Tensor>>>,
+    /// Parameters in the order their gradients came in, this iteration.
+    ready_order: Vec<usize>,
+    /// The first failure of this iteration, reported by `finish`.
+    error: Option<Error>,
+    /// Whether the buckets were rebuilt from an observed order yet.
+    rebuilt: bool,
+    stats: BackwardStats,
+}
+
+/// The reducer. Made empty, so that the model's `GradReady` ops can point at it while the
+/// model is built; [`Reducer::configure`] gives it the parameters.
+#[derive(Default)]
+pub(crate) struct Reducer {
+    state: Mutex<Option<State>>,
+}
+
+/// The parameters' buckets from `order`: what `assign_buckets` gives, and each parameter's
+/// bucket.
+fn layout(setup: &Setup, order: &[usize]) -> (Vec<Vec<usize>>, Vec<usize>) {
+    let params: Vec<BucketParam> = order
+        .iter()
+        .map(|&i| BucketParam {
+            index: i,
+            bytes: setup.params[i].bytes(),
+            dtype: setup.params[i].var.dtype(),
+        })
+        .collect();
+    let buckets = assign_buckets(&params, setup.first_bucket_bytes, setup.bucket_bytes);
+    let mut bucket_of = vec![0; setup.params.len()];
+    for (b, members) in buckets.iter().enumerate() {
+        for &i in members {
+            bucket_of[i] = b;
+        }
+    }
+    (buckets, bucket_of)
+}
+
+impl Reducer {
+    /// Gives the reducer its parameters and their initial buckets.
+    pub fn configure(&self, setup: Setup) {
+        let (buckets, bucket_of) = layout(&setup, &setup.expected_order);
+        let n = setup.params.len();
+        *lock(&self.state) = Some(State {
+            setup,
+            buckets,
+            bucket_of,
+            phase: Phase::Idle,
+            sync: true,
+            grads: vec![None; n],
+            accumulated: vec![None; n],
+            missing: Vec::new(),
+            next: 0,
+            works: Vec::new(),
+            ready_order: Vec::new(),
+            error: None,
+            rebuilt: false,
+            stats: BackwardStats::default(),
+        });
+    }
+
+    /// The buckets' parameter names, in bucket order.
+    pub fn bucket_names(&self) -> Vec<Vec<String>> {
+        let guard = lock(&self.state);
+        let Some(st) = guard.as_ref() else {
+            return Vec::new();
+        };
+        st.buckets
+            .iter()
+            .map(|b| b.iter().map(|&i| st.setup.params[i].name.clone()).collect())
+            .collect()
+    }
+
+    /// Timings of the last synchronised backward.
+    pub fn stats(&self) -> BackwardStats {
+        lock(&self.state)
+            .as_ref()
+            .map(|s| s.stats)
+            .unwrap_or_default()
+    }
+
+    /// Starts an iteration (at each forward): gradients may come in, all-reduced when `sync`.
+    /// Fails when the previous iteration's gradients came in but were never reduced.
+    pub fn prepare(&self, sync: bool) -> Result<()> {
+        let mut guard = lock(&self.state);
+        let st = guard.as_mut().expect("configured at construction");
+        if st.phase == Phase::Collecting && !st.ready_order.is_empty() {
+            let first = &st.setup.params[st.ready_order[0]].name;
+            let detail = format!(
+                "gradients of the last iteration (the first for `{first}`) came in but were \
+                 never reduced; call DistributedDataParallel::backward(&loss), not \
+                 loss.backward(), once after each forward"
+            );
+            st.reset();
+            return Err(Error::UnfinishedReduction { detail });
+        }
+        st.reset();
+        st.sync = sync;
+        st.phase = Phase::Collecting;
+        Ok(())
+    }
+
+    /// Parameter `index`'s gradient is complete (called from backward). Errors are kept for
+    /// [`Reducer::finish`], which is where the caller can act on them.
+    pub fn ready(&self, index: usize, grad: &Tensor) {
+        let mut guard = lock(&self.state);
+        let Some(st) = guard.as_mut() else { return };
+        if let Err(e) = st.ready(index, grad) {
+            st.error.get_or_insert(e);
+        }
+    }
+
+    /// Ends the iteration after autograd: hands out, in `grads`, each parameter's gradient
+    /// averaged over the world (or, under no_sync, this rank's sum so far).
+    pub fn finish(&self, grads: &mut GradStore, started: Instant) -> Result<()> {
+        let mut guard = lock(&self.state);
+        let st = guard.as_mut().expect("configured at construction");
+        let result = st.finish(grads, started);
+        st.phase = Phase::Idle;
+        if result.is_err() {
+            st.reset();
+        }
+        result
+    }
+}
+
+impl State {
+    /// Forgets this iteration (issued collectives still run to the end, in their place).
+    fn reset(&mut self) {
+        let n = self.setup.params.len();
+        self.grads = vec![None; n];
+        self.missing = self.buckets.iter().map(Vec::len).collect();
+        self.next = 0;
+        self.works = (0..self.buckets.len()).map(|_| None).collect();
+        self.ready_order.clear();
+        self.error = None;
+        self.phase = Phase::Idle;
+    }
+
+    fn ready(&mut self, index: usize, grad: &Tensor) -> Result<()> {
+        let name = &self.setup.params[index].name;
+        if self.phase != Phase::Collecting {
+            return Err(Error::UnfinishedReduction {
+                detail: format!(
+                    "the gradient of `{name}` came in outside an iteration: run \
+                     DistributedDataParallel::forward_t before each backward"
+                ),
+            });
+        }
+        if self.grads[index].is_some() {
+            return Err(Error::UnfinishedReduction {
+                detail: format!(
+                    "the gradient of `{name}` came in twice in one iteration: run forward_t \
+                     once before each DistributedDataParallel::backward"
+                ),
+            });
+        }
+        let grad = match self.accumulated[index].take() {
+            Some(sum) => (sum + grad)?,
+            None => grad.clone(),
+        };
+        if !self.sync {
+            self.accumulated[index] = Some(grad);
+            return Ok(());
+        }
+        self.grads[index] = Some(grad);
+        self.ready_order.push(index);
+        self.missing[self.bucket_of[index]] -= 1;
+        self.issue_ready_buckets()
+    }
+
+    /// Issues every bucket whose gradients are all in, strictly in bucket order.
+    fn issue_ready_buckets(&mut self) -> Result<()> {
+        while self.next < self.buckets.len() && self.missing[self.next] == 0 {
+            let b = self.next;
+            self.next += 1;
+            let parts = self.buckets[b]
+                .iter()
+                .map(|&i| {
+                    let g = self.grads[i].as_ref().expect("the bucket is complete");
+                    g.flatten_all()
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let flat = if parts.len() == 1 {
+                parts.into_iter().next().expect("one part")
+            } else {
+                Tensor::cat(&parts, 0)?
+            };
+            let group = &self.setup.group;
+            let world = group.world_size() as f64;
+            let work = match self.setup.compression {
+                Compression::None => group.all_reduce_async(&flat, ReduceOp::Avg)?,
+                Compression::Bf16 => {
+                    let wire = (flat / world)?.to_dtype(DType::BF16)?;
+                    group.all_reduce_async(&wire, ReduceOp::Sum)?
+                }
+                Compression::F16 => {
+                    let wire = (flat / world)?.to_dtype(DType::F16)?;
+                    group.all_reduce_async(&wire, ReduceOp::Sum)?
+                }
+            };
+            self.works[b] = Some(work);
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, grads: &mut GradStore, started: Instant) -> Result<()> {
+        if self.phase != Phase::Collecting {
+            return Err(Error::UnfinishedReduction {
+                detail: "backward was called without a forward before it: run \
+                         DistributedDataParallel::forward_t before each backward"
+                    .into(),
+            });
+        }
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        if !self.sync {
+            for (p, sum) in self.setup.params.iter().zip(&self.accumulated) {
+                if let Some(sum) = sum {
+                    grads.insert(p.var.as_tensor(), sum.clone());
+                }
+            }
+            return Ok(());
+        }
+        let autograd_done = Instant::now();
+        let issued_during_autograd = self.next;
+        // Parameters that got no gradient here contribute zeros (or their no_sync sums).
+        for b in 0..self.buckets.len() {
+            for k in 0..self.buckets[b].len() {
+                let i = self.buckets[b][k];
+                if self.grads[i].is_none() {
+                    let var = &self.setup.params[i].var;
+                    let g = match self.accumulated[i].take() {
+                        Some(sum) => sum,
+                        None => var.zeros_like()?,
+                    };
+                    self.grads[i] = Some(g);
+                    self.missing[b] -= 1;
+                }
+            }
+        }
+        self.issue_ready_buckets()?;
+        for b in 0..self.buckets.len() {
+            let work = self.works[b].take().expect("every bucket was issued");
+            let flat = work.wait()?;
+            let mut offset = 0;
+            for &i in &self.buckets[b] {
+                let var = &self.setup.params[i].var;
+                let n = var.elem_count();
+                let g = flat
+                    .narrow(0, offset, n)?
+                    .reshape(var.shape())?
+                    .to_dtype(var.dtype())?;
+                offset += n;
+                grads.insert(var.as_tensor(), g);
+            }
+        }
+        self.stats = BackwardStats {
+            autograd: autograd_done - started,
+            tail: autograd_done.elapsed(),
+            buckets: self.buckets.len(),
+            issued_during_autograd,
+        };
+        if self.setup.rebuild_buckets && !self.rebuilt {
+            self.rebuild()?;
+        }
+        let n = self.setup.params.len();
+        self.grads = vec![None; n];
+        Ok(())
+    }
+
+    /// Rebuilds the buckets from the order gradients came in on rank 0 (the parameters that
+    /// got none there last), broadcast so that every rank builds the same buckets.
+    fn rebuild(&mut self) -> Result<()> {
+        let n = self.setup.params.len();
+        let mut order = self.ready_order.clone();
+        let mut seen = vec![false; n];
+        for &i in &order {
+            seen[i] = true;
+        }
+        order.extend(
+            self.setup
+                .expected_order
+                .iter()
+                .copied()
+                .filter(|&i| !seen[i]),
+        );
+        let device = self
+            .setup
+            .params
+            .first()
+            .map_or(Device::Cpu, |p| p.var.device().clone());
+        let as_f64: Vec<f64> = order.iter().map(|&i| i as f64).collect();
+        let mine = Tensor::from_vec(as_f64, Shape::from(n), &Device::Cpu)?
+            .to_dtype(DType::F64)?
+            .to_device(&device)?;
+        let agreed = self.setup.group.broadcast(&mine, 0)?;
+        let agreed: Vec<usize> = agreed
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f64>()?
+            .into_iter()
+            .map(|x| x as usize)
+            .collect();
+        let (buckets, bucket_of) = layout(&self.setup, &agreed);
+        self.buckets = buckets;
+        self.bucket_of = bucket_of;
+        self.rebuilt = true;
+        Ok(())
+    }
+}
