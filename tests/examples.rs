@@ -157,3 +157,87 @@ fn a_cifar_dp_checkpoint_loads_into_a_plain_net_with_the_same_predictions() {
     assert!(diff <= 1e-6, "logits differ by {diff}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The last `Test set` line of `out`, as (average loss, correct), and how many there were.
+fn test_lines(out: &str) -> (f64, usize, usize) {
+    let lines: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("Test set: Average loss: "))
+        .collect();
+    let line = lines
+        .last()
+        .unwrap_or_else(|| panic!("no test line in:\n{out}"));
+    let loss: f64 = line
+        .trim_start_matches("Test set: Average loss: ")
+        .split(',')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("cannot parse {line:?}"));
+    let correct: usize = line
+        .split("Accuracy: ")
+        .nth(1)
+        .and_then(|s| s.split('/').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("cannot parse {line:?}"));
+    (loss, correct, lines.len())
+}
+
+#[test]
+fn cifar_ddp_on_2_processes_learns_like_cifar_dp_on_the_same_global_batch() {
+    let dir = common::temp_dir("cifar-ddp");
+    let path = dir.join("net.safetensors");
+    // Two ranks of 64 make the global batch of 128 that cifar_dp takes in one process; with
+    // the same seed both shuffle the same way, so they take the same steps.
+    let mut cmd = Command::new(common::example("cifar_ddp"));
+    cmd.args([
+        "--nproc",
+        "2",
+        "--cpu",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "64",
+    ])
+    .arg("--save")
+    .arg(&path);
+    let out = common::run_ok(cmd, Duration::from_secs(300));
+    assert_eq!(out.matches("Let's use 2 processes!").count(), 1, "{out}");
+    let (loss, correct, lines) = test_lines(&out);
+    assert_eq!(lines, 1, "only rank 0 prints, once per epoch:\n{out}");
+    assert!(
+        correct > 300,
+        "{correct}/1000 after one epoch; chance is 100:\n{out}"
+    );
+
+    let mut cmd = Command::new(common::example("cifar_dp"));
+    cmd.args(["--cpu", "--epochs", "1", "--batch-size", "128"]);
+    let (dp_loss, dp_correct, _) = test_lines(&common::run_ok(cmd, Duration::from_secs(300)));
+    assert!(
+        (loss - dp_loss).abs() < 1e-2 && correct.abs_diff(dp_correct) <= 10,
+        "DDP: {loss} and {correct}; DataParallel: {dp_loss} and {dp_correct}"
+    );
+
+    // Rank 0's checkpoint loads into a plain Net, which gets the accuracy the run reported
+    // over its sharded test set: every test image counted once.
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &Device::Cpu).unwrap() };
+    let plain = Net::new(vb).unwrap();
+    let data = cifar::synthetic(12_800, 1_000, 0);
+    let indices: Vec<usize> = (0..1_000).collect();
+    let (x, y) = data.test.batch(&indices, &Device::Cpu).unwrap();
+    let plain_correct = plain
+        .forward(&x)
+        .unwrap()
+        .argmax(D::Minus1)
+        .unwrap()
+        .eq(&y)
+        .unwrap()
+        .to_dtype(DType::U32)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<u32>()
+        .unwrap() as usize;
+    assert_eq!(plain_correct, correct);
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -1,0 +1,190 @@
+//! Trains the CIFAR-10 tutorial CNN with DistributedDataParallel: one process per device.
+//!
+//!     cargo run --release --example cifar_ddp -- --nproc 2              # spawns 2 CPU ranks
+//!     candle-run --nproc-per-node 2 target/release/examples/cifar_ddp   # or torchrun, srun
+//!     cargo run --release --example cifar_ddp --features cuda,nccl -- --nproc 8  # 8 GPUs, NCCL
+//!
+//! The model, optimiser and data follow PyTorch's CIFAR-10 tutorial (SGD, lr 0.01, momentum 0.9,
+//! images normalised with mean 0.5 and std 0.5), with torch's DDP conventions: `--batch-size`
+//! is per rank, each rank trains on its `DistributedSampler` share of the shuffled training set
+//! (reshuffled every epoch), and the test set is sharded without padding, so the accuracy counts
+//! every test image exactly once. Only rank 0 prints and saves.
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{loss, Optimizer, VarMap};
+use candle_parallel::cifar::{Net, Split};
+use candle_parallel::devices::gpu_count;
+use candle_parallel::distributed::{ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::init::seeded_var_builder;
+use candle_parallel::launch::{self, LaunchConfig};
+use candle_parallel::optim::Sgd;
+use candle_parallel::sampler::{DistributedSampler, SamplerOptions};
+use candle_parallel::{checkpoint, DistributedDataParallel};
+use clap::Parser;
+use std::time::Instant;
+
+#[path = "common/cifar_cli.rs"]
+mod cli;
+
+/// Train the CIFAR-10 tutorial CNN with DistributedDataParallel, one process per device.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    #[command(flatten)]
+    train: cli::TrainArgs,
+    /// Images per step on each rank (torch's convention: the global batch is this times the
+    /// number of processes).
+    #[arg(long, default_value_t = 128)]
+    batch_size: usize,
+    /// Processes to spawn when not started by candle-run, torchrun or srun (then this process
+    /// is one rank of the job they started).
+    #[arg(long, default_value_t = 1)]
+    nproc: usize,
+    /// Train on the CPU even when GPUs are available.
+    #[arg(long)]
+    cpu: bool,
+}
+
+const EVAL_BATCH: usize = 1000;
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
+    anyhow::ensure!(args.nproc > 0, "--nproc must be at least 1");
+    // Rank 0 alone prints, so the ranks' lines need no prefix.
+    let config = LaunchConfig {
+        nproc_per_node: args.nproc,
+        prefix_output: false,
+        ..LaunchConfig::default()
+    };
+    launch::spawn_with(&config, |_rank| rank_main(&args))?;
+    Ok(())
+}
+
+/// This rank's device: its GPU (`LOCAL_RANK`) when there are GPUs, else the CPU.
+fn device(args: &Args) -> Result<Device> {
+    let gpus = if args.cpu { 0 } else { gpu_count() };
+    if gpus == 0 {
+        return Ok(Device::Cpu);
+    }
+    let local = Rendezvous::from_env()?.local_rank;
+    Ok(Device::new_cuda_with_stream(local % gpus)?)
+}
+
+fn rank_main(args: &Args) -> Result<()> {
+    let device = device(args)?;
+    let pg = ProcessGroup::from_env(&device)?;
+    let (rank, world) = (pg.rank(), pg.world_size());
+    if rank == 0 && world > 1 {
+        println!("Let's use {world} processes!");
+    }
+    let data = args.train.load_data()?;
+
+    let varmap = VarMap::new();
+    // Seeded initial weights; DDP makes every rank take rank 0's anyway.
+    Net::new(seeded_var_builder(
+        &varmap,
+        args.train.seed,
+        DType::F32,
+        &device,
+    ))?;
+    let model = DistributedDataParallel::new(&varmap, &pg, &device, Net::new)?;
+    let mut opt = Sgd::new(model.parameters(), args.train.sgd())?;
+    let options = SamplerOptions {
+        seed: args.train.seed,
+        ..SamplerOptions::default()
+    };
+    let mut sampler = DistributedSampler::for_group(data.train.len(), &pg, options)?;
+
+    let started = Instant::now();
+    let epochs = args.train.epochs;
+    for epoch in 1..=epochs {
+        sampler.set_epoch(epoch as u64);
+        let rate = train_epoch(
+            &model,
+            &mut opt,
+            &data.train,
+            &sampler,
+            args,
+            epoch,
+            &device,
+        )?;
+        let (loss, correct, n) = evaluate(&model, &pg, &data.test, &device)?;
+        if rank == 0 {
+            println!("Epoch {epoch}/{epochs}: {rate:.0} images/s");
+            cli::print_test_line(loss, correct, n);
+        }
+    }
+    if rank == 0 {
+        println!("Finished in {:.1}s", started.elapsed().as_secs_f64());
+        if let Some(path) = &args.train.save {
+            checkpoint::save_varmap(model.varmap(), path)
+                .with_context(|| format!("saving the model to {}", path.display()))?;
+            println!("Saved the model to {}", path.display());
+        }
+    }
+    // Nobody leaves before rank 0 has saved.
+    pg.barrier()?;
+    Ok(())
+}
+
+/// One pass over this rank's share of the training set; returns the whole job's throughput
+/// in images/s.
+fn train_epoch(
+    model: &DistributedDataParallel<Net>,
+    opt: &mut Sgd,
+    train: &Split,
+    sampler: &DistributedSampler,
+    args: &Args,
+    epoch: usize,
+    device: &Device,
+) -> Result<f64> {
+    let world = model.process_group().world_size();
+    let leader = model.process_group().rank() == 0;
+    let indices = sampler.indices();
+    let bar = cli::progress_bar(sampler.total_size(), epoch, args.train.epochs)?;
+    if !leader {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let started = Instant::now();
+    let mut last_loss = Tensor::zeros((), DType::F32, device)?;
+    for batch in indices.chunks(args.batch_size) {
+        let (images, labels) = train.batch(batch, device)?;
+        let logits = model.forward_t(&images, true)?;
+        let loss = loss::cross_entropy(&logits, &labels)?;
+        let grads = model.backward(&loss)?;
+        opt.step(&grads)?;
+        last_loss = loss;
+        // Every rank takes a step of the same size: the job's images.
+        bar.inc((batch.len() * world) as u64);
+    }
+    // Reading the last loss waits for the device, so the time covers all the work.
+    last_loss.to_scalar::<f32>()?;
+    let seconds = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    Ok(sampler.total_size() as f64 / seconds)
+}
+
+/// The summed cross-entropy, the number classified correctly and the number of test images,
+/// over the whole test set: each rank evaluates every `world`-th image (no padding, so none
+/// twice), and the sums are all-reduced.
+fn evaluate(
+    model: &DistributedDataParallel<Net>,
+    pg: &ProcessGroup,
+    test: &Split,
+    device: &Device,
+) -> Result<(f64, usize, usize)> {
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let mine: Vec<usize> = (rank..test.len()).step_by(world).collect();
+    let (mut loss_sum, mut correct) = (0f64, 0usize);
+    for batch in mine.chunks(EVAL_BATCH) {
+        let (images, labels) = test.batch(batch, device)?;
+        let (l, c) = cli::loss_and_correct(&model.forward_t(&images, false)?, &labels)?;
+        loss_sum += l;
+        correct += c;
+    }
+    let sums = Tensor::new(&[loss_sum, correct as f64, mine.len() as f64], device)?;
+    let sums = pg.all_reduce(&sums, ReduceOp::Sum)?.to_vec1::<f64>()?;
+    Ok((sums[0], sums[1] as usize, sums[2] as usize))
+}
