@@ -98,7 +98,7 @@ struct State {
     missing: Vec<usize>,
     /// The next bucket to issue.
     next: usize,
-    works: Vec<Option<Work<Tensor>>>,
+    works: Vec<Option<Work<Vec<Tensor>>>>,
     /// Parameters in the order their gradients came in, this iteration.
     ready_order: Vec<usize>,
     /// The first failure of this iteration, reported by `finish`.
@@ -269,34 +269,33 @@ impl State {
         self.issue_ready_buckets()
     }
 
-    /// Issues every bucket whose gradients are all in, strictly in bucket order.
+    /// Issues every bucket whose gradients are all in, strictly in bucket order: one
+    /// all-reduce of the bucket's gradients (coalesced by the backend, on its own thread, so
+    /// backward is not held up copying them). With one rank the average is the gradient itself:
+    /// nothing is sent.
     fn issue_ready_buckets(&mut self) -> Result<()> {
+        let group = &self.setup.group;
         while self.next < self.buckets.len() && self.missing[self.next] == 0 {
             let b = self.next;
             self.next += 1;
-            let parts = self.buckets[b]
+            if group.world_size() == 1 {
+                continue;
+            }
+            let grads: Vec<Tensor> = self.buckets[b]
                 .iter()
-                .map(|&i| {
-                    let g = self.grads[i].as_ref().expect("the bucket is complete");
-                    g.flatten_all()
-                })
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let flat = if parts.len() == 1 {
-                parts.into_iter().next().expect("one part")
-            } else {
-                Tensor::cat(&parts, 0)?
-            };
-            let group = &self.setup.group;
+                .map(|&i| self.grads[i].clone().expect("the bucket is complete"))
+                .collect();
             let world = group.world_size() as f64;
+            let compressed = |dtype: DType| -> candle_core::Result<Vec<Tensor>> {
+                grads.iter().map(|g| (g / world)?.to_dtype(dtype)).collect()
+            };
             let work = match self.setup.compression {
-                Compression::None => group.all_reduce_async(&flat, ReduceOp::Avg)?,
+                Compression::None => group.all_reduce_many_async(&grads, ReduceOp::Avg)?,
                 Compression::Bf16 => {
-                    let wire = (flat / world)?.to_dtype(DType::BF16)?;
-                    group.all_reduce_async(&wire, ReduceOp::Sum)?
+                    group.all_reduce_many_async(&compressed(DType::BF16)?, ReduceOp::Sum)?
                 }
                 Compression::F16 => {
-                    let wire = (flat / world)?.to_dtype(DType::F16)?;
-                    group.all_reduce_async(&wire, ReduceOp::Sum)?
+                    group.all_reduce_many_async(&compressed(DType::F16)?, ReduceOp::Sum)?
                 }
             };
             self.works[b] = Some(work);
@@ -342,18 +341,17 @@ impl State {
         }
         self.issue_ready_buckets()?;
         for b in 0..self.buckets.len() {
-            let work = self.works[b].take().expect("every bucket was issued");
-            let flat = work.wait()?;
-            let mut offset = 0;
-            for &i in &self.buckets[b] {
+            let reduced = match self.works[b].take() {
+                Some(work) => work.wait()?,
+                // One rank: the gradients are their own average.
+                None => self.buckets[b]
+                    .iter()
+                    .map(|&i| self.grads[i].take().expect("every gradient is in"))
+                    .collect(),
+            };
+            for (&i, g) in self.buckets[b].iter().zip(reduced) {
                 let var = &self.setup.params[i].var;
-                let n = var.elem_count();
-                let g = flat
-                    .narrow(0, offset, n)?
-                    .reshape(var.shape())?
-                    .to_dtype(var.dtype())?;
-                offset += n;
-                grads.insert(var.as_tensor(), g);
+                grads.insert(var.as_tensor(), g.to_dtype(var.dtype())?);
             }
         }
         self.stats = BackwardStats {

@@ -162,6 +162,24 @@ impl HostBuf {
         buf
     }
 
+    /// The elements of `ts` (all of `ts[0]`'s dtype), one tensor after the other.
+    pub fn concat(ts: &[Tensor]) -> Result<Self> {
+        let dtype = ts.first().map_or(DType::F32, Tensor::dtype);
+        check_dtype(dtype)?;
+        let total = ts.iter().map(Tensor::elem_count).sum();
+        let mut buf = Self::zeros(dtype, total);
+        let mut offset = 0;
+        for t in ts {
+            let n = t.elem_count();
+            with_bytes(t, |bytes| {
+                buf.bytes_mut(offset..offset + n).copy_from_slice(bytes);
+                Ok(())
+            })?;
+            offset += n;
+        }
+        Ok(buf)
+    }
+
     /// A tensor of `shape` on `device` holding these elements.
     pub fn into_tensor(self, shape: &Shape, device: &Device) -> Result<Tensor> {
         let t = dispatch!(self, v => Tensor::from_vec(v, shape, &Device::Cpu)?);

@@ -39,6 +39,27 @@ pub(crate) fn all_reduce(
     ring.run(links, seq, out, Some(input), &b)
 }
 
+/// Reduces `buf` (this rank's elements) across all ranks with `op`, in place. `Avg` leaves the
+/// sum; the caller divides.
+pub(crate) fn all_reduce_in_place(
+    links: &impl Links,
+    seq: u64,
+    buf: &mut HostBuf,
+    op: ReduceOp,
+) -> Result<()> {
+    let n = links.world();
+    let b = bounds(buf.len(), n);
+    let ring = Ring {
+        start: links.rank(),
+        steps: 2 * (n - 1),
+        reduce_steps: n - 1,
+        op,
+    };
+    // A segment of this rank's own chunk is sent (in the first step, up to WINDOW segments
+    // ahead) before the last step overwrites it with the result.
+    ring.run(links, seq, buf, None, &b)
+}
+
 /// Reduces `input` (length divisible by the world size) across ranks into `out`; afterwards
 /// rank `r`'s chunk of `out`, elements `[r * len / n, (r + 1) * len / n)`, holds the reduced
 /// values (the other chunks hold partial results).
@@ -183,6 +204,26 @@ mod tests {
                 let inputs: Vec<Vec<f64>> = (0..world).map(|r| values(r, len)).collect();
                 let want: Vec<f64> = (0..len)
                     .map(|i| inputs.iter().map(|v| v[i]).sum())
+                    .collect();
+                for got in results {
+                    assert_eq!(got, HostBuf::F64(want.clone()), "world {world} len {len}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn all_reduce_in_place_sums_for_every_world_size_and_odd_lengths() {
+        let long = 2 * SEGMENT_BYTES / 8 * WINDOW + 7;
+        for world in 1..=4 {
+            for len in [0, 1, 5, long] {
+                let results = run_ranks(world, |l| {
+                    let mut buf = HostBuf::F64(values(l.rank(), len));
+                    all_reduce_in_place(l, 1, &mut buf, ReduceOp::Sum).unwrap();
+                    buf
+                });
+                let want: Vec<f64> = (0..len)
+                    .map(|i| (0..world).map(|r| values(r, len)[i]).sum())
                     .collect();
                 for got in results {
                     assert_eq!(got, HostBuf::F64(want.clone()), "world {world} len {len}");

@@ -123,24 +123,24 @@ impl Communicator for TcpComm {
         let Some(first) = ts.first() else {
             return Ok(Finished::ready(Vec::new()));
         };
-        // Coalesce: one transfer for all tensors.
-        let flat = if ts.len() == 1 {
-            first.flatten_all()?
+        // Coalesce: one transfer for all tensors. Several are gathered into a buffer of our
+        // own and reduced in it; a single one is read where it lies (it is the caller's).
+        let len = ts.iter().map(Tensor::elem_count).sum::<usize>();
+        let mut out = if ts.len() == 1 {
+            let mut out = HostBuf::zeros(first.dtype(), len);
+            with_bytes(first, |input| {
+                ring::all_reduce(&self.mesh, call.seq, &mut out, input, op)
+            })?;
+            out
         } else {
-            let parts = ts
-                .iter()
-                .map(|t| t.flatten_all())
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            Tensor::cat(&parts, 0)?
+            let mut buf = HostBuf::concat(ts)?;
+            ring::all_reduce_in_place(&self.mesh, call.seq, &mut buf, op)?;
+            buf
         };
-        let mut out = HostBuf::zeros(flat.dtype(), flat.elem_count());
-        with_bytes(&flat, |input| {
-            ring::all_reduce(&self.mesh, call.seq, &mut out, input, op)
-        })?;
         if op == ReduceOp::Avg {
             out.divide(self.mesh.world());
         }
-        let all = out.into_tensor(flat.shape(), first.device())?;
+        let all = out.into_tensor(&Shape::from(len), first.device())?;
         let mut offset = 0;
         let parts = ts
             .iter()

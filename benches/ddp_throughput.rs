@@ -1,0 +1,564 @@
+//! DistributedDataParallel's training throughput against one process, its overhead, and how
+//! much of its communication hides behind backward.
+//!
+//!     cargo bench --bench ddp_throughput
+//!     cargo bench --bench ddp_throughput -- --models net --procs 2,4 --steps 30 --repeat 5
+//!
+//! For each model (the CIFAR-10 tutorial `Net`, and `big`, an MLP of 25.2 M parameters, where
+//! communication matters) and one global batch, every setup runs in processes of its own, one
+//! after the other, in this one run:
+//!
+//! - one plain process (no DDP) with 1 and with 2 compute threads (`RAYON_NUM_THREADS`);
+//! - DDP on 1 process (1 thread), and its overhead: plain and DDP steps in one process, in
+//!   alternating rounds, the median ratio of their step times;
+//! - N plain processes side by side, each on its share of the batch, with no communication:
+//!   what N processes could reach on this machine;
+//! - DDP on N processes of 1 thread each, the global batch split among them: the job's
+//!   images/s against one 2-thread process, and how much of the all-reduce hid behind backward,
+//!   measured two ways against the all-reduce alone (every bucket all-reduced as DDP does it,
+//!   with nothing else running): the time from the end of autograd until the last bucket is
+//!   reduced (which includes waiting for a slower rank), and the step time over that of the N
+//!   processes without communication;
+//! - for `big`, DDP on 2 processes with other bucket sizes.
+//!
+//! `scripts/torch_ddp_bench.py` measures PyTorch on the same models and setups. Reports;
+//! asserts nothing.
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, VarMap};
+use candle_parallel::cifar::Net;
+use candle_parallel::ddp::DdpConfig;
+use candle_parallel::distributed::{ProcessGroup, ReduceOp};
+use candle_parallel::init::seeded_var_builder;
+use candle_parallel::launch::{self, LaunchConfig};
+use candle_parallel::optim::{Sgd, SgdConfig};
+use candle_parallel::DistributedDataParallel;
+use std::ffi::OsString;
+use std::time::{Duration, Instant};
+
+/// The job a child process runs, passed in this variable.
+const JOB_VAR: &str = "CP_BENCH_JOB";
+/// Where rank 0 of a job writes its numbers.
+const OUT_VAR: &str = "CP_BENCH_OUT";
+
+/// An MLP of 25.2 M parameters: 1024 → 4096 → 4096 → 1024.
+struct Big {
+    layers: [Linear; 3],
+}
+
+fn big(vb: VarBuilder) -> candle_core::Result<Big> {
+    Ok(Big {
+        layers: [
+            linear(1024, 4096, vb.pp("fc1"))?,
+            linear(4096, 4096, vb.pp("fc2"))?,
+            linear(4096, 1024, vb.pp("fc3"))?,
+        ],
+    })
+}
+
+impl Module for Big {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let h = x.apply(&self.layers[0])?.relu()?;
+        let h = h.apply(&self.layers[1])?.relu()?;
+        h.apply(&self.layers[2])
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Model {
+    Net,
+    Big,
+}
+
+impl Model {
+    fn parse(s: &str) -> Result<Self> {
+        match s {
+            "net" => Ok(Self::Net),
+            "big" => Ok(Self::Big),
+            other => bail!("unknown model {other:?}: net or big"),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Net => "net",
+            Self::Big => "big",
+        }
+    }
+
+    /// The global batch the setups split.
+    fn global_batch(self) -> usize {
+        match self {
+            Self::Net => 128,
+            Self::Big => 64,
+        }
+    }
+
+    /// A batch of `n` inputs and labels.
+    fn batch(self, n: usize) -> Result<(Tensor, Tensor)> {
+        let (shape, classes): (Vec<usize>, u32) = match self {
+            Self::Net => (vec![n, 3, 32, 32], 10),
+            Self::Big => (vec![n, 1024], 1024),
+        };
+        let x = Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?;
+        let y = Tensor::from_vec(
+            (0..n as u32).map(|i| i % classes).collect(),
+            n,
+            &Device::Cpu,
+        )?;
+        Ok((x, y))
+    }
+}
+
+/// What a child runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Plain training, no DDP (in each process, independently).
+    Plain,
+    /// DDP training.
+    Ddp,
+    /// Plain and DDP training on one process, alternately: DDP's overhead.
+    Overhead,
+}
+
+impl Kind {
+    fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "plain" => Self::Plain,
+            "ddp" => Self::Ddp,
+            "overhead" => Self::Overhead,
+            other => bail!("unknown job kind {other:?}"),
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Plain => "plain",
+            Self::Ddp => "ddp",
+            Self::Overhead => "overhead",
+        }
+    }
+}
+
+/// What one child runs.
+#[derive(Clone, Debug)]
+struct Job {
+    model: Model,
+    kind: Kind,
+    /// Images per process per step.
+    batch: usize,
+    bucket_mb: f64,
+    steps: usize,
+    warmup: usize,
+}
+
+impl Job {
+    fn encode(&self) -> String {
+        format!(
+            "{} {} {} {} {} {}",
+            self.model.name(),
+            self.kind.name(),
+            self.batch,
+            self.bucket_mb,
+            self.steps,
+            self.warmup
+        )
+    }
+
+    fn decode(s: &str) -> Result<Self> {
+        let f: Vec<&str> = s.split(' ').collect();
+        anyhow::ensure!(f.len() == 6, "bad job {s:?}");
+        Ok(Self {
+            model: Model::parse(f[0])?,
+            kind: Kind::parse(f[1])?,
+            batch: f[2].parse()?,
+            bucket_mb: f[3].parse()?,
+            steps: f[4].parse()?,
+            warmup: f[5].parse()?,
+        })
+    }
+}
+
+/// What rank 0 of a job measured.
+#[derive(Clone, Copy, Debug, Default)]
+struct Measured {
+    /// The job's images per second (all processes).
+    images_per_s: f64,
+    /// Mean time from the end of autograd until the last bucket was reduced.
+    tail: Duration,
+    /// Every bucket all-reduced, one after the other, with nothing else running.
+    comm_alone: Duration,
+    /// DDP's step time over the plain step's, minus one (overhead jobs).
+    overhead: f64,
+}
+
+impl Measured {
+    /// The share of `cost` (of communication) that the all-reduce alone would take and that did
+    /// not show.
+    fn hidden(&self, cost: Duration) -> f64 {
+        if self.comm_alone.is_zero() {
+            return 0.0;
+        }
+        (1.0 - cost.as_secs_f64() / self.comm_alone.as_secs_f64()).clamp(0.0, 1.0)
+    }
+
+    /// What DDP's communication cost on top of `apart` (the same processes without any), and
+    /// how it compares with the all-reduce alone.
+    fn describe_comm(&self, apart: &Measured, batch: usize) -> String {
+        let step = |m: &Measured| batch as f64 / m.images_per_s;
+        let extra = Duration::from_secs_f64((step(self) - step(apart)).max(0.0));
+        format!(
+            "    all-reduce alone {:.1} ms; after autograd {:.1} ms (hidden {:.0}%); step time \
+             over the processes without communication +{:.1} ms (hidden {:.0}%)",
+            self.comm_alone.as_secs_f64() * 1e3,
+            self.tail.as_secs_f64() * 1e3,
+            100.0 * self.hidden(self.tail),
+            extra.as_secs_f64() * 1e3,
+            100.0 * self.hidden(extra)
+        )
+    }
+}
+
+const SGD: SgdConfig = SgdConfig {
+    lr: 0.01,
+    momentum: 0.9,
+    dampening: 0.0,
+    weight_decay: 0.0,
+    nesterov: false,
+    maximize: false,
+};
+
+/// Times `steps` calls of `step` after `warmup` untimed ones.
+fn timed(warmup: usize, steps: usize, mut step: impl FnMut() -> Result<()>) -> Result<Duration> {
+    for _ in 0..warmup {
+        step()?;
+    }
+    let started = Instant::now();
+    for _ in 0..steps {
+        step()?;
+    }
+    Ok(started.elapsed())
+}
+
+/// A plain training step of `build`'s model on a fixed batch: forward, loss, backward, SGD.
+fn plain_trainer<M: Module>(
+    job: &Job,
+    build: fn(VarBuilder) -> candle_core::Result<M>,
+) -> Result<impl FnMut() -> Result<()>> {
+    let varmap = VarMap::new();
+    let model = build(seeded_var_builder(&varmap, 0, DType::F32, &Device::Cpu))?;
+    let mut opt = Sgd::new(varmap.all_vars(), SGD)?;
+    let (x, y) = job.model.batch(job.batch)?;
+    Ok(move || {
+        let l = loss::cross_entropy(&model.forward(&x)?, &y)?;
+        opt.backward_step(&l)?;
+        Ok(())
+    })
+}
+
+fn plain<M: Module>(
+    job: &Job,
+    build: fn(VarBuilder) -> candle_core::Result<M>,
+) -> Result<Measured> {
+    let took = timed(job.warmup, job.steps, plain_trainer(job, build)?)?;
+    Ok(Measured {
+        images_per_s: (job.steps * job.batch) as f64 / took.as_secs_f64(),
+        ..Measured::default()
+    })
+}
+
+/// Plain and DDP steps on one process, in alternating rounds: the median of DDP's step time
+/// over the plain one's.
+fn overhead<M: Module>(
+    job: &Job,
+    build: fn(VarBuilder) -> candle_core::Result<M>,
+) -> Result<Measured> {
+    let pg = ProcessGroup::from_env(&Device::Cpu)?;
+    let mut plain = plain_trainer(job, build)?;
+    let varmap = VarMap::new();
+    build(seeded_var_builder(&varmap, 0, DType::F32, &Device::Cpu))?;
+    let model = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, build)?;
+    let mut opt = Sgd::new(model.parameters(), SGD)?;
+    let (x, y) = job.model.batch(job.batch)?;
+    let mut ddp = || -> Result<()> {
+        let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
+        opt.step(&model.backward(&l)?)?;
+        Ok(())
+    };
+    let rounds = 7;
+    let per_round = job.steps.div_ceil(3).max(1);
+    let mut ratios = Vec::with_capacity(rounds);
+    let (mut plain_total, mut ddp_total) = (Duration::ZERO, Duration::ZERO);
+    for round in 0..rounds {
+        let warm = if round == 0 { job.warmup } else { 0 };
+        let p = timed(warm, per_round, &mut plain)?;
+        let d = timed(warm, per_round, &mut ddp)?;
+        ratios.push(d.as_secs_f64() / p.as_secs_f64());
+        plain_total += p;
+        ddp_total += d;
+    }
+    ratios.sort_by(f64::total_cmp);
+    Ok(Measured {
+        images_per_s: (rounds * per_round * job.batch) as f64 / ddp_total.as_secs_f64(),
+        overhead: ratios[rounds / 2] - 1.0,
+        ..Measured::default()
+    })
+}
+
+fn ddp<M: Module>(job: &Job, build: fn(VarBuilder) -> candle_core::Result<M>) -> Result<Measured> {
+    let pg = ProcessGroup::from_env(&Device::Cpu)?;
+    let varmap = VarMap::new();
+    build(seeded_var_builder(&varmap, 0, DType::F32, &Device::Cpu))?;
+    let config = DdpConfig {
+        bucket_cap_mb: job.bucket_mb,
+        ..DdpConfig::default()
+    };
+    let model = DistributedDataParallel::with_config(&varmap, &pg, &Device::Cpu, config, build)?;
+    let mut opt = Sgd::new(model.parameters(), SGD)?;
+    let (x, y) = job.model.batch(job.batch)?;
+    let mut tail = Duration::ZERO;
+    let mut step = |count: bool| -> Result<()> {
+        let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
+        opt.step(&model.backward(&l)?)?;
+        if count {
+            tail += model.last_backward_stats().tail;
+        }
+        Ok(())
+    };
+    for _ in 0..job.warmup {
+        step(false)?;
+    }
+    pg.barrier()?;
+    let took = timed(0, job.steps, || step(true))?;
+    // The buckets' all-reduces as DDP issues them, with nothing else running.
+    let buckets: Vec<Vec<Tensor>> = model
+        .buckets()
+        .iter()
+        .map(|names| {
+            let vars = varmap.data().lock().unwrap();
+            names.iter().map(|n| vars[n].zeros_like()).collect()
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let rounds = 5;
+    pg.barrier()?;
+    let comm = timed(1, rounds, || {
+        let works = buckets
+            .iter()
+            .map(|b| pg.all_reduce_many_async(b, ReduceOp::Avg))
+            .collect::<candle_parallel::Result<Vec<_>>>()?;
+        for w in works {
+            w.wait()?;
+        }
+        Ok(())
+    })?;
+    Ok(Measured {
+        images_per_s: (job.steps * job.batch * pg.world_size()) as f64 / took.as_secs_f64(),
+        tail: tail / job.steps as u32,
+        comm_alone: comm / rounds as u32,
+        overhead: 0.0,
+    })
+}
+
+/// Runs the job named in the environment and writes this process's numbers.
+fn child(job: &Job) -> Result<()> {
+    let m = match (job.model, job.kind) {
+        (Model::Net, Kind::Plain) => plain(job, Net::new)?,
+        (Model::Big, Kind::Plain) => plain(job, big)?,
+        (Model::Net, Kind::Ddp) => ddp(job, Net::new)?,
+        (Model::Big, Kind::Ddp) => ddp(job, big)?,
+        (Model::Net, Kind::Overhead) => overhead(job, Net::new)?,
+        (Model::Big, Kind::Overhead) => overhead(job, big)?,
+    };
+    let rank = std::env::var("RANK").map_or(0, |r| r.parse().unwrap_or(0));
+    let out = std::env::var(OUT_VAR).context("no output file")?;
+    std::fs::write(
+        format!("{out}.{rank}"),
+        format!(
+            "{} {} {} {}",
+            m.images_per_s,
+            m.tail.as_secs_f64(),
+            m.comm_alone.as_secs_f64(),
+            m.overhead
+        ),
+    )?;
+    Ok(())
+}
+
+/// Runs `job` on `procs` processes of `threads` compute threads each. For DDP, rank 0's
+/// numbers (its images/s are the job's); for plain jobs, the processes' images/s summed.
+fn run(job: &Job, procs: usize, threads: usize) -> Result<Measured> {
+    let out = std::env::temp_dir().join(format!("cp-ddp-bench-{}", std::process::id()));
+    let config = LaunchConfig {
+        nproc_per_node: procs,
+        prefix_output: false,
+        env: vec![
+            (JOB_VAR.into(), job.encode().into()),
+            (OUT_VAR.into(), out.clone().into()),
+            ("RAYON_NUM_THREADS".into(), threads.to_string().into()),
+        ],
+        ..LaunchConfig::default()
+    };
+    let exe = std::env::current_exe()?;
+    launch::launch(&config, exe.as_os_str(), &[] as &[OsString])?;
+    let mut all = Vec::new();
+    for rank in 0..procs {
+        let file = format!("{}.{rank}", out.display());
+        let text = std::fs::read_to_string(&file).context("a process wrote no numbers")?;
+        let _ = std::fs::remove_file(&file);
+        let v: Vec<f64> = text.split(' ').map(str::parse).collect::<Result<_, _>>()?;
+        all.push(Measured {
+            images_per_s: v[0],
+            tail: Duration::from_secs_f64(v[1]),
+            comm_alone: Duration::from_secs_f64(v[2]),
+            overhead: v[3],
+        });
+    }
+    let mut m = all[0];
+    if job.kind == Kind::Plain {
+        m.images_per_s = all.iter().map(|m| m.images_per_s).sum();
+    }
+    Ok(m)
+}
+
+/// The run of `job` with the median images/s of `repeat` runs.
+fn median_run(job: &Job, procs: usize, threads: usize, repeat: usize) -> Result<Measured> {
+    let mut runs = (0..repeat)
+        .map(|_| run(job, procs, threads))
+        .collect::<Result<Vec<_>>>()?;
+    runs.sort_by(|a, b| a.images_per_s.total_cmp(&b.images_per_s));
+    Ok(runs[repeat / 2])
+}
+
+struct Options {
+    models: Vec<Model>,
+    procs: Vec<usize>,
+    steps: Option<usize>,
+    buckets: Vec<f64>,
+    repeat: usize,
+}
+
+fn parse() -> Result<Options> {
+    let mut o = Options {
+        models: vec![Model::Net, Model::Big],
+        procs: vec![2],
+        steps: None,
+        buckets: vec![1.0, 5.0, 25.0, 100.0],
+        repeat: 3,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = |flag: &str| args.next().with_context(|| format!("{flag} needs a value"));
+        match a.as_str() {
+            "--models" => {
+                o.models = value("--models")?
+                    .split(',')
+                    .map(Model::parse)
+                    .collect::<Result<_>>()?
+            }
+            "--procs" => {
+                o.procs = value("--procs")?
+                    .split(',')
+                    .map(|p| Ok(p.parse::<usize>()?))
+                    .collect::<Result<_>>()?
+            }
+            "--steps" => o.steps = Some(value("--steps")?.parse()?),
+            "--repeat" => o.repeat = value("--repeat")?.parse()?,
+            "--buckets" => {
+                o.buckets = value("--buckets")?
+                    .split(',')
+                    .map(|b| Ok(b.parse::<f64>()?))
+                    .collect::<Result<_>>()?
+            }
+            "--bench" => {}
+            other => bail!("unknown argument {other:?}"),
+        }
+    }
+    anyhow::ensure!(o.repeat > 0, "--repeat must be at least 1");
+    anyhow::ensure!(
+        o.procs.iter().all(|&p| p >= 2),
+        "--procs lists DDP process counts of at least 2 (1 is always measured)"
+    );
+    Ok(o)
+}
+
+fn main() -> Result<()> {
+    if let Ok(job) = std::env::var(JOB_VAR) {
+        return child(&Job::decode(&job)?);
+    }
+    let o = parse()?;
+    for &model in &o.models {
+        let global = model.global_batch();
+        let (steps, warmup) = match model {
+            Model::Net => (o.steps.unwrap_or(30), 3),
+            Model::Big => (o.steps.unwrap_or(10), 2),
+        };
+        let job = |kind: Kind, batch: usize, bucket_mb: f64| Job {
+            model,
+            kind,
+            batch,
+            bucket_mb,
+            steps,
+            warmup,
+        };
+        let params = match model {
+            Model::Net => "62,006",
+            Model::Big => "25.2 M",
+        };
+        println!(
+            "\n{} ({params} parameters), global batch {global}, f32, CPU; images/s are the \
+             median of {} runs",
+            model.name(),
+            o.repeat
+        );
+        let runs = |kind, batch, procs, threads| {
+            median_run(&job(kind, batch, 25.0), procs, threads, o.repeat)
+        };
+        let plain1 = runs(Kind::Plain, global, 1, 1)?;
+        let plain2 = runs(Kind::Plain, global, 1, 2)?;
+        let overhead = runs(Kind::Overhead, global, 1, 1)?;
+        println!("{:<48} {:>9} {:>10}", "setup", "images/s", "vs 1 proc");
+        let row = |label: String, m: &Measured| {
+            println!(
+                "{label:<48} {:>9.0} {:>9.2}x",
+                m.images_per_s,
+                m.images_per_s / plain2.images_per_s
+            );
+        };
+        row(format!("1 process, 1 thread, batch {global}"), &plain1);
+        row(format!("1 process, 2 threads, batch {global}"), &plain2);
+        row(
+            format!("DDP, 1 process, 1 thread, batch {global}"),
+            &overhead,
+        );
+        for &p in &o.procs {
+            let each = global / p;
+            let apart = runs(Kind::Plain, each, p, 1)?;
+            row(
+                format!("{p} plain processes x 1 thread, {each} each (no comm)"),
+                &apart,
+            );
+            let m = runs(Kind::Ddp, each, p, 1)?;
+            row(
+                format!("DDP, {p} processes x 1 thread, batch {each} each"),
+                &m,
+            );
+            println!("{}", m.describe_comm(&apart, global));
+        }
+        println!(
+            "DDP overhead on 1 process: {:+.1}% step time against the plain step (median of 7 \
+             alternating rounds in one process)",
+            100.0 * overhead.overhead
+        );
+        if model == Model::Big {
+            let apart = runs(Kind::Plain, global / 2, 2, 1)?;
+            println!("bucket size, DDP on 2 processes:");
+            for &mb in &o.buckets {
+                let m = median_run(&job(Kind::Ddp, global / 2, mb), 2, 1, o.repeat)?;
+                println!("  {mb:>5} MiB: {:>6.0} images/s", m.images_per_s);
+                println!("{}", m.describe_comm(&apart, global));
+            }
+        }
+    }
+    Ok(())
+}
