@@ -26,8 +26,8 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear, loss, Linear, Optimizer, VarBuilder, VarMap};
-use candle_parallel::cifar::Net;
+use candle_nn::{linear, loss, Linear, ModuleT, Optimizer, VarBuilder, VarMap};
+use candle_parallel::cifar::{Net, NetBn};
 use candle_parallel::ddp::DdpConfig;
 use candle_parallel::distributed::{ProcessGroup, ReduceOp};
 use candle_parallel::init::seeded_var_builder;
@@ -68,6 +68,8 @@ impl Module for Big {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Model {
     Net,
+    /// The Net with BatchNorm after each convolution (`cifar::NetBn`).
+    NetBn,
     Big,
 }
 
@@ -75,14 +77,16 @@ impl Model {
     fn parse(s: &str) -> Result<Self> {
         match s {
             "net" => Ok(Self::Net),
+            "netbn" => Ok(Self::NetBn),
             "big" => Ok(Self::Big),
-            other => bail!("unknown model {other:?}: net or big"),
+            other => bail!("unknown model {other:?}: net, netbn or big"),
         }
     }
 
     fn name(self) -> &'static str {
         match self {
             Self::Net => "net",
+            Self::NetBn => "netbn",
             Self::Big => "big",
         }
     }
@@ -90,7 +94,7 @@ impl Model {
     /// The global batch the setups split.
     fn global_batch(self) -> usize {
         match self {
-            Self::Net => 128,
+            Self::Net | Self::NetBn => 128,
             Self::Big => 64,
         }
     }
@@ -98,7 +102,7 @@ impl Model {
     /// A batch of `n` inputs and labels.
     fn batch(self, n: usize) -> Result<(Tensor, Tensor)> {
         let (shape, classes): (Vec<usize>, u32) = match self {
-            Self::Net => (vec![n, 3, 32, 32], 10),
+            Self::Net | Self::NetBn => (vec![n, 3, 32, 32], 10),
             Self::Big => (vec![n, 1024], 1024),
         };
         let x = Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?;
@@ -149,6 +153,8 @@ struct Job {
     /// Images per process per step.
     batch: usize,
     bucket_mb: f64,
+    /// DDP with `sync_batch_norm`.
+    sync_bn: bool,
     steps: usize,
     warmup: usize,
 }
@@ -156,11 +162,12 @@ struct Job {
 impl Job {
     fn encode(&self) -> String {
         format!(
-            "{} {} {} {} {} {}",
+            "{} {} {} {} {} {} {}",
             self.model.name(),
             self.kind.name(),
             self.batch,
             self.bucket_mb,
+            self.sync_bn,
             self.steps,
             self.warmup
         )
@@ -168,14 +175,15 @@ impl Job {
 
     fn decode(s: &str) -> Result<Self> {
         let f: Vec<&str> = s.split(' ').collect();
-        anyhow::ensure!(f.len() == 6, "bad job {s:?}");
+        anyhow::ensure!(f.len() == 7, "bad job {s:?}");
         Ok(Self {
             model: Model::parse(f[0])?,
             kind: Kind::parse(f[1])?,
             batch: f[2].parse()?,
             bucket_mb: f[3].parse()?,
-            steps: f[4].parse()?,
-            warmup: f[5].parse()?,
+            sync_bn: f[4].parse()?,
+            steps: f[5].parse()?,
+            warmup: f[6].parse()?,
         })
     }
 }
@@ -242,7 +250,7 @@ fn timed(warmup: usize, steps: usize, mut step: impl FnMut() -> Result<()>) -> R
 }
 
 /// A plain training step of `build`'s model on a fixed batch: forward, loss, backward, SGD.
-fn plain_trainer<M: Module>(
+fn plain_trainer<M: ModuleT>(
     job: &Job,
     build: fn(VarBuilder) -> candle_core::Result<M>,
 ) -> Result<impl FnMut() -> Result<()>> {
@@ -251,13 +259,13 @@ fn plain_trainer<M: Module>(
     let mut opt = Sgd::new(varmap.all_vars(), SGD)?;
     let (x, y) = job.model.batch(job.batch)?;
     Ok(move || {
-        let l = loss::cross_entropy(&model.forward(&x)?, &y)?;
+        let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
         opt.backward_step(&l)?;
         Ok(())
     })
 }
 
-fn plain<M: Module>(
+fn plain<M: ModuleT>(
     job: &Job,
     build: fn(VarBuilder) -> candle_core::Result<M>,
 ) -> Result<Measured> {
@@ -270,7 +278,7 @@ fn plain<M: Module>(
 
 /// Plain and DDP steps on one process, in alternating rounds: the median of DDP's step time
 /// over the plain one's.
-fn overhead<M: Module>(
+fn overhead<M: ModuleT>(
     job: &Job,
     build: fn(VarBuilder) -> candle_core::Result<M>,
 ) -> Result<Measured> {
@@ -306,12 +314,13 @@ fn overhead<M: Module>(
     })
 }
 
-fn ddp<M: Module>(job: &Job, build: fn(VarBuilder) -> candle_core::Result<M>) -> Result<Measured> {
+fn ddp<M: ModuleT>(job: &Job, build: fn(VarBuilder) -> candle_core::Result<M>) -> Result<Measured> {
     let pg = ProcessGroup::from_env(&Device::Cpu)?;
     let varmap = VarMap::new();
     build(seeded_var_builder(&varmap, 0, DType::F32, &Device::Cpu))?;
     let config = DdpConfig {
         bucket_cap_mb: job.bucket_mb,
+        sync_batch_norm: job.sync_bn,
         ..DdpConfig::default()
     };
     let model = DistributedDataParallel::with_config(&varmap, &pg, &Device::Cpu, config, build)?;
@@ -364,6 +373,9 @@ fn ddp<M: Module>(job: &Job, build: fn(VarBuilder) -> candle_core::Result<M>) ->
 fn child(job: &Job) -> Result<()> {
     let m = match (job.model, job.kind) {
         (Model::Net, Kind::Plain) => plain(job, Net::new)?,
+        (Model::NetBn, Kind::Plain) => plain(job, NetBn::new)?,
+        (Model::NetBn, Kind::Ddp) => ddp(job, NetBn::new)?,
+        (Model::NetBn, Kind::Overhead) => overhead(job, NetBn::new)?,
         (Model::Big, Kind::Plain) => plain(job, big)?,
         (Model::Net, Kind::Ddp) => ddp(job, Net::new)?,
         (Model::Big, Kind::Ddp) => ddp(job, big)?,
@@ -440,7 +452,7 @@ struct Options {
 
 fn parse() -> Result<Options> {
     let mut o = Options {
-        models: vec![Model::Net, Model::Big],
+        models: vec![Model::Net, Model::NetBn, Model::Big],
         procs: vec![2],
         steps: None,
         buckets: vec![1.0, 5.0, 25.0, 100.0],
@@ -490,7 +502,7 @@ fn main() -> Result<()> {
     for &model in &o.models {
         let global = model.global_batch();
         let (steps, warmup) = match model {
-            Model::Net => (o.steps.unwrap_or(30), 3),
+            Model::Net | Model::NetBn => (o.steps.unwrap_or(30), 3),
             Model::Big => (o.steps.unwrap_or(10), 2),
         };
         let job = |kind: Kind, batch: usize, bucket_mb: f64| Job {
@@ -498,11 +510,13 @@ fn main() -> Result<()> {
             kind,
             batch,
             bucket_mb,
+            sync_bn: false,
             steps,
             warmup,
         };
         let params = match model {
             Model::Net => "62,006",
+            Model::NetBn => "62,050",
             Model::Big => "25.2 M",
         };
         println!(
@@ -550,6 +564,16 @@ fn main() -> Result<()> {
              alternating rounds in one process)",
             100.0 * overhead.overhead
         );
+        if model == Model::NetBn {
+            for &p in &o.procs {
+                let sync = Job {
+                    sync_bn: true,
+                    ..job(Kind::Ddp, global / p, 25.0)
+                };
+                let m = median_run(&sync, p, 1, o.repeat)?;
+                row(format!("DDP + SyncBatchNorm, {p} processes x 1 thread"), &m);
+            }
+        }
         if model == Model::Big {
             let apart = runs(Kind::Plain, global / 2, 2, 1)?;
             println!("bucket size, DDP on 2 processes:");

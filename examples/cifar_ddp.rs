@@ -12,8 +12,9 @@
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{loss, Optimizer, VarMap};
-use candle_parallel::cifar::{Net, Split};
+use candle_nn::{loss, ModuleT, Optimizer, VarBuilder, VarMap};
+use candle_parallel::cifar::{Net, NetBn, Split};
+use candle_parallel::ddp::DdpConfig;
 use candle_parallel::devices::gpu_count;
 use candle_parallel::distributed::{ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::init::seeded_var_builder;
@@ -44,6 +45,10 @@ struct Args {
     /// Train on the CPU even when GPUs are available.
     #[arg(long)]
     cpu: bool,
+    /// The Net with a BatchNorm after each convolution: candle-nn's BatchNorm in one process,
+    /// SyncBatchNorm (statistics over every rank's samples) with several.
+    #[arg(long)]
+    batch_norm: bool,
 }
 
 const EVAL_BATCH: usize = 1000;
@@ -75,42 +80,54 @@ fn device(args: &Args) -> Result<Device> {
 fn rank_main(args: &Args) -> Result<()> {
     let device = device(args)?;
     let pg = ProcessGroup::from_env(&device)?;
-    let (rank, world) = (pg.rank(), pg.world_size());
-    if rank == 0 && world > 1 {
-        println!("Let's use {world} processes!");
+    if pg.rank() == 0 && pg.world_size() > 1 {
+        println!("Let's use {} processes!", pg.world_size());
     }
-    let data = args.train.load_data()?;
+    if args.batch_norm {
+        train(args, &pg, &device, NetBn::new)
+    } else {
+        train(args, &pg, &device, Net::new)
+    }
+}
 
+/// Trains the model `build` makes, evaluates it after each epoch, and saves it (rank 0).
+fn train<M: ModuleT>(
+    args: &Args,
+    pg: &ProcessGroup,
+    device: &Device,
+    build: fn(VarBuilder) -> candle_core::Result<M>,
+) -> Result<()> {
+    let rank = pg.rank();
+    let data = args.train.load_data()?;
     let varmap = VarMap::new();
     // Seeded initial weights; DDP makes every rank take rank 0's anyway.
-    Net::new(seeded_var_builder(
+    build(seeded_var_builder(
         &varmap,
         args.train.seed,
         DType::F32,
-        &device,
+        device,
     ))?;
-    let model = DistributedDataParallel::new(&varmap, &pg, &device, Net::new)?;
+    let config = DdpConfig {
+        // BatchNorm over every rank's samples when there are several.
+        sync_batch_norm: pg.world_size() > 1,
+        ..DdpConfig::default()
+    };
+    let model = DistributedDataParallel::with_config(&varmap, pg, device, config, build)?;
     let mut opt = Sgd::new(model.parameters(), args.train.sgd())?;
     let options = SamplerOptions {
         seed: args.train.seed,
         ..SamplerOptions::default()
     };
-    let mut sampler = DistributedSampler::for_group(data.train.len(), &pg, options)?;
+    let mut sampler = DistributedSampler::for_group(data.train.len(), pg, options)?;
 
     let started = Instant::now();
     let epochs = args.train.epochs;
     for epoch in 1..=epochs {
         sampler.set_epoch(epoch as u64);
-        let rate = train_epoch(
-            &model,
-            &mut opt,
-            &data.train,
-            &sampler,
-            args,
-            epoch,
-            &device,
-        )?;
-        let (loss, correct, n) = evaluate(&model, &pg, &data.test, &device)?;
+        let rate = train_epoch(&model, &mut opt, &data.train, &sampler, args, epoch, device)?;
+        // Every rank evaluates with rank 0's running statistics.
+        model.sync_buffers()?;
+        let (loss, correct, n) = evaluate(&model, pg, &data.test, device)?;
         if rank == 0 {
             println!("Epoch {epoch}/{epochs}: {rate:.0} images/s");
             cli::print_test_line(loss, correct, n);
@@ -131,8 +148,8 @@ fn rank_main(args: &Args) -> Result<()> {
 
 /// One pass over this rank's share of the training set; returns the whole job's throughput
 /// in images/s.
-fn train_epoch(
-    model: &DistributedDataParallel<Net>,
+fn train_epoch<M: ModuleT>(
+    model: &DistributedDataParallel<M>,
     opt: &mut Sgd,
     train: &Split,
     sampler: &DistributedSampler,
@@ -169,8 +186,8 @@ fn train_epoch(
 /// The summed cross-entropy, the number classified correctly and the number of test images,
 /// over the whole test set: each rank evaluates every `world`-th image (no padding, so none
 /// twice), and the sums are all-reduced.
-fn evaluate(
-    model: &DistributedDataParallel<Net>,
+fn evaluate<M: ModuleT>(
+    model: &DistributedDataParallel<M>,
     pg: &ProcessGroup,
     test: &Split,
     device: &Device,

@@ -8,6 +8,8 @@
 //! - [`replicate`] and [`parallel_apply`]: the pieces `DataParallel` is made of.
 //! - [`distributed`] (also reachable as `dist`): process groups (TCP, in-process, NCCL),
 //!   rendezvous and collectives, blocking and asynchronous.
+//! - [`nn::SyncBatchNorm`]: batch statistics over every rank's samples, and [`nn::batch_norm`],
+//!   which lets one model definition serve one device and many.
 //! - [`sampler::DistributedSampler`]: each rank's share of a dataset.
 //! - [`launch`]: start N ranks (the `candle-run` launcher and its library entry).
 //!
@@ -37,6 +39,7 @@ mod error;
 pub mod init;
 #[cfg(unix)]
 pub mod launch;
+pub mod nn;
 pub mod optim;
 pub mod parallel_apply;
 pub mod replicate;

@@ -241,3 +241,25 @@ fn cifar_ddp_on_2_processes_learns_like_cifar_dp_on_the_same_global_batch() {
     assert_eq!(plain_correct, correct);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn cifar_ddp_with_batch_norm_learns_with_sync_batch_norm_on_2_processes() {
+    let mut cmd = Command::new(common::example("cifar_ddp"));
+    cmd.args([
+        "--nproc",
+        "2",
+        "--cpu",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+    ])
+    .args(["--train-size", "6400", "--batch-norm"]);
+    let out = common::run_ok(cmd, Duration::from_secs(300));
+    let (_, correct, lines) = test_lines(&out);
+    assert_eq!(lines, 1, "{out}");
+    assert!(
+        correct > 500,
+        "{correct}/1000 after 100 steps; chance is 100:\n{out}"
+    );
+}

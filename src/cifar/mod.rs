@@ -24,7 +24,7 @@ mod net;
 mod reader;
 mod synthetic;
 
-pub use net::Net;
+pub use net::{Net, NetBn};
 pub use reader::{load, read_batch_file, write_batch_file, TEST_FILE, TRAIN_FILES};
 pub use synthetic::synthetic;
 

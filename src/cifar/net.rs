@@ -1,7 +1,8 @@
-//! The CNN of PyTorch's CIFAR-10 tutorial.
+//! The CNN of PyTorch's CIFAR-10 tutorial, and the same with BatchNorm.
 
+use crate::nn;
 use candle_core::{Module, Result, Tensor};
-use candle_nn::{Conv2d, Conv2dConfig, Init, Linear, VarBuilder};
+use candle_nn::{Conv2d, Conv2dConfig, Init, Linear, ModuleT, VarBuilder};
 
 /// The CIFAR-10 tutorial's CNN: conv 3→6 (5×5), max-pool 2, conv 6→16 (5×5), max-pool 2,
 /// fc 400→120, fc 120→84, fc 84→10, with ReLU after each layer but the last.
@@ -62,6 +63,62 @@ impl Module for Net {
             .relu()?
             .max_pool2d(2)?
             .apply(&self.conv2)?
+            .relu()?
+            .max_pool2d(2)?
+            .flatten_from(1)?
+            .apply(&self.fc1)?
+            .relu()?
+            .apply(&self.fc2)?
+            .relu()?
+            .apply(&self.fc3)
+    }
+}
+
+/// The tutorial's [`Net`] with a BatchNorm after each convolution (before its ReLU): conv 3→6,
+/// bn, max-pool, conv 6→16, bn, max-pool, fc 400→120→84→10.
+///
+/// The BatchNorm layers come from [`nn::batch_norm`]: candle-nn's BatchNorm in one process,
+/// SyncBatchNorm when DistributedDataParallel builds the model with `sync_batch_norm` set.
+/// Variables: those of `Net`, plus `bn1` and `bn2` (`weight`, `bias`, `running_mean`,
+/// `running_var`).
+#[derive(Clone, Debug)]
+pub struct NetBn {
+    conv1: Conv2d,
+    bn1: nn::BatchNorm,
+    conv2: Conv2d,
+    bn2: nn::BatchNorm,
+    fc1: Linear,
+    fc2: Linear,
+    fc3: Linear,
+}
+
+impl NetBn {
+    /// Builds the network from `vb`.
+    pub fn new(vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            conv1: conv(vb.pp("conv1"), 3, 6, 5)?,
+            bn1: nn::batch_norm(6, 1e-5, vb.pp("bn1"))?,
+            conv2: conv(vb.pp("conv2"), 6, 16, 5)?,
+            bn2: nn::batch_norm(16, 1e-5, vb.pp("bn2"))?,
+            fc1: fc(vb.pp("fc1"), 16 * 5 * 5, 120)?,
+            fc2: fc(vb.pp("fc2"), 120, 84)?,
+            fc3: fc(vb.pp("fc3"), 84, 10)?,
+        })
+    }
+
+    /// Whether the BatchNorm layers are synchronised over ranks.
+    pub fn is_synchronised(&self) -> bool {
+        matches!(self.bn1, nn::BatchNorm::Sync(_))
+    }
+}
+
+impl ModuleT for NetBn {
+    /// Images `(B, 3, 32, 32)` to logits `(B, 10)`; `train` selects batch or running statistics.
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        let x = self.bn1.forward_t(&xs.apply(&self.conv1)?, train)?;
+        let x = x.relu()?.max_pool2d(2)?.apply(&self.conv2)?;
+        self.bn2
+            .forward_t(&x, train)?
             .relu()?
             .max_pool2d(2)?
             .flatten_from(1)?

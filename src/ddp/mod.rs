@@ -54,6 +54,7 @@ pub use reducer::{BackwardStats, Compression};
 
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
+use crate::nn;
 use agreement::{broadcast_from_rank_0, check_same_model, travels};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
@@ -86,6 +87,9 @@ pub struct DdpConfig {
     pub buffer_names: Vec<String>,
     /// The dtype variables are created with when the `VarMap` lacks them (default f32).
     pub dtype: DType,
+    /// Make the model's [`nn::batch_norm`](crate::nn::batch_norm) layers SyncBatchNorm, over a
+    /// process group of their own (torch's `convert_sync_batchnorm`; default false).
+    pub sync_batch_norm: bool,
 }
 
 impl Default for DdpConfig {
@@ -100,6 +104,7 @@ impl Default for DdpConfig {
                 .map(String::from)
                 .to_vec(),
             dtype: DType::F32,
+            sync_batch_norm: false,
         }
     }
 }
@@ -130,6 +135,8 @@ pub struct DistributedDataParallel<M> {
     sorted: Vec<(String, Var)>,
     bucket_bytes: usize,
     broadcast_buffers: bool,
+    /// The groups of the model's SyncBatchNorm layers, whose backward `backward` completes.
+    sync_groups: Vec<ProcessGroup>,
     /// Open `no_sync` guards.
     no_sync: AtomicUsize,
 }
@@ -172,11 +179,25 @@ impl<M> DistributedDataParallel<M> {
             buffer_names.iter().any(|b| b == last)
         };
         let registry = Registry::new(varmap, device, is_buffer, reducer.clone());
-        let module = build(VarBuilder::from_backend(
-            Box::new(&registry),
-            config.dtype,
-            device.clone(),
-        ))?;
+        // SyncBatchNorm gets a group of its own: its backward collectives must not interleave
+        // with the gradient buckets (a rank with no rows sends them late).
+        let sync_group = if config.sync_batch_norm {
+            Some(
+                group
+                    .new_group(&everyone)?
+                    .expect("every rank is a member of a group of every rank"),
+            )
+        } else {
+            None
+        };
+        let (module, sync_groups) = nn::building(sync_group, || {
+            build(VarBuilder::from_backend(
+                Box::new(&registry),
+                config.dtype,
+                device.clone(),
+            ))
+        });
+        let module = module?;
         let entries = registry.entries();
         check_same_model(&own, &entries, device)?;
         let travelling: Vec<Var> = entries
@@ -227,6 +248,7 @@ impl<M> DistributedDataParallel<M> {
             sorted,
             bucket_bytes,
             broadcast_buffers: config.broadcast_buffers,
+            sync_groups,
             no_sync: AtomicUsize::new(0),
         })
     }
@@ -308,6 +330,9 @@ impl<M> DistributedDataParallel<M> {
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         let started = Instant::now();
         let mut grads = loss.backward()?;
+        for group in &self.sync_groups {
+            nn::finish_backward(group)?;
+        }
         self.reducer.finish(&mut grads, started)?;
         Ok(grads)
     }

@@ -8,9 +8,12 @@ use super::rendezvous::{config, Rendezvous};
 use super::store::{Store, StoreServer};
 use super::work::{Finished, Work, Worker};
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use candle_core::{Device, Tensor};
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Where this process stands in a group.
 #[derive(Clone, Copy, Debug)]
@@ -43,6 +46,8 @@ struct GroupState {
     store: Option<Arc<Store>>,
     /// Rank 0's store server lives as long as any group that needs it.
     _server: Option<Arc<StoreServer>>,
+    /// State that layers built on the group keep with it, one value per type.
+    extensions: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
 
 /// A group of ranks that run collectives together (`torch.distributed`'s process group).
@@ -170,6 +175,7 @@ impl ProcessGroup {
                 path,
                 store: connected.store,
                 _server: connected.server,
+                extensions: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -210,6 +216,24 @@ impl ProcessGroup {
     /// The rendezvous store (absent for in-process groups).
     pub fn store(&self) -> Option<&Store> {
         self.state.store.as_deref()
+    }
+
+    /// The value of type `T` this group keeps for the layers built on it (made with `Default`
+    /// on first use); every clone of the group sees the same one.
+    pub(crate) fn extension<T: Default + Send + Sync + 'static>(&self) -> Arc<T> {
+        let mut map = lock(&self.state.extensions);
+        let value = map
+            .entry(TypeId::of::<T>())
+            .or_insert_with(|| Arc::new(T::default()));
+        value
+            .clone()
+            .downcast::<T>()
+            .expect("keyed by its own type")
+    }
+
+    /// Whether `self` and `other` are the same group (clones of one another).
+    pub fn same_group(&self, other: &ProcessGroup) -> bool {
+        Arc::ptr_eq(&self.state, &other.state)
     }
 
     /// Issues one collective: numbers it and queues it behind the group's earlier calls. A call

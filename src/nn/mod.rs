@@ -1,0 +1,157 @@
+//! Layers for data-parallel training: [`SyncBatchNorm`], and [`batch_norm`], the constructor
+//! that lets one model definition serve one device and many (torch's
+//! `convert_sync_batchnorm`).
+//!
+//! A candle model is its constructor, so instead of converting a built model, the model asks
+//! for its normalisation layers through [`batch_norm`] (a drop-in for `candle_nn::batch_norm`,
+//! same arguments, same variables). Called anywhere else it builds candle-nn's `BatchNorm`;
+//! called while `DistributedDataParallel` builds the model with `DdpConfig::sync_batch_norm`
+//! set, it builds a [`SyncBatchNorm`] over a process group of DDP's own, so its collectives
+//! never interleave with DDP's gradient buckets nor with the user's.
+//!
+//! ```rust
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{ModuleT, VarBuilder, VarMap};
+//! use candle_parallel::ddp::DdpConfig;
+//! use candle_parallel::{distributed, nn, DistributedDataParallel};
+//!
+//! // One definition.
+//! fn model(vb: VarBuilder) -> candle_core::Result<nn::BatchNorm> {
+//!     nn::batch_norm(2, 1e-5, vb.pp("bn"))
+//! }
+//! # fn main() -> candle_parallel::Result<()> {
+//! // One process: candle-nn's BatchNorm.
+//! let varmap = VarMap::new();
+//! let plain = model(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+//! assert!(matches!(plain, nn::BatchNorm::Plain(_)));
+//! // Under DDP with the switch on: SyncBatchNorm.
+//! distributed::spawn_threads(2, |pg| {
+//!     let varmap = VarMap::new();
+//!     let config = DdpConfig { sync_batch_norm: true, ..Default::default() };
+//!     let ddp = DistributedDataParallel::with_config(&varmap, &pg, &Device::Cpu, config, model)?;
+//!     assert!(matches!(ddp.module(), nn::BatchNorm::Sync(_)));
+//!     Ok(())
+//! })?;
+//! # Ok(()) }
+//! ```
+
+mod sync_batch_norm;
+
+pub use sync_batch_norm::{finish_backward, sync_batch_norm, SyncBatchNorm};
+
+use crate::distributed::ProcessGroup;
+use candle_core::{Result, Tensor};
+use candle_nn::{BatchNormConfig, ModuleT, VarBuilder};
+use std::cell::RefCell;
+
+/// A batch normalisation layer: candle-nn's, or synchronised over the ranks ([`batch_norm`]).
+#[derive(Clone, Debug)]
+pub enum BatchNorm {
+    /// candle-nn's BatchNorm: this rank's statistics.
+    Plain(candle_nn::BatchNorm),
+    /// Every rank's statistics.
+    Sync(SyncBatchNorm),
+}
+
+impl BatchNorm {
+    /// The running mean.
+    pub fn running_mean(&self) -> &Tensor {
+        match self {
+            Self::Plain(bn) => bn.running_mean(),
+            Self::Sync(bn) => bn.running_mean(),
+        }
+    }
+
+    /// The running variance.
+    pub fn running_var(&self) -> &Tensor {
+        match self {
+            Self::Plain(bn) => bn.running_var(),
+            Self::Sync(bn) => bn.running_var(),
+        }
+    }
+}
+
+impl ModuleT for BatchNorm {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        match self {
+            Self::Plain(bn) => bn.forward_t(x, train),
+            Self::Sync(bn) => bn.forward_t(x, train),
+        }
+    }
+}
+
+/// `candle_nn::batch_norm`, or [`sync_batch_norm`] when called while DistributedDataParallel
+/// builds a model with `DdpConfig::sync_batch_norm` set (see the [module documentation](self)).
+pub fn batch_norm<C: Into<BatchNormConfig>>(
+    num_features: usize,
+    config: C,
+    vb: VarBuilder,
+) -> Result<BatchNorm> {
+    match BUILDING.with(|b| b.borrow().as_ref().and_then(|c| c.sync_group.clone())) {
+        Some(group) => Ok(BatchNorm::Sync(sync_batch_norm(
+            num_features,
+            config,
+            vb,
+            &group,
+        )?)),
+        None => Ok(BatchNorm::Plain(candle_nn::batch_norm(
+            num_features,
+            config,
+            vb,
+        )?)),
+    }
+}
+
+/// What a model's construction under DistributedDataParallel shares with the layers it builds.
+struct Building {
+    /// The group [`batch_norm`] synchronises over, when DDP converts.
+    sync_group: Option<ProcessGroup>,
+    /// The groups of the SyncBatchNorm layers built, each once.
+    sync_groups: Vec<ProcessGroup>,
+}
+
+thread_local! {
+    static BUILDING: RefCell<Option<Building>> = const { RefCell::new(None) };
+}
+
+/// Runs `build` (a model's construction) with [`batch_norm`] building SyncBatchNorm layers over
+/// `sync_group` (when given); returns its result and the groups of every SyncBatchNorm layer
+/// it built, whose backward DDP completes ([`finish_backward`]).
+pub(crate) fn building<R>(
+    sync_group: Option<ProcessGroup>,
+    build: impl FnOnce() -> R,
+) -> (R, Vec<ProcessGroup>) {
+    let outer = BUILDING.with(|b| {
+        b.borrow_mut().replace(Building {
+            sync_group,
+            sync_groups: Vec::new(),
+        })
+    });
+    /// Puts the outer construction's context back, also when `build` panics.
+    struct Restore(Option<Option<Building>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some(outer) = self.0.take() {
+                BUILDING.with(|b| *b.borrow_mut() = outer);
+            }
+        }
+    }
+    let mut restore = Restore(Some(outer));
+    let out = build();
+    let mine = BUILDING.with(|b| b.borrow_mut().take());
+    if let Some(outer) = restore.0.take() {
+        BUILDING.with(|b| *b.borrow_mut() = outer);
+    }
+    (out, mine.map(|m| m.sync_groups).unwrap_or_default())
+}
+
+/// Records, for the construction under way (if any), that a SyncBatchNorm layer uses `group`.
+fn note_sync_group(group: &ProcessGroup) {
+    BUILDING.with(|b| {
+        if let Some(building) = b.borrow_mut().as_mut() {
+            if !building.sync_groups.iter().any(|g| g.same_group(group)) {
+                building.sync_groups.push(group.clone());
+            }
+        }
+    });
+}

@@ -1,0 +1,473 @@
+//! `SyncBatchNorm`: batch normalisation with the batch statistics of every rank's samples
+//! (`torch.nn.SyncBatchNorm`).
+//!
+//! With data parallelism each rank sees a slice of the batch; plain BatchNorm normalises with
+//! the slice's statistics. SyncBatchNorm normalises with those of the whole batch, exactly as
+//! one process holding it would, with candle-nn's `BatchNorm` semantics and variable names:
+//!
+//! - training forward: each rank sends its per-channel count, mean and centred sum of squares
+//!   (in f32, f64 for f64 inputs) in one all-gather; every rank combines them in rank order
+//!   (Chan's parallel formula, stable where the sum of squares is not), normalises with the
+//!   global mean and (biased) variance, and updates the running statistics with them, the
+//!   variance unbiased with the global count: identical on every rank. Ranks may hold different
+//!   numbers of rows, none included (they still take part);
+//! - backward: the input gradient needs the global `sum(dy)` and `sum(dy * x_hat)` per channel,
+//!   one all-reduce; the weight and bias gradients stay local (DistributedDataParallel averages
+//!   them), as in torch;
+//! - evaluation: the running statistics, no communication at all.
+//!
+//! A rank with no rows may never reach the layer's backward (candle's autograd does not carry
+//! every gradient through empty tensors). Each training forward therefore leaves a ticket for
+//! its backward all-reduce; [`finish_backward`] sends zeros for the tickets autograd did not
+//! reach, in backward order, so that no rank waits. `DistributedDataParallel::backward` calls
+//! it; without DDP, call it after each backward.
+//!
+//! ```rust
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{ModuleT, VarBuilder, VarMap};
+//! use candle_parallel::{distributed, nn};
+//! # fn main() -> candle_parallel::Result<()> {
+//! // Two ranks with 3 and 1 rows normalise with the statistics of all 4.
+//! let out = distributed::spawn_threads(2, |pg| {
+//!     let varmap = VarMap::new();
+//!     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+//!     let bn = nn::sync_batch_norm(1, 1e-5, vb, &pg)?;
+//!     let rows: &[f32] = if pg.rank() == 0 { &[1.0, 2.0, 3.0] } else { &[6.0] };
+//!     let x = Tensor::new(rows, &Device::Cpu)?.reshape(((), 1))?;
+//!     let y = bn.forward_t(&x, true)?;
+//!     nn::finish_backward(&pg)?; // no backward here: nothing pending is left behind
+//!     Ok(y.flatten_all()?.to_vec1::<f32>()?)
+//! })?;
+//! // Mean 3, variance 3.5: rank 1's 6 is (6 - 3) / sqrt(3.5).
+//! assert!((out[1][0] - 3.0 / 3.5f32.sqrt()).abs() < 1e-4);
+//! # Ok(()) }
+//! ```
+
+use crate::distributed::{ProcessGroup, ReduceOp};
+use crate::error::Error;
+use crate::sync::lock;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Tensor, Var};
+use candle_nn::{BatchNormConfig, Init, ModuleT, VarBuilder};
+use std::sync::{Arc, Mutex};
+
+/// The backward all-reduces that training forwards of a group's SyncBatchNorm layers owe,
+/// oldest first.
+#[derive(Default)]
+pub(crate) struct BackwardTickets {
+    pending: Mutex<Vec<Ticket>>,
+    issued: Mutex<u64>,
+}
+
+struct Ticket {
+    id: u64,
+    channels: usize,
+    dtype: DType,
+    device: Device,
+}
+
+impl BackwardTickets {
+    fn issue(&self, channels: usize, dtype: DType, device: &Device) -> u64 {
+        let id = {
+            let mut issued = lock(&self.issued);
+            *issued += 1;
+            *issued
+        };
+        lock(&self.pending).push(Ticket {
+            id,
+            channels,
+            dtype,
+            device: device.clone(),
+        });
+        id
+    }
+
+    /// Takes ticket `id`: whether it was still owed.
+    fn take(&self, id: u64) -> bool {
+        let mut pending = lock(&self.pending);
+        match pending.iter().position(|t| t.id == id) {
+            Some(i) => {
+                pending.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Sends zeros for every ticket still owed, newest first (the order backward would have).
+    fn finish(&self, group: &ProcessGroup) -> crate::Result<()> {
+        let owed: Vec<Ticket> = std::mem::take(&mut *lock(&self.pending));
+        for t in owed.iter().rev() {
+            let zeros = Tensor::zeros(2 * t.channels, t.dtype, &t.device)?;
+            group.all_reduce(&zeros, ReduceOp::Sum)?;
+        }
+        Ok(())
+    }
+}
+
+/// Completes the backward of every SyncBatchNorm layer on `group` whose training forward ran
+/// but whose backward autograd did not reach (a rank with no rows): it sends zeros in their
+/// place, so that no rank waits. `DistributedDataParallel::backward` calls it for the layers of
+/// its model; call it yourself after each backward otherwise, on every rank.
+pub fn finish_backward(group: &ProcessGroup) -> crate::Result<()> {
+    group.extension::<BackwardTickets>().finish(group)
+}
+
+/// Batch normalisation over every rank's samples. See the [module documentation](self).
+#[derive(Clone)]
+pub struct SyncBatchNorm {
+    running_mean: Var,
+    running_var: Var,
+    weight_and_bias: Option<(Tensor, Tensor)>,
+    remove_mean: bool,
+    eps: f64,
+    momentum: f64,
+    group: ProcessGroup,
+    tickets: Arc<BackwardTickets>,
+    /// The layer's variable prefix, for messages.
+    name: String,
+}
+
+impl std::fmt::Debug for SyncBatchNorm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SyncBatchNorm")
+            .field("name", &self.name)
+            .field("num_features", &self.running_mean.elem_count())
+            .field("eps", &self.eps)
+            .field("momentum", &self.momentum)
+            .finish()
+    }
+}
+
+/// A SyncBatchNorm layer of `num_features` channels over `group`, with the variables (and
+/// their initial values) of `candle_nn::batch_norm`: `running_mean`, `running_var`, and, when
+/// `config.affine`, `weight` and `bias`. Checkpoints move freely between the two.
+pub fn sync_batch_norm<C: Into<BatchNormConfig>>(
+    num_features: usize,
+    config: C,
+    vb: VarBuilder,
+    group: &ProcessGroup,
+) -> Result<SyncBatchNorm> {
+    let config = config.into();
+    let name = vb.prefix();
+    let invalid = |detail: String| {
+        Error::InvalidArgument {
+            what: "SyncBatchNorm configuration",
+            detail: format!("layer `{name}`: {detail}"),
+        }
+        .into_candle()
+    };
+    if config.eps.is_nan() || config.eps < 0.0 {
+        return Err(invalid(format!("eps {} is negative", config.eps)));
+    }
+    if !(0.0..=1.0).contains(&config.momentum) {
+        return Err(invalid(format!(
+            "momentum {} is not between 0 and 1",
+            config.momentum
+        )));
+    }
+    let running_mean = vb.get_with_hints(num_features, "running_mean", Init::Const(0.))?;
+    let running_var = vb.get_with_hints(num_features, "running_var", Init::Const(1.))?;
+    let weight_and_bias = if config.affine {
+        let weight = vb.get_with_hints(num_features, "weight", Init::Const(1.))?;
+        let bias = vb.get_with_hints(num_features, "bias", Init::Const(0.))?;
+        Some((weight, bias))
+    } else {
+        None
+    };
+    let tickets = group.extension::<BackwardTickets>();
+    super::note_sync_group(group);
+    Ok(SyncBatchNorm {
+        // The VarMap's own variables, so that updates persist (a copy otherwise).
+        running_mean: Var::from_tensor(&running_mean)?,
+        running_var: Var::from_tensor(&running_var)?,
+        weight_and_bias,
+        remove_mean: config.remove_mean,
+        eps: config.eps,
+        momentum: config.momentum,
+        group: group.clone(),
+        tickets,
+        name,
+    })
+}
+
+/// `[1, C, 1, ..]` for an input of `rank` dimensions with `c` channels.
+fn channel_shape(rank: usize, c: usize) -> Vec<usize> {
+    (0..rank).map(|d| if d == 1 { c } else { 1 }).collect()
+}
+
+/// Sums over every dimension but the channels (dimension 1), as a `[C]` tensor.
+fn per_channel_sum(t: &Tensor) -> Result<Tensor> {
+    let c = t.dim(1)?;
+    if t.elem_count() == 0 {
+        return Tensor::zeros(c, t.dtype(), t.device());
+    }
+    t.transpose(0, 1)?.flatten_from(1)?.sum(1)
+}
+
+/// The global statistics, combined from every rank's count, mean and centred sum of squares.
+struct Stats {
+    count: f64,
+    mean: Vec<f64>,
+    /// The biased variance (the second moment about zero when the mean is not removed).
+    var: Vec<f64>,
+}
+
+impl Stats {
+    fn combine(parts: &[Vec<f64>], c: usize) -> Self {
+        let count: f64 = parts.iter().map(|p| p[2 * c]).sum();
+        let mean: Vec<f64> = (0..c)
+            .map(|k| {
+                let s: f64 = parts.iter().map(|p| p[2 * c] * p[k]).sum();
+                if count > 0.0 {
+                    s / count
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let var = (0..c)
+            .map(|k| {
+                let m2: f64 = parts
+                    .iter()
+                    .map(|p| p[c + k] + p[2 * c] * (p[k] - mean[k]).powi(2))
+                    .sum();
+                if count > 0.0 {
+                    m2 / count
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        Self { count, mean, var }
+    }
+}
+
+impl SyncBatchNorm {
+    /// The running mean (the `VarMap`'s variable).
+    pub fn running_mean(&self) -> &Tensor {
+        self.running_mean.as_tensor()
+    }
+
+    /// The running variance (the `VarMap`'s variable).
+    pub fn running_var(&self) -> &Tensor {
+        self.running_var.as_tensor()
+    }
+
+    /// The weight and bias, when the layer is affine.
+    pub fn weight_and_bias(&self) -> Option<(&Tensor, &Tensor)> {
+        self.weight_and_bias.as_ref().map(|(w, b)| (w, b))
+    }
+
+    /// The group whose samples the statistics cover.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    fn check_input(&self, x: &Tensor) -> Result<usize> {
+        let c = self.running_mean.elem_count();
+        if x.rank() < 2 || x.dim(1)? != c {
+            return Err(Error::InvalidArgument {
+                what: "SyncBatchNorm input",
+                detail: format!(
+                    "layer `{}` has {c} channels but got shape {:?}; inputs are (N, {c}, ...)",
+                    self.name,
+                    x.dims()
+                ),
+            }
+            .into_candle());
+        }
+        Ok(c)
+    }
+
+    /// Scales and shifts the normalised `x` with the weight and bias, in `x`'s layout.
+    fn affine(&self, x: Tensor, shape: &[usize]) -> Result<Tensor> {
+        match &self.weight_and_bias {
+            None => Ok(x),
+            Some((w, b)) => x
+                .broadcast_mul(&w.reshape(shape)?)?
+                .broadcast_add(&b.reshape(shape)?),
+        }
+    }
+
+    fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
+        let c = self.check_input(x)?;
+        let internal = if x.dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let xi = x.to_dtype(internal)?;
+        let flat = xi.transpose(0, 1)?.flatten_from(1)?.contiguous()?;
+        let n = flat.dim(1)?;
+        let (mean, m2) = if n == 0 {
+            let z = Tensor::zeros(c, internal, x.device())?;
+            (z.clone(), z)
+        } else if self.remove_mean {
+            let mean = flat.mean_keepdim(1)?;
+            let m2 = flat.broadcast_sub(&mean)?.sqr()?.sum(1)?;
+            (mean.flatten_all()?, m2)
+        } else {
+            (Tensor::zeros(c, internal, x.device())?, flat.sqr()?.sum(1)?)
+        };
+        let count = Tensor::new(&[n as f64], x.device())?.to_dtype(internal)?;
+        let message = Tensor::cat(&[&mean, &m2, &count], 0)?;
+        let parts = self
+            .group
+            .all_gather(&message)
+            .map_err(Error::into_candle)?
+            .iter()
+            .map(|t| {
+                t.to_dtype(DType::F64)?
+                    .to_device(&Device::Cpu)?
+                    .to_vec1::<f64>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let stats = Stats::combine(&parts, c);
+        if stats.count < 2.0 {
+            return Err(Error::InvalidArgument {
+                what: "SyncBatchNorm batch",
+                detail: format!(
+                    "layer `{}` got {} value(s) per channel over all ranks in training mode; \
+                     batch statistics need at least 2",
+                    self.name, stats.count
+                ),
+            }
+            .into_candle());
+        }
+        self.update_running_stats(&stats)?;
+        let shape = channel_shape(x.rank(), c);
+        let on_device = |v: &[f64]| -> Result<Tensor> {
+            Tensor::from_vec(v.to_vec(), c, &Device::Cpu)?
+                .to_dtype(internal)?
+                .to_device(x.device())?
+                .reshape(shape.as_slice())
+        };
+        let std: Vec<f64> = stats.var.iter().map(|v| (v + self.eps).sqrt()).collect();
+        let centred = if self.remove_mean {
+            xi.broadcast_sub(&on_device(&stats.mean)?)?
+        } else {
+            xi
+        };
+        let z = centred.broadcast_div(&on_device(&std)?)?;
+        let ticket = self.tickets.issue(c, internal, x.device());
+        let normed = z.apply_op1(GlobalStatsGrad {
+            group: self.group.clone(),
+            tickets: self.tickets.clone(),
+            ticket,
+            count: stats.count,
+            remove_mean: self.remove_mean,
+            name: self.name.clone(),
+        })?;
+        self.affine(normed.to_dtype(x.dtype())?, &shape)
+    }
+
+    fn update_running_stats(&self, stats: &Stats) -> Result<()> {
+        let m = self.momentum;
+        let dev = self.running_mean.device();
+        let dtype = self.running_mean.dtype();
+        let tensor = |v: Vec<f64>| -> Result<Tensor> {
+            Tensor::from_vec(v, stats.mean.len(), &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(dev)
+        };
+        if self.remove_mean {
+            let mean = tensor(stats.mean.clone())?;
+            let updated = ((self.running_mean.as_tensor() * (1.0 - m))? + (mean * m)?)?;
+            self.running_mean.set(&updated)?;
+        }
+        let unbias = stats.count / (stats.count - 1.0);
+        let var = tensor(stats.var.iter().map(|v| v * unbias).collect())?;
+        let updated = ((self.running_var.as_tensor() * (1.0 - m))? + (var * m)?)?;
+        self.running_var.set(&updated)
+    }
+
+    fn forward_eval(&self, x: &Tensor) -> Result<Tensor> {
+        let c = self.check_input(x)?;
+        let shape = channel_shape(x.rank(), c);
+        let mean = self
+            .running_mean
+            .as_detached_tensor()
+            .reshape(shape.as_slice())?;
+        let var = self
+            .running_var
+            .as_detached_tensor()
+            .reshape(shape.as_slice())?;
+        let x = x
+            .broadcast_sub(&mean)?
+            .broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        self.affine(x, &shape)
+    }
+}
+
+impl ModuleT for SyncBatchNorm {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        if train {
+            self.forward_train(x)
+        } else {
+            self.forward_eval(x)
+        }
+    }
+}
+
+/// The identity on the normalised input `x_hat`, whose backward turns `g = dL/dx_hat` into
+/// the gradient through the global statistics: `g - mean(g) - x_hat * mean(g * x_hat)`, the
+/// means over every rank's samples (one all-reduce of `sum(g)` and `sum(g * x_hat)` per
+/// channel). Autograd then divides by the standard deviation on the way to the input.
+struct GlobalStatsGrad {
+    group: ProcessGroup,
+    tickets: Arc<BackwardTickets>,
+    ticket: u64,
+    count: f64,
+    remove_mean: bool,
+    name: String,
+}
+
+impl candle_core::CustomOp1 for GlobalStatsGrad {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm"
+    }
+
+    /// The input is a fresh tensor (a division's result): its storage is exactly its values.
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((s.try_clone(l)?, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((s.try_clone(l)?, l.shape().clone()))
+    }
+
+    fn bwd(&self, _: &Tensor, x_hat: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        if !self.tickets.take(self.ticket) {
+            return Err(Error::InvalidArgument {
+                what: "SyncBatchNorm backward",
+                detail: format!(
+                    "layer `{}`: backward ran twice for one forward, or after finish_backward",
+                    self.name
+                ),
+            }
+            .into_candle());
+        }
+        let sums = Tensor::cat(&[per_channel_sum(g)?, per_channel_sum(&(g * x_hat)?)?], 0)?;
+        let sums = self
+            .group
+            .all_reduce(&sums, ReduceOp::Sum)
+            .map_err(Error::into_candle)?;
+        let c = x_hat.dim(1)?;
+        let shape = channel_shape(x_hat.rank(), c);
+        let mean_g = (sums.narrow(0, 0, c)? / self.count)?.reshape(shape.as_slice())?;
+        let mean_gx = (sums.narrow(0, c, c)? / self.count)?.reshape(shape.as_slice())?;
+        let dz = g.broadcast_sub(&x_hat.broadcast_mul(&mean_gx)?)?;
+        let dz = if self.remove_mean {
+            dz.broadcast_sub(&mean_g)?
+        } else {
+            dz
+        };
+        Ok(Some(dz))
+    }
+}
