@@ -21,8 +21,9 @@
 //!   processes without communication;
 //! - for `big`, DDP on 2 processes with other bucket sizes.
 //!
-//! `scripts/torch_ddp_bench.py` measures PyTorch on the same models and setups. Reports;
-//! asserts nothing.
+//! With `--cuda` (and the `cuda,nccl` features) the jobs compute on GPU 0 and DDP runs on NCCL:
+//! only the one-process rows, as one GPU holds one NCCL rank. `scripts/torch_ddp_bench.py`
+//! measures PyTorch on the same models and setups. Reports; asserts nothing.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
@@ -41,6 +42,17 @@ use std::time::{Duration, Instant};
 const JOB_VAR: &str = "CP_BENCH_JOB";
 /// Where rank 0 of a job writes its numbers.
 const OUT_VAR: &str = "CP_BENCH_OUT";
+/// Set when the jobs run on GPU 0.
+const CUDA_VAR: &str = "CP_BENCH_CUDA";
+
+/// The device a job computes on: GPU 0 under `--cuda`, else the CPU.
+fn device() -> Result<Device> {
+    Ok(if std::env::var_os(CUDA_VAR).is_some() {
+        Device::new_cuda_with_stream(0)?
+    } else {
+        Device::Cpu
+    })
+}
 
 /// An MLP of 25.2 M parameters: 1024 → 4096 → 4096 → 1024.
 struct Big {
@@ -99,18 +111,14 @@ impl Model {
         }
     }
 
-    /// A batch of `n` inputs and labels.
-    fn batch(self, n: usize) -> Result<(Tensor, Tensor)> {
+    /// A batch of `n` inputs and labels, on `device`.
+    fn batch(self, n: usize, device: &Device) -> Result<(Tensor, Tensor)> {
         let (shape, classes): (Vec<usize>, u32) = match self {
             Self::Net | Self::NetBn => (vec![n, 3, 32, 32], 10),
             Self::Big => (vec![n, 1024], 1024),
         };
-        let x = Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?;
-        let y = Tensor::from_vec(
-            (0..n as u32).map(|i| i % classes).collect(),
-            n,
-            &Device::Cpu,
-        )?;
+        let x = Tensor::randn(0f32, 1.0, shape, device)?;
+        let y = Tensor::from_vec((0..n as u32).map(|i| i % classes).collect(), n, device)?;
         Ok((x, y))
     }
 }
@@ -238,14 +246,18 @@ const SGD: SgdConfig = SgdConfig {
 };
 
 /// Times `steps` calls of `step` after `warmup` untimed ones.
+/// Times `steps` calls of `step` after `warmup` untimed ones, until the device has run them.
 fn timed(warmup: usize, steps: usize, mut step: impl FnMut() -> Result<()>) -> Result<Duration> {
+    let device = device()?;
     for _ in 0..warmup {
         step()?;
     }
+    device.synchronize()?;
     let started = Instant::now();
     for _ in 0..steps {
         step()?;
     }
+    device.synchronize()?;
     Ok(started.elapsed())
 }
 
@@ -254,10 +266,11 @@ fn plain_trainer<M: ModuleT>(
     job: &Job,
     build: fn(VarBuilder) -> candle_core::Result<M>,
 ) -> Result<impl FnMut() -> Result<()>> {
+    let device = device()?;
     let varmap = VarMap::new();
-    let model = build(seeded_var_builder(&varmap, 0, DType::F32, &Device::Cpu))?;
+    let model = build(seeded_var_builder(&varmap, 0, DType::F32, &device))?;
     let mut opt = Sgd::new(varmap.all_vars(), SGD)?;
-    let (x, y) = job.model.batch(job.batch)?;
+    let (x, y) = job.model.batch(job.batch, &device)?;
     Ok(move || {
         let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
         opt.backward_step(&l)?;
@@ -282,13 +295,14 @@ fn overhead<M: ModuleT>(
     job: &Job,
     build: fn(VarBuilder) -> candle_core::Result<M>,
 ) -> Result<Measured> {
-    let pg = ProcessGroup::from_env(&Device::Cpu)?;
+    let device = device()?;
+    let pg = ProcessGroup::from_env(&device)?;
     let mut plain = plain_trainer(job, build)?;
     let varmap = VarMap::new();
-    build(seeded_var_builder(&varmap, 0, DType::F32, &Device::Cpu))?;
-    let model = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, build)?;
+    build(seeded_var_builder(&varmap, 0, DType::F32, &device))?;
+    let model = DistributedDataParallel::new(&varmap, &pg, &device, build)?;
     let mut opt = Sgd::new(model.parameters(), SGD)?;
-    let (x, y) = job.model.batch(job.batch)?;
+    let (x, y) = job.model.batch(job.batch, &device)?;
     let mut ddp = || -> Result<()> {
         let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
         opt.step(&model.backward(&l)?)?;
@@ -315,17 +329,18 @@ fn overhead<M: ModuleT>(
 }
 
 fn ddp<M: ModuleT>(job: &Job, build: fn(VarBuilder) -> candle_core::Result<M>) -> Result<Measured> {
-    let pg = ProcessGroup::from_env(&Device::Cpu)?;
+    let device = device()?;
+    let pg = ProcessGroup::from_env(&device)?;
     let varmap = VarMap::new();
-    build(seeded_var_builder(&varmap, 0, DType::F32, &Device::Cpu))?;
+    build(seeded_var_builder(&varmap, 0, DType::F32, &device))?;
     let config = DdpConfig {
         bucket_cap_mb: job.bucket_mb,
         sync_batch_norm: job.sync_bn,
         ..DdpConfig::default()
     };
-    let model = DistributedDataParallel::with_config(&varmap, &pg, &Device::Cpu, config, build)?;
+    let model = DistributedDataParallel::with_config(&varmap, &pg, &device, config, build)?;
     let mut opt = Sgd::new(model.parameters(), SGD)?;
-    let (x, y) = job.model.batch(job.batch)?;
+    let (x, y) = job.model.batch(job.batch, &device)?;
     let mut tail = Duration::ZERO;
     let mut step = |count: bool| -> Result<()> {
         let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
@@ -400,6 +415,7 @@ fn child(job: &Job) -> Result<()> {
 /// Runs `job` on `procs` processes of `threads` compute threads each. For DDP, rank 0's
 /// numbers (its images/s are the job's); for plain jobs, the processes' images/s summed.
 fn run(job: &Job, procs: usize, threads: usize) -> Result<Measured> {
+    let cuda = std::env::var_os(CUDA_VAR).is_some();
     let out = std::env::temp_dir().join(format!("cp-ddp-bench-{}", std::process::id()));
     let config = LaunchConfig {
         nproc_per_node: procs,
@@ -408,7 +424,10 @@ fn run(job: &Job, procs: usize, threads: usize) -> Result<Measured> {
             (JOB_VAR.into(), job.encode().into()),
             (OUT_VAR.into(), out.clone().into()),
             ("RAYON_NUM_THREADS".into(), threads.to_string().into()),
-        ],
+        ]
+        .into_iter()
+        .chain(cuda.then(|| (CUDA_VAR.into(), "1".into())))
+        .collect(),
         ..LaunchConfig::default()
     };
     let exe = std::env::current_exe()?;
@@ -448,6 +467,7 @@ struct Options {
     steps: Option<usize>,
     buckets: Vec<f64>,
     repeat: usize,
+    cuda: bool,
 }
 
 fn parse() -> Result<Options> {
@@ -457,6 +477,7 @@ fn parse() -> Result<Options> {
         steps: None,
         buckets: vec![1.0, 5.0, 25.0, 100.0],
         repeat: 3,
+        cuda: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -476,6 +497,7 @@ fn parse() -> Result<Options> {
             }
             "--steps" => o.steps = Some(value("--steps")?.parse()?),
             "--repeat" => o.repeat = value("--repeat")?.parse()?,
+            "--cuda" => o.cuda = true,
             "--buckets" => {
                 o.buckets = value("--buckets")?
                     .split(',')
@@ -499,6 +521,10 @@ fn main() -> Result<()> {
         return child(&Job::decode(&job)?);
     }
     let o = parse()?;
+    if o.cuda {
+        // The jobs read it; one GPU holds one NCCL rank, so only the one-process rows run.
+        std::env::set_var(CUDA_VAR, "1");
+    }
     for &model in &o.models {
         let global = model.global_batch();
         let (steps, warmup) = match model {
@@ -545,7 +571,8 @@ fn main() -> Result<()> {
             format!("DDP, 1 process, 1 thread, batch {global}"),
             &overhead,
         );
-        for &p in &o.procs {
+        let procs: &[usize] = if o.cuda { &[] } else { &o.procs };
+        for &p in procs {
             let each = global / p;
             let apart = runs(Kind::Plain, each, p, 1)?;
             row(
@@ -565,7 +592,7 @@ fn main() -> Result<()> {
             100.0 * overhead.overhead
         );
         if model == Model::NetBn {
-            for &p in &o.procs {
+            for &p in procs {
                 let sync = Job {
                     sync_bn: true,
                     ..job(Kind::Ddp, global / p, 25.0)
@@ -574,7 +601,7 @@ fn main() -> Result<()> {
                 row(format!("DDP + SyncBatchNorm, {p} processes x 1 thread"), &m);
             }
         }
-        if model == Model::Big {
+        if model == Model::Big && !o.cuda {
             let apart = runs(Kind::Plain, global / 2, 2, 1)?;
             println!("bucket size, DDP on 2 processes:");
             for &mb in &o.buckets {

@@ -18,16 +18,28 @@ run() { # name, command...: runs it, logs it, and never stops the sitting
   echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 }
 nvidia-smi 2>&1 | tee -a "$LOG"
-# DataParallel over two devices on GPU 0 vs one; NCCL with one rank; TCP with CUDA tensors.
+# DataParallel over two devices on GPU 0 vs one; NCCL with one rank (blocking and async
+# collectives, new_group, DDP and SyncBatchNorm against the plain model); TCP with CUDA tensors
+# across two processes (collectives, DDP and SyncBatchNorm against one process).
 run gpu_tests ./gpu --test-threads=1 --nocapture
 # The CPU suites again, on this machine (16 cores).
 run data_parallel ./data_parallel
 run dist_processes ./dist_processes
+run dist_inprocess ./dist_inprocess
+run ddp ./ddp
+run sync_batch_norm ./sync_batch_norm
+# DDP on NCCL (one rank), plain and with BatchNorm; two ranks sharing the GPU over TCP.
+run cifar_ddp_1 ./cifar_ddp --epochs 1
+run cifar_ddp_bn ./cifar_ddp --epochs 1 --batch-norm
+run cifar_ddp_2_tcp env CANDLE_PARALLEL_BACKEND=tcp ./cifar_ddp --epochs 1 --nproc 2 --batch-size 64
 # One epoch of CIFAR-10 (synthetic) on 1 and on 2 devices of GPU 0.
 run cifar_dp_1 ./cifar_dp --epochs 1 --devices 1
 run cifar_dp_2 ./cifar_dp --epochs 1 --devices 2
 # Throughput table: 1, 2, 4 devices on GPU 0, batch 128 and 512.
 run dp_throughput ./dp_throughput --devices 1,2,4 --batches 128,512 --steps 50
+# DDP on NCCL with one rank against the plain step (its overhead), beside PyTorch's.
+run ddp_throughput ./ddp_throughput --cuda
+run torch_ddp_bench python3 torch_ddp_bench.py --device cuda
 # PyTorch's same Net at the same batches on the same GPU.
 run torch_net_bench python3 torch_net_bench.py --batches 128,512 --steps 50
 # Host-memory all-reduce on this machine's cores.

@@ -37,14 +37,15 @@ grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
 rm -f .gpu/*.xz
 "$BUILD" --launcher > .gpu/run-on-gpu.sh
 chmod +x .gpu/run-on-gpu.sh
-for example in cifar_dp dp_tutorial; do
+for example in cifar_dp cifar_ddp dp_tutorial; do
   pack "$example" "$CARGO_TARGET_DIR/release/examples/$example"
 done
 { list test --release; list bench; } | while read -r name exe; do
   case "$name" in
-    gpu|data_parallel|dist_processes|dp_throughput|allreduce_bandwidth) pack "$name" "$exe" ;;
+    gpu|data_parallel|dist_processes|dist_inprocess|ddp|sync_batch_norm|dp_throughput|ddp_throughput|async_overlap|allreduce_bandwidth)
+      pack "$name" "$exe" ;;
   esac
 done
-cp scripts/gpu-checks.sh scripts/torch_net_bench.py .gpu/
+cp scripts/gpu-checks.sh scripts/torch_net_bench.py scripts/torch_ddp_bench.py .gpu/
 du -sh .gpu
 ls -l .gpu

@@ -187,7 +187,7 @@ fn ddp_over_1_2_and_3_thread_ranks_equals_one_process_on_the_whole_batch() {
 fn join() -> ProcessGroup {
     let options = InitOptions {
         rendezvous_timeout: Duration::from_secs(30),
-        ..InitOptions::from_env()
+        ..InitOptions::from_env().unwrap()
     };
     ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options).unwrap()
 }

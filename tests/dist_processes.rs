@@ -18,7 +18,7 @@ const LIMIT: Duration = Duration::from_secs(120);
 fn options() -> InitOptions {
     InitOptions {
         rendezvous_timeout: Duration::from_secs(30),
-        ..InitOptions::from_env()
+        ..InitOptions::from_env().unwrap()
     }
 }
 

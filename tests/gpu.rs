@@ -149,7 +149,7 @@ fn the_tcp_backend_carries_cuda_tensors_between_two_processes() {
         let device = Device::new_cuda_with_stream(0).unwrap();
         let options = InitOptions {
             backend: Some(Backend::Tcp),
-            ..InitOptions::from_env()
+            ..InitOptions::from_env().unwrap()
         };
         let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &device, options).unwrap();
         let x = Tensor::new(&[pg.rank() as f32 + 1.0, 10.0], &Device::Cpu)
@@ -170,4 +170,185 @@ fn the_tcp_backend_carries_cuda_tensors_between_two_processes() {
         2,
     )
     .assert_all_pass(Duration::from_secs(120));
+}
+
+/// The variables of `varmap` by name, as f32 tensors on the CPU.
+fn snapshot(varmap: &VarMap) -> std::collections::BTreeMap<String, Tensor> {
+    varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| {
+            let t = v
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_device(&Device::Cpu)
+                .unwrap();
+            (k.clone(), t)
+        })
+        .collect()
+}
+
+fn labels(n: usize, step: u32, device: &Device) -> Tensor {
+    let v: Vec<u32> = (0..n as u32).map(|i| (i + step) % 10).collect();
+    Tensor::from_vec(v, n, device).unwrap()
+}
+
+/// `steps` SGD steps of `build`'s model on one device over the whole batches, and of DDP on
+/// `pg` over this rank's share of them (`per` rows); the largest difference of the variables.
+fn ddp_against_one_process<M: candle_nn::ModuleT>(
+    pg: &ProcessGroup,
+    device: &Device,
+    build: fn(candle_nn::VarBuilder) -> candle_core::Result<M>,
+    per: usize,
+    steps: u32,
+    sync_batch_norm: bool,
+) -> f32 {
+    let world = pg.world_size();
+    let config = SgdConfig {
+        lr: 0.05,
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let batches: Vec<Tensor> = (0..steps).map(|_| images(world * per, device)).collect();
+    // Every rank uses rank 0's batches.
+    let batches: Vec<Tensor> = batches
+        .iter()
+        .map(|b| pg.broadcast(b, 0).unwrap())
+        .collect();
+    let plain_vars = VarMap::new();
+    let plain = build(seeded_var_builder(&plain_vars, 9, DType::F32, device)).unwrap();
+    let mut opt = Sgd::new(plain_vars.all_vars(), config).unwrap();
+    for (step, x) in batches.iter().enumerate() {
+        let y = labels(world * per, step as u32, device);
+        let l = loss::cross_entropy(&plain.forward_t(x, true).unwrap(), &y).unwrap();
+        opt.backward_step(&l).unwrap();
+    }
+    let ddp_vars = VarMap::new();
+    build(seeded_var_builder(&ddp_vars, 9, DType::F32, device)).unwrap();
+    let ddp_config = candle_parallel::DdpConfig {
+        sync_batch_norm,
+        ..Default::default()
+    };
+    let ddp = candle_parallel::DistributedDataParallel::with_config(
+        &ddp_vars, pg, device, ddp_config, build,
+    )
+    .unwrap();
+    let mut opt = Sgd::new(ddp.parameters(), config).unwrap();
+    for (step, x) in batches.iter().enumerate() {
+        let r = pg.rank();
+        let x = x.narrow(0, r * per, per).unwrap();
+        let y = labels(world * per, step as u32, device)
+            .narrow(0, r * per, per)
+            .unwrap();
+        let l = loss::cross_entropy(&ddp.forward_t(&x, true).unwrap(), &y).unwrap();
+        opt.step(&ddp.backward(&l).unwrap()).unwrap();
+    }
+    let (a, b) = (snapshot(&plain_vars), snapshot(&ddp_vars));
+    a.iter()
+        .map(|(k, t)| max_abs_diff(t, &b[k]))
+        .fold(0.0, f32::max)
+}
+
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_async_collectives_and_a_new_group_with_one_rank_give_exact_numbers() {
+    if !have_gpu() {
+        return;
+    }
+    let device = Device::new_cuda_with_stream(0).unwrap();
+    let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitOptions::default()).unwrap();
+    let xs: Vec<Tensor> = [1usize, 1000, 1 << 22]
+        .iter()
+        .map(|&n| Tensor::randn(0f32, 1.0, n, &device).unwrap())
+        .collect();
+    let works: Vec<_> = xs
+        .iter()
+        .map(|x| pg.all_reduce_async(x, ReduceOp::Avg).unwrap())
+        .collect();
+    // A kernel launched on the compute stream after the calls, while they may be in flight.
+    let a = Tensor::randn(0f32, 1.0, (1024, 1024), &device).unwrap();
+    let product = a.matmul(&a).unwrap();
+    for (x, w) in xs.iter().zip(works).rev() {
+        assert_eq!(max_abs_diff(&w.wait().unwrap(), x), 0.0);
+    }
+    let on_cpu = a.to_device(&Device::Cpu).unwrap();
+    let want = on_cpu.matmul(&on_cpu).unwrap();
+    assert!(max_abs_diff(&product, &want) < 1e-2);
+    // Max with NaN: the mask that carries NaN past NCCL's kernels.
+    let nan = Tensor::new(&[1f32, f32::NAN, -0.5], &Device::Cpu)
+        .unwrap()
+        .to_device(&device)
+        .unwrap();
+    let m = pg
+        .all_reduce(&nan, ReduceOp::Max)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert!(m[0] == 1.0 && m[1].is_nan() && m[2] == -0.5, "{m:?}");
+    let sub = pg.new_group(&[0]).unwrap().expect("a member");
+    assert_eq!(sub.backend(), Backend::Nccl);
+    let y = sub.all_reduce(&xs[1], ReduceOp::Sum).unwrap();
+    assert_eq!(max_abs_diff(&y, &xs[1]), 0.0);
+}
+
+#[cfg(feature = "nccl")]
+#[test]
+fn ddp_and_sync_batch_norm_on_nccl_with_one_rank_equal_the_plain_model() {
+    if !have_gpu() {
+        return;
+    }
+    let device = Device::new_cuda_with_stream(0).unwrap();
+    let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitOptions::default()).unwrap();
+    let d = ddp_against_one_process(&pg, &device, Net::new, 16, 10, false);
+    assert!(d <= 1e-5, "DDP differs from the plain Net by {d}");
+    let d = ddp_against_one_process(
+        &pg,
+        &device,
+        candle_parallel::cifar::NetBn::new,
+        16,
+        10,
+        true,
+    );
+    assert!(
+        d <= 1e-4,
+        "DDP with SyncBatchNorm differs from the plain NetBn by {d}"
+    );
+}
+
+#[test]
+fn ddp_and_sync_batch_norm_over_tcp_with_cuda_tensors_on_two_processes_equal_one_process() {
+    if is_child() {
+        let device = Device::new_cuda_with_stream(0).unwrap();
+        let options = InitOptions {
+            backend: Some(Backend::Tcp),
+            ..InitOptions::from_env().unwrap()
+        };
+        let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &device, options).unwrap();
+        let d = ddp_against_one_process(&pg, &device, Net::new, 8, 10, false);
+        assert!(d <= 1e-4, "DDP differs from one process by {d}");
+        let d = ddp_against_one_process(
+            &pg,
+            &device,
+            candle_parallel::cifar::NetBn::new,
+            8,
+            10,
+            true,
+        );
+        assert!(
+            d <= 1e-4,
+            "DDP with SyncBatchNorm differs from one process by {d}"
+        );
+        println!("{DONE}");
+        return;
+    }
+    if !have_gpu() {
+        return;
+    }
+    Ranks::world(
+        "ddp_and_sync_batch_norm_over_tcp_with_cuda_tensors_on_two_processes_equal_one_process",
+        2,
+    )
+    .assert_all_pass(Duration::from_secs(300));
 }

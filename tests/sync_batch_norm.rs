@@ -192,7 +192,7 @@ fn sync_batch_norm_over_thread_ranks_equals_batch_norm_on_the_whole_batch() {
 fn join() -> ProcessGroup {
     let options = InitOptions {
         rendezvous_timeout: Duration::from_secs(30),
-        ..InitOptions::from_env()
+        ..InitOptions::from_env().unwrap()
     };
     ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options).unwrap()
 }

@@ -99,11 +99,12 @@ fn restore_nan(t: &Tensor, mask: &Tensor) -> Result<Tensor> {
 }
 
 impl ProcessGroup {
-    /// Joins the group described by torchrun's (or Slurm's) environment, with the job token
-    /// from `CANDLE_PARALLEL_TOKEN`; the backend follows `device` (NCCL for CUDA with the `nccl`
-    /// feature, else TCP).
+    /// Joins the group described by torchrun's (or Slurm's) environment, with the options
+    /// `CANDLE_PARALLEL_*` variables set ([`InitOptions::from_env`]: the job token among them);
+    /// the backend follows `device` (NCCL for CUDA with the `nccl` feature, else TCP) unless
+    /// `CANDLE_PARALLEL_BACKEND` says otherwise.
     pub fn from_env(device: &Device) -> Result<Self> {
-        Self::new(&Rendezvous::from_env()?, device, InitOptions::from_env())
+        Self::new(&Rendezvous::from_env()?, device, InitOptions::from_env()?)
     }
 
     /// Joins the group at `tcp://host:port` as `rank` of `world_size`.

@@ -59,7 +59,7 @@ pub(crate) mod wire;
 pub mod work;
 
 pub use group::ProcessGroup;
-pub use options::{Backend, InitOptions, TOKEN_VAR};
+pub use options::{Backend, InitOptions, BACKEND_VAR, RENDEZVOUS_TIMEOUT_VAR, TOKEN_VAR};
 pub use reduce_op::ReduceOp;
 pub use rendezvous::Rendezvous;
 pub use threads::{spawn_threads, spawn_threads_with};

@@ -1,5 +1,6 @@
 //! How a process group is made: the backend and the timeouts ([`InitOptions`]).
 
+use crate::error::{Error, Result};
 use std::fmt;
 use std::time::Duration;
 
@@ -26,7 +27,8 @@ impl fmt::Display for Backend {
 }
 
 /// Timeouts and choices for creating a process group. `Default` reads nothing from the
-/// environment; [`InitOptions::from_env`] takes the job token from `CANDLE_PARALLEL_TOKEN`.
+/// environment; [`InitOptions::from_env`] reads `CANDLE_PARALLEL_*` variables (the job token
+/// among them).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InitOptions {
     /// The backend; `None` picks NCCL for CUDA devices (with the `nccl` feature), else TCP.
@@ -68,15 +70,110 @@ impl Default for InitOptions {
 pub const TOKEN_VAR: &str = "CANDLE_PARALLEL_TOKEN";
 
 impl InitOptions {
-    /// The defaults, with the token from `CANDLE_PARALLEL_TOKEN` when it is set, and Unix
-    /// sockets (or shared memory) off when `CANDLE_PARALLEL_UNIX_SOCKETS` (`CANDLE_PARALLEL_SHM`)
-    /// is `0`.
-    pub fn from_env() -> Self {
-        Self {
-            token: std::env::var(TOKEN_VAR).unwrap_or_default(),
-            unix_sockets: std::env::var("CANDLE_PARALLEL_UNIX_SOCKETS").map_or(true, |v| v != "0"),
-            shared_memory: std::env::var("CANDLE_PARALLEL_SHM").map_or(true, |v| v != "0"),
-            ..Self::default()
+    /// The defaults, with what the environment sets:
+    ///
+    /// | variable | sets | values |
+    /// |---|---|---|
+    /// | `CANDLE_PARALLEL_TOKEN` | `token` | any text (set by `candle-run`) |
+    /// | `CANDLE_PARALLEL_BACKEND` | `backend` | `tcp`, `nccl` |
+    /// | `CANDLE_PARALLEL_TIMEOUT` | `timeout` | seconds |
+    /// | `CANDLE_PARALLEL_PEER_TIMEOUT` | `peer_timeout` | seconds |
+    /// | `CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT` | `rendezvous_timeout` | seconds |
+    /// | `CANDLE_PARALLEL_UNIX_SOCKETS` | `unix_sockets` | `0`, `1` |
+    /// | `CANDLE_PARALLEL_SHM` | `shared_memory` | `0`, `1` |
+    ///
+    /// A value that does not parse is an error naming the variable.
+    pub fn from_env() -> Result<Self> {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// As [`InitOptions::from_env`], reading variables through `get`.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let bad = |name: &str, value: &str, want: &str| Error::Config {
+            what: format!("environment variable {name}"),
+            detail: format!("{value:?} is not {want}"),
+        };
+        let seconds = |name: &str, default: Duration| -> Result<Duration> {
+            match get(name) {
+                None => Ok(default),
+                Some(v) => match v.trim().parse::<f64>() {
+                    Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+                    _ => Err(bad(name, &v, "a positive number of seconds")),
+                },
+            }
+        };
+        let switch = |name: &str| -> Result<bool> {
+            match get(name).as_deref().map(str::trim) {
+                None | Some("1") | Some("true") => Ok(true),
+                Some("0") | Some("false") => Ok(false),
+                Some(v) => Err(bad(name, v, "0 or 1")),
+            }
+        };
+        let backend = match get(BACKEND_VAR).as_deref().map(str::trim) {
+            None | Some("") => None,
+            Some("tcp") => Some(Backend::Tcp),
+            Some("nccl") => Some(Backend::Nccl),
+            Some(v) => return Err(bad(BACKEND_VAR, v, "tcp or nccl")),
+        };
+        let d = Self::default();
+        Ok(Self {
+            backend,
+            timeout: seconds("CANDLE_PARALLEL_TIMEOUT", d.timeout)?,
+            peer_timeout: seconds("CANDLE_PARALLEL_PEER_TIMEOUT", d.peer_timeout)?,
+            rendezvous_timeout: seconds(RENDEZVOUS_TIMEOUT_VAR, d.rendezvous_timeout)?,
+            token: get(TOKEN_VAR).unwrap_or_default(),
+            unix_sockets: switch("CANDLE_PARALLEL_UNIX_SOCKETS")?,
+            shared_memory: switch("CANDLE_PARALLEL_SHM")?,
+        })
+    }
+}
+
+/// The environment variable choosing the backend (`tcp` or `nccl`).
+pub const BACKEND_VAR: &str = "CANDLE_PARALLEL_BACKEND";
+
+/// The environment variable bounding the wait for every rank to join, in seconds.
+pub const RENDEZVOUS_TIMEOUT_VAR: &str = "CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| map.get(k).cloned()
+    }
+
+    #[test]
+    fn the_environment_sets_the_options_and_bad_values_are_named() {
+        let o = InitOptions::from_vars(vars(&[
+            ("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT", "2.5"),
+            ("CANDLE_PARALLEL_BACKEND", "tcp"),
+            ("CANDLE_PARALLEL_SHM", "0"),
+            ("CANDLE_PARALLEL_TOKEN", "t"),
+        ]))
+        .unwrap();
+        assert_eq!(o.rendezvous_timeout, Duration::from_millis(2500));
+        assert_eq!(o.backend, Some(Backend::Tcp));
+        assert!(!o.shared_memory && o.unix_sockets);
+        assert_eq!(o.token, "t");
+        assert_eq!(
+            InitOptions::from_vars(vars(&[])).unwrap(),
+            InitOptions::default()
+        );
+        for (name, value) in [
+            ("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT", "soon"),
+            ("CANDLE_PARALLEL_PEER_TIMEOUT", "-1"),
+            ("CANDLE_PARALLEL_BACKEND", "gloo"),
+            ("CANDLE_PARALLEL_UNIX_SOCKETS", "yes"),
+        ] {
+            let err = InitOptions::from_vars(vars(&[(name, value)]))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(name) && err.contains(value), "{err}");
         }
     }
 }
