@@ -240,3 +240,137 @@ fn launch_spawn_runs_every_rank_and_reports_the_one_that_failed() {
         "{err}"
     );
 }
+
+/// The launcher's temporary folders left in the temporary directory by launcher `pid`.
+fn leftover_folders(pid: u32) -> Vec<std::path::PathBuf> {
+    let prefix = format!("candle-run-{pid}-");
+    std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
+        .collect()
+}
+
+/// Starts two ranks that each start a child and wait; returns the launcher and the children's
+/// pids.
+fn ranks_with_children() -> (Ranks, Vec<u32>) {
+    let script = r#"sleep 301 & echo "child $!"; wait"#;
+    let ranks = Ranks::spawn(vec![candle_run(&[
+        "--nproc-per-node",
+        "2",
+        "--grace-period",
+        "2",
+        "sh",
+        "-c",
+        script,
+    ])]);
+    ranks.wait_for(0, "[rank0]: child ", LIMIT);
+    ranks.wait_for(0, "[rank1]: child ", LIMIT);
+    let children = {
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            let found = pids(&ranks.output(0), "]: child ");
+            if found.len() == 2 || Instant::now() > deadline {
+                break found;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    assert_eq!(children.len(), 2);
+    assert!(children.iter().all(|&p| alive(p)));
+    (ranks, children)
+}
+
+#[test]
+fn nothing_the_job_started_survives_a_sigkilled_launcher() {
+    let (mut ranks, children) = ranks_with_children();
+    let launcher = ranks.pid(0);
+    assert_eq!(
+        leftover_folders(launcher).len(),
+        1,
+        "the launcher's folder exists"
+    );
+    ranks.kill(0); // SIGKILL
+                   // The guardian gives the orphans the grace period after SIGTERM.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while children.iter().any(|&p| alive(p)) || !leftover_folders(launcher).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "after 10 s: children alive {:?}, folders {:?}",
+            children.iter().map(|&p| alive(p)).collect::<Vec<_>>(),
+            leftover_folders(launcher)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn sighup_stops_the_job_like_sigterm_and_nothing_survives() {
+    let (ranks, children) = ranks_with_children();
+    let launcher = ranks.pid(0);
+    assert!(Command::new("kill")
+        .args(["-HUP", &launcher.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let ended = ranks.wait(LIMIT).remove(0);
+    assert_eq!(ended.status.code(), Some(129), "{}", ended.output);
+    assert!(
+        ended.output.contains("interrupted by SIGHUP"),
+        "{}",
+        ended.output
+    );
+    assert_all_gone(&children);
+    assert!(leftover_folders(launcher).is_empty());
+}
+
+/// The peak resident memory of process `pid` so far, in KiB.
+fn peak_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+#[test]
+fn a_rank_writing_a_huge_line_costs_the_launcher_bounded_memory() {
+    // 64 MB without a newline, then time for the test to look at the launcher.
+    let script = "head -c 64000000 /dev/zero | tr '\\0' x; echo; echo written; sleep 2";
+    let ranks = Ranks::spawn(vec![candle_run(&[
+        "--nproc-per-node",
+        "1",
+        "sh",
+        "-c",
+        script,
+    ])]);
+    let launcher = ranks.pid(0);
+    let mut peak = 0;
+    let deadline = Instant::now() + LIMIT;
+    while !ranks.output(0).contains("[rank0]: written") {
+        peak = peak.max(peak_kib(launcher).unwrap_or(0));
+        assert!(Instant::now() < deadline, "the rank never finished writing");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    peak = peak.max(peak_kib(launcher).unwrap_or(0));
+    let ended = ranks.wait(LIMIT).remove(0);
+    assert!(
+        ended.status.success(),
+        "{}",
+        &ended.output[ended.output.len() - 200..]
+    );
+    assert!(peak < 20_000, "the launcher peaked at {peak} KiB");
+    // Forwarded in prefixed pieces, nothing lost.
+    let xs: usize = ended
+        .output
+        .lines()
+        .filter_map(|l| l.strip_prefix("[rank0]: "))
+        .map(|l| l.bytes().filter(|&b| b == b'x').count())
+        .sum();
+    assert_eq!(xs, 64_000_000);
+    assert!(ended
+        .output
+        .lines()
+        .all(|l| l.starts_with("[rank0]: ") || l.is_empty() || !l.contains('x')));
+}

@@ -4,10 +4,12 @@
 //! The launcher starts one process per rank with torchrun's environment (`RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) and the job token
 //! `CANDLE_PARALLEL_TOKEN`, prefixes each line of their output with `[rankN]: `, forwards
-//! Ctrl-C and SIGTERM to them, and when one rank fails stops the others (SIGTERM, then SIGKILL
-//! after a grace period) and reports the failing rank's exit status. Every rank runs in its own
-//! process group, which is killed as a whole when the rank ends, and is killed by the kernel if
-//! the launcher itself dies: no process outlives the launcher.
+//! Ctrl-C and SIGTERM to them (SIGHUP as SIGTERM), and when one rank fails stops the others
+//! (SIGTERM, then SIGKILL after a grace period) and reports the failing rank's exit status.
+//! Every rank runs in its own process group, which is killed as a whole when the rank ends. If
+//! the launcher itself dies (SIGKILL, a crash), the kernel kills the ranks and a guardian
+//! process kills what they started and removes the launcher's temporary folder: no process
+//! outlives the launcher.
 //!
 //! ```no_run
 //! use candle_core::{Device, Tensor};
@@ -27,6 +29,7 @@
 //! ```
 
 mod cli;
+mod guardian;
 mod signals;
 mod supervisor;
 
@@ -108,6 +111,16 @@ impl LaunchConfig {
         }
         if self.master_port == Some(0) {
             return bad("--master-port", "0 is not a port".into());
+        }
+        let max = crate::distributed::MAX_WORLD_SIZE;
+        if self.nnodes.saturating_mul(self.nproc_per_node) > max {
+            return bad(
+                "--nnodes x --nproc-per-node",
+                format!(
+                    "{} ranks is above the limit of {max}",
+                    self.nnodes.saturating_mul(self.nproc_per_node)
+                ),
+            );
         }
         Ok(())
     }

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicI32, Ordering};
 
-/// The last SIGINT or SIGTERM the launcher received (0: none).
+/// The last SIGINT, SIGTERM or SIGHUP the launcher received (0: none).
 static RECEIVED: AtomicI32 = AtomicI32::new(0);
 
 extern "C" fn record(sig: libc::c_int) {
@@ -10,8 +10,8 @@ extern "C" fn record(sig: libc::c_int) {
     RECEIVED.store(sig, Ordering::SeqCst);
 }
 
-/// While alive, SIGINT and SIGTERM are recorded instead of ending the process; the previous
-/// handlers come back on drop.
+/// While alive, SIGINT, SIGTERM and SIGHUP are recorded instead of ending the process; the
+/// previous handlers come back on drop.
 pub(crate) struct Catch {
     previous: Vec<(libc::c_int, libc::sigaction)>,
 }
@@ -20,7 +20,7 @@ impl Catch {
     pub fn install() -> Self {
         RECEIVED.store(0, Ordering::SeqCst);
         let mut previous = Vec::new();
-        for sig in [libc::SIGINT, libc::SIGTERM] {
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
             // SAFETY: plain sigaction calls with zero-initialised structs and a handler that
             // only stores to an atomic.
             unsafe {

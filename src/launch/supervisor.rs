@@ -1,5 +1,6 @@
 //! Starting, watching and stopping the ranks of one machine.
 
+use super::guardian::Guardian;
 use super::{signals, token, LaunchConfig};
 use crate::distributed::TOKEN_VAR;
 use crate::error::{Error, Result};
@@ -95,6 +96,9 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
     };
     let token = token(config);
     let errors = ErrorDir::create()?;
+    // Declared after `errors`, so dropped first: it must not outlive a normal end of the job
+    // only to find the folder gone.
+    let mut guardian = Guardian::start(config.grace_period, &errors.0);
     let catch = signals::Catch::install();
     let (done_tx, done_rx) = mpsc::channel();
     let job = Job {
@@ -111,6 +115,9 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
     for local in 0..config.nproc_per_node {
         match start(&job, local) {
             Ok((rank, pipes)) => {
+                if let Some(g) = guardian.as_mut() {
+                    g.watch(rank.group());
+                }
                 ranks.push(rank);
                 readers += pipes;
             }
@@ -209,7 +216,12 @@ fn start(job: &Job<'_>, local: usize) -> Result<(Rank, usize)> {
     ))
 }
 
-/// Copies `pipe` line by line to our stdout (or stderr), each line prefixed.
+/// The longest piece of output forwarded at once: a longer line goes out in pieces of this
+/// size, each prefixed, so that the launcher's memory stays bounded whatever a rank writes.
+const PIECE: usize = 64 << 10;
+
+/// Copies `pipe` line by line to our stdout (or stderr), each line (or piece of a long line)
+/// prefixed.
 fn forward(
     pipe: impl Read + Send + 'static,
     prefix: String,
@@ -219,9 +231,7 @@ fn forward(
     let spawned = std::thread::Builder::new()
         .name("rank-output".into())
         .spawn(move || {
-            let mut r = BufReader::new(pipe);
-            let mut line = Vec::new();
-            while matches!(r.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+            let emit = |line: &mut Vec<u8>| {
                 if !line.ends_with(b"\n") {
                     line.push(b'\n');
                 }
@@ -231,9 +241,29 @@ fn forward(
                     Box::new(std::io::stdout().lock())
                 };
                 let _ = out.write_all(prefix.as_bytes());
-                let _ = out.write_all(&line);
+                let _ = out.write_all(line);
                 let _ = out.flush();
                 line.clear();
+            };
+            let mut r = BufReader::with_capacity(PIECE, pipe);
+            let mut line = Vec::with_capacity(256);
+            loop {
+                let buf = match r.fill_buf() {
+                    Ok([]) | Err(_) => break,
+                    Ok(buf) => buf,
+                };
+                let (take, ends) = match buf.iter().position(|&b| b == b'\n') {
+                    Some(i) if line.len() + i < PIECE => (i + 1, true),
+                    _ => (buf.len().min(PIECE - line.len()), false),
+                };
+                line.extend_from_slice(&buf[..take]);
+                r.consume(take);
+                if ends || line.len() >= PIECE {
+                    emit(&mut line);
+                }
+            }
+            if !line.is_empty() {
+                emit(&mut line);
             }
             let _ = done.send(());
         });
@@ -247,8 +277,14 @@ fn supervise(ranks: &mut [Rank], catch: &signals::Catch, grace: Duration) -> Res
     while ranks.iter().any(Rank::running) {
         if let Some(sig) = catch.received() {
             // Forward it: the ranks are in their own process groups, out of the terminal's.
+            // A hang-up is a request to stop, like SIGTERM (the ranks have no terminal).
+            let forwarded = if sig == libc::SIGHUP {
+                libc::SIGTERM
+            } else {
+                sig
+            };
             for r in ranks.iter().filter(|r| r.running()) {
-                signals::signal_group(r.group(), sig);
+                signals::signal_group(r.group(), forwarded);
             }
             interrupted = Some(sig);
             break;

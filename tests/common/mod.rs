@@ -239,6 +239,12 @@ impl Ranks {
         }
     }
 
+    /// What child `i` printed so far.
+    pub fn output(&self, i: usize) -> String {
+        while self.lines.try_recv().is_ok() {}
+        self.output.lock().unwrap()[i].clone()
+    }
+
     /// The process id of child `i`.
     pub fn pid(&self, i: usize) -> u32 {
         self.children[i].as_ref().expect("running").id()
