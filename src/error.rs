@@ -120,6 +120,18 @@ pub enum Error {
         path: PathBuf,
     },
 
+    /// Something other than a regular file stands where a CIFAR-10 file should be.
+    #[error(
+        "CIFAR-10 file {path} is {what}, not a regular file: put the binary version's file there \
+         (data_batch_1.bin .. data_batch_5.bin, test_batch.bin)"
+    )]
+    CifarFileNotRegular {
+        /// The path.
+        path: PathBuf,
+        /// What is there.
+        what: String,
+    },
+
     /// A CIFAR-10 file does not hold a whole number of records.
     #[error(
         "CIFAR-10 file {path} has {size} bytes, which is not a whole number of {record}-byte records \

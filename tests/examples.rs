@@ -263,3 +263,18 @@ fn cifar_ddp_with_batch_norm_learns_with_sync_batch_norm_on_2_processes() {
         "{correct}/1000 after 100 steps; chance is 100:\n{out}"
     );
 }
+
+#[test]
+fn an_empty_test_set_is_an_error_like_an_empty_training_set() {
+    for (flag, what) in [
+        ("--test-size", "test set"),
+        ("--train-size", "training set"),
+    ] {
+        let mut cmd = Command::new(common::example("cifar_dp"));
+        cmd.args(["--cpu", "--epochs", "1", flag, "0"]);
+        let out = common::run(cmd, Duration::from_secs(60));
+        assert!(!out.status.success(), "{flag} 0 succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("the {what} is empty")), "{err}");
+    }
+}

@@ -62,7 +62,15 @@ impl TrainArgs {
             train: take(&data.train, self.train_size),
             test: take(&data.test, self.test_size),
         };
-        anyhow::ensure!(!data.train.is_empty(), "the training set is empty");
+        anyhow::ensure!(
+            !data.train.is_empty(),
+            "the training set is empty (--train-size 0, or empty training files)"
+        );
+        anyhow::ensure!(
+            !data.test.is_empty(),
+            "the test set is empty (--test-size 0, or an empty test_batch.bin): evaluation needs \
+             at least one image"
+        );
         Ok(data)
     }
 

@@ -32,9 +32,7 @@ pub fn load(dir: impl AsRef<Path>) -> Result<Cifar10> {
         .map(|f| dir.join(f))
         .collect();
     for path in &files {
-        if !path.is_file() {
-            return Err(Error::CifarFileMissing { path: path.clone() });
-        }
+        check_file(path)?;
     }
     let mut train = Split::default();
     for path in &files[..TRAIN_FILES.len()] {
@@ -46,9 +44,71 @@ pub fn load(dir: impl AsRef<Path>) -> Result<Cifar10> {
     Ok(Cifar10 { train, test })
 }
 
+/// Fails unless `path` is a regular file (or a link to one), saying what is there instead:
+/// nothing, a directory, a FIFO (which reading would block on), a link that loops...
+fn check_file(path: &Path) -> Result<()> {
+    let not_regular = |what: &str| Error::CifarFileNotRegular {
+        path: path.to_path_buf(),
+        what: what.to_string(),
+    };
+    let link = std::fs::symlink_metadata(path);
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) => {
+            return Err(match (&link, e.kind()) {
+                (Err(_), _) => Error::CifarFileMissing {
+                    path: path.to_path_buf(),
+                },
+                (Ok(_), std::io::ErrorKind::NotFound) => {
+                    not_regular("a symbolic link to a file that does not exist")
+                }
+                // ELOOP: too many levels of symbolic links.
+                (Ok(_), _) if e.raw_os_error() == Some(40) => {
+                    not_regular("a symbolic link that loops")
+                }
+                (Ok(_), _) => Error::File {
+                    action: "reading",
+                    path: path.to_path_buf(),
+                    source: e,
+                },
+            });
+        }
+    };
+    let kind = meta.file_type();
+    if kind.is_file() {
+        return Ok(());
+    }
+    Err(not_regular(if kind.is_dir() {
+        "a directory"
+    } else {
+        special_kind(kind)
+    }))
+}
+
+/// What a file that is neither regular nor a directory is.
+#[cfg(unix)]
+fn special_kind(kind: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if kind.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_block_device() || kind.is_char_device() {
+        "a device"
+    } else {
+        "something other than a file"
+    }
+}
+
+#[cfg(not(unix))]
+fn special_kind(_: std::fs::FileType) -> &'static str {
+    "something other than a file"
+}
+
 /// Reads one file of the binary version: any number of whole records.
 pub fn read_batch_file(path: impl AsRef<Path>) -> Result<Split> {
     let path = path.as_ref();
+    check_file(path)?;
     let bytes = std::fs::read(path).map_err(|source| match source.kind() {
         std::io::ErrorKind::NotFound => Error::CifarFileMissing {
             path: path.to_path_buf(),
@@ -181,6 +241,44 @@ mod tests {
         std::fs::remove_file(dir.join(TEST_FILE)).unwrap();
         let err = load(&dir).unwrap_err();
         assert!(matches!(&err, Error::CifarFileMissing { path } if path.ends_with(TEST_FILE)));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn what_stands_in_place_of_a_file_is_named_and_a_fifo_is_not_read() {
+        let dir = temp_dir("not-a-file");
+        write_dataset(&dir);
+        let test = dir.join(TEST_FILE);
+        let cases: [(&str, &dyn Fn()); 4] = [
+            ("a directory", &|| std::fs::create_dir(&test).unwrap()),
+            ("a FIFO (named pipe)", &|| {
+                let name = std::ffi::CString::new(test.to_str().unwrap()).unwrap();
+                // SAFETY: mkfifo with a valid C string.
+                assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+            }),
+            ("a symbolic link that loops", &|| {
+                let other = dir.join("loop.bin");
+                std::os::unix::fs::symlink(&other, &test).unwrap();
+                std::os::unix::fs::symlink(&test, &other).unwrap();
+            }),
+            ("a symbolic link to a file that does not exist", &|| {
+                std::os::unix::fs::symlink(dir.join("nowhere.bin"), &test).unwrap();
+            }),
+        ];
+        for (what, make) in cases {
+            let _ = std::fs::remove_file(&test);
+            let _ = std::fs::remove_dir(&test);
+            let _ = std::fs::remove_file(dir.join("loop.bin"));
+            make();
+            // A FIFO would block a read: this must return at once.
+            let err = load(&dir).unwrap_err();
+            assert!(
+                matches!(&err, Error::CifarFileNotRegular { what: w, .. } if w == what),
+                "{what}: {err}"
+            );
+            assert!(err.to_string().contains(TEST_FILE), "{err}");
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 

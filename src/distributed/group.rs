@@ -50,6 +50,19 @@ struct GroupState {
     extensions: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
 
+impl Drop for GroupState {
+    /// Before the group goes: when it holds rank 0's store server for the last time, the server
+    /// stops taking new connections first (a rank connecting from now on belongs to the next
+    /// job on this port and retries), then the peers say goodbye, then the server stops.
+    fn drop(&mut self) {
+        if let Some(server) = &self._server {
+            if Arc::strong_count(server) == 1 {
+                server.begin_closing();
+            }
+        }
+    }
+}
+
 /// A group of ranks that run collectives together (`torch.distributed`'s process group).
 ///
 /// Cheap to clone: clones share one group. Every rank must call the same collectives in the

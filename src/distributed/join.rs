@@ -55,14 +55,15 @@ pub(crate) fn join(r: &Rendezvous, options: &InitOptions) -> Result<Joined> {
     let world = r.world_size.to_string();
     let agreed = store.compare_set("world_size", None, world.as_bytes())?;
     if agreed != world.as_bytes() {
-        return Err(Error::Rendezvous {
-            detail: format!(
-                "rank {} has WORLD_SIZE={} but an earlier rank has {}",
-                r.rank,
-                world,
-                String::from_utf8_lossy(&agreed)
-            ),
-        });
+        let detail = format!(
+            "rank {} has WORLD_SIZE={} but an earlier rank has {}",
+            r.rank,
+            world,
+            String::from_utf8_lossy(&agreed)
+        );
+        // The job cannot form: tell the ranks waiting for this one.
+        store.abort(&detail);
+        return Err(Error::Rendezvous { detail });
     }
     let job = store.compare_set("job", None, &fresh_seed().to_le_bytes())?;
     let job = u64::from_le_bytes(job.as_slice().try_into().map_err(|_| Error::Rendezvous {
@@ -71,12 +72,12 @@ pub(crate) fn join(r: &Rendezvous, options: &InitOptions) -> Result<Joined> {
     Ok(Joined { store, server, job })
 }
 
-/// A taken master port is either another job's, or a second rank 0 of this one.
+/// A taken master port is either another program's, or a second rank 0 of this job's: only
+/// this job's store answers the probe at once.
 fn explain_port_in_use(master: SocketAddr, token: &str, addr: String) -> Error {
-    let probe = Store::connect(master, token, 0, std::time::Duration::from_secs(2));
+    let probe = Store::probe(master, token, std::time::Duration::from_millis(500));
     let claimed = probe
-        .ok()
-        .and_then(|s| s.wait(&["rank/0"], std::time::Duration::from_secs(2)).ok())
+        .and_then(|s| s.wait(&["rank/0"], std::time::Duration::ZERO).ok())
         .is_some_and(|missing| missing.is_empty());
     if claimed {
         Error::Rendezvous {

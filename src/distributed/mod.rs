@@ -61,6 +61,6 @@ pub mod work;
 pub use group::ProcessGroup;
 pub use options::{Backend, InitOptions, BACKEND_VAR, RENDEZVOUS_TIMEOUT_VAR, TOKEN_VAR};
 pub use reduce_op::ReduceOp;
-pub use rendezvous::Rendezvous;
+pub use rendezvous::{Rendezvous, MAX_WORLD_SIZE};
 pub use threads::{spawn_threads, spawn_threads_with};
 pub use work::Work;

@@ -573,7 +573,13 @@ pub(crate) fn connect(r: &Rendezvous, device: &Device, options: &InitOptions) ->
         job: joined.job,
         world_rank: r.rank,
     };
-    let mesh = context.connect(&joined.store, &GroupPath::default(), r.rank, r.world_size)?;
+    let mesh = context
+        .connect(&joined.store, &GroupPath::default(), r.rank, r.world_size)
+        .inspect_err(|e| {
+            joined
+                .store
+                .abort(&format!("rank {} could not join: {e}", r.rank))
+        })?;
     let id = if r.rank == 0 {
         let id = result::get_uniqueid().map_err(|e| Error::Nccl {
             op: "ncclGetUniqueId",
@@ -583,6 +589,19 @@ pub(crate) fn connect(r: &Rendezvous, device: &Device, options: &InitOptions) ->
         joined.store.set("nccl/id", &bytes)?;
         id
     } else {
+        let waited = joined.store.wait_for_ranks(
+            &[(0, "nccl/id".into())],
+            r.rank,
+            options.rendezvous_timeout,
+        )?;
+        if !waited.is_empty() {
+            return Err(Error::Rendezvous {
+                detail: format!(
+                    "rank 0 did not publish the NCCL unique id within {:?}",
+                    options.rendezvous_timeout
+                ),
+            });
+        }
         let bytes = joined.store.get("nccl/id", options.rendezvous_timeout)?;
         let mut id = sys::ncclUniqueId { internal: [0; 128] };
         if bytes.len() != id.internal.len() {

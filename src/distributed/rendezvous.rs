@@ -29,6 +29,9 @@ pub(crate) fn config(what: impl Into<String>, detail: impl Into<String>) -> Erro
     }
 }
 
+/// The most ranks a group may have.
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
+
 const START_HINT: &str = "start the program with candle-run, torchrun or srun, or set RANK, \
                           WORLD_SIZE, MASTER_ADDR and MASTER_PORT";
 
@@ -155,6 +158,16 @@ impl Rendezvous {
     pub fn validate(&self) -> Result<()> {
         if self.world_size == 0 {
             return Err(config("world size", "0: a group needs at least one rank"));
+        }
+        if self.world_size > MAX_WORLD_SIZE {
+            return Err(config(
+                "world size",
+                format!(
+                    "{} is above the limit of {MAX_WORLD_SIZE} ranks; check WORLD_SIZE (or \
+                     SLURM_NTASKS)",
+                    self.world_size
+                ),
+            ));
         }
         if self.rank >= self.world_size {
             return Err(config(
@@ -348,6 +361,31 @@ mod tests {
             let err = Rendezvous::from_vars(vars(pairs)).unwrap_err().to_string();
             assert!(err.contains(needle), "{pairs:?}: {err}");
         }
+    }
+
+    #[test]
+    fn huge_world_sizes_are_refused_with_the_limit() {
+        for world in ["65537", "4294967296", "18446744073709551615"] {
+            let err = Rendezvous::from_vars(vars(&[
+                ("RANK", "0"),
+                ("WORLD_SIZE", world),
+                ("MASTER_ADDR", "h"),
+                ("MASTER_PORT", "1"),
+            ]))
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains(world) && err.contains("limit of 65536"),
+                "{err}"
+            );
+        }
+        let ok = Rendezvous::from_vars(vars(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "65536"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ]));
+        assert!(ok.is_ok());
     }
 
     #[test]

@@ -10,7 +10,12 @@ use crate::error::Error;
 use std::io::{Read, Write};
 
 const MAGIC: &[u8; 4] = b"CPAR";
-const VERSION: u16 = 1;
+/// The reply's first bytes, so that a client tells our store or peer from another program.
+const REPLY_MAGIC: &[u8; 4] = b"CPRE";
+const VERSION: u16 = 2;
+/// Connections between accept and an accepted hello, at most, per listener: strangers cannot
+/// hold more threads and descriptors than this.
+pub(crate) const MAX_HANDSHAKES: usize = 32;
 /// The longest token accepted.
 pub(crate) const MAX_TOKEN: usize = 1024;
 /// The longest message in a refusal or an abort.
@@ -158,17 +163,146 @@ pub(crate) fn token_matches(expected: &str, got: &str) -> bool {
 
 /// Answers a hello: accepted, or refused with the reason.
 pub(crate) fn write_reply(w: &mut impl Write, refusal: Option<&str>) -> std::io::Result<()> {
-    let mut b = vec![u8::from(refusal.is_some())];
+    let mut b = REPLY_MAGIC.to_vec();
+    b.push(u8::from(refusal.is_some()));
     put_bytes(&mut b, refusal.unwrap_or("").as_bytes());
     w.write_all(&b)?;
     w.flush()
 }
 
+/// Why a handshake did not give an answer.
+#[derive(Debug)]
+pub(crate) enum NoAnswer {
+    /// The connection closed or was reset before the answer: the other side may be shutting
+    /// down or busy; trying again may work.
+    Closed(std::io::Error),
+    /// Nothing came within the handshake's time: not one of ours, or a hung process.
+    Silent,
+    /// Something answered that is not one of ours; the text shows what it sent.
+    Foreign(String),
+}
+
+impl std::fmt::Display for NoAnswer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Closed(e) => write!(f, "the connection closed during the handshake ({e})"),
+            Self::Silent => f.write_str("it accepted the connection but never answered"),
+            Self::Foreign(sent) => {
+                write!(f, "it answered with {sent}, not candle-parallel's protocol")
+            }
+        }
+    }
+}
+
 /// Reads the answer to a hello: `Ok(None)` when accepted, `Ok(Some(reason))` when refused.
-pub(crate) fn read_reply(r: &mut impl Read) -> std::io::Result<Option<String>> {
-    let refused = read_u8(r)? != 0;
-    let reason = read_string(r, MAX_TEXT, "refusal")?;
+pub(crate) fn read_reply(r: &mut impl Read) -> Result<Option<String>, NoAnswer> {
+    let classify = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => NoAnswer::Silent,
+        _ => NoAnswer::Closed(e),
+    };
+    let mut magic = [0u8; 4];
+    let mut got = 0;
+    while got < magic.len() {
+        match r.read(&mut magic[got..]) {
+            Ok(0) if got == 0 => {
+                return Err(NoAnswer::Closed(std::io::ErrorKind::UnexpectedEof.into()))
+            }
+            Ok(0) => return Err(NoAnswer::Foreign(shown(&magic[..got]))),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if got > 0 => {
+                let _ = e;
+                return Err(NoAnswer::Foreign(shown(&magic[..got])));
+            }
+            Err(e) => return Err(classify(e)),
+        }
+    }
+    if &magic != REPLY_MAGIC {
+        return Err(NoAnswer::Foreign(shown(&magic)));
+    }
+    let refused = read_u8(r).map_err(classify)? != 0;
+    let reason = read_string(r, MAX_TEXT, "refusal").map_err(classify)?;
     Ok(refused.then_some(reason))
+}
+
+/// Bytes as a quoted, printable string: `"HTTP"`.
+fn shown(bytes: &[u8]) -> String {
+    format!("{:?}", String::from_utf8_lossy(bytes))
+}
+
+/// A reader over `stream` whose reads all end by one deadline: a handshake cannot be drawn out
+/// by a peer that sends a byte at a time.
+pub(crate) struct Deadline<'a, S> {
+    stream: &'a S,
+    deadline: std::time::Instant,
+}
+
+impl<'a, S> Deadline<'a, S> {
+    pub fn new(stream: &'a S, within: std::time::Duration) -> Self {
+        Self {
+            stream,
+            deadline: std::time::Instant::now() + within,
+        }
+    }
+}
+
+/// A stream whose reads can be bounded in time.
+pub(crate) trait TimedRead {
+    fn set_read_timeout(&self, d: Option<std::time::Duration>) -> std::io::Result<()>;
+    fn read_some(&self, buf: &mut [u8]) -> std::io::Result<usize>;
+}
+
+impl TimedRead for std::net::TcpStream {
+    fn set_read_timeout(&self, d: Option<std::time::Duration>) -> std::io::Result<()> {
+        std::net::TcpStream::set_read_timeout(self, d)
+    }
+    fn read_some(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let mut s = self;
+        s.read(buf)
+    }
+}
+
+impl<S: TimedRead> Read for Deadline<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self
+            .deadline
+            .saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the handshake took too long",
+            ));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read_some(buf)
+    }
+}
+
+/// A bounded count of handshakes in progress.
+#[derive(Default)]
+pub(crate) struct HandshakeSlots(std::sync::atomic::AtomicUsize);
+
+/// One handshake's place, given back on drop.
+pub(crate) struct HandshakeSlot(std::sync::Arc<HandshakeSlots>);
+
+impl HandshakeSlots {
+    /// A place for one more handshake, unless [`MAX_HANDSHAKES`] are in progress.
+    pub fn take(self: &std::sync::Arc<Self>) -> Option<HandshakeSlot> {
+        use std::sync::atomic::Ordering;
+        let taken = self
+            .0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < MAX_HANDSHAKES).then_some(n + 1)
+            })
+            .is_ok();
+        taken.then(|| HandshakeSlot(self.clone()))
+    }
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// The kinds of frame between peers.
@@ -296,7 +430,7 @@ mod tests {
     }
 
     #[test]
-    fn replies_carry_the_refusal_reason() {
+    fn replies_carry_the_refusal_reason_and_foreign_answers_are_told_apart() {
         let mut buf = Vec::new();
         write_reply(&mut buf, Some("wrong token")).unwrap();
         assert_eq!(
@@ -306,5 +440,20 @@ mod tests {
         buf.clear();
         write_reply(&mut buf, None).unwrap();
         assert_eq!(read_reply(&mut buf.as_slice()).unwrap(), None);
+        let http = read_reply(&mut &b"HTTP/1.1 400 Bad Request"[..]).unwrap_err();
+        assert!(http.to_string().contains("\"HTTP\""), "{http}");
+        assert!(matches!(
+            read_reply(&mut &b""[..]).unwrap_err(),
+            NoAnswer::Closed(_)
+        ));
+    }
+
+    #[test]
+    fn handshake_slots_are_bounded_and_given_back() {
+        let slots = std::sync::Arc::new(HandshakeSlots::default());
+        let taken: Vec<_> = (0..MAX_HANDSHAKES).map(|_| slots.take().unwrap()).collect();
+        assert!(slots.take().is_none());
+        drop(taken);
+        assert!(slots.take().is_some());
     }
 }

@@ -222,8 +222,9 @@ mod tests {
                     all_reduce_in_place(l, 1, &mut buf, ReduceOp::Sum).unwrap();
                     buf
                 });
+                let inputs: Vec<Vec<f64>> = (0..world).map(|r| values(r, len)).collect();
                 let want: Vec<f64> = (0..len)
-                    .map(|i| (0..world).map(|r| values(r, len)[i]).sum())
+                    .map(|i| inputs.iter().map(|v| v[i]).sum())
                     .collect();
                 for got in results {
                     assert_eq!(got, HostBuf::F64(want.clone()), "world {world} len {len}");

@@ -1,10 +1,13 @@
 //! The store's client.
 
+use super::server::SHUTTING_DOWN;
 use super::{
     millis, put_key, put_value, ADD, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS,
     MAX_VALUE, SET, TIMED_OUT, WAIT,
 };
-use crate::distributed::wire::{self, io_err, read_bytes, read_len, read_string, Hello, Purpose};
+use crate::distributed::wire::{
+    self, io_err, read_bytes, read_len, read_string, Hello, NoAnswer, Purpose,
+};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use std::io::{BufReader, BufWriter, Write};
@@ -19,35 +22,102 @@ pub struct Store {
     conn: Mutex<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
 }
 
+/// The key where a rank that cannot go on writes why, for the others.
+pub(crate) const ABORT_KEY: &str = "abort";
+/// The key where the store notes the last refused connection.
+pub(crate) const REFUSED_KEY: &str = "refused";
+
+/// How often a waiting rank says that it is still waiting: every 30 s, or four times in the
+/// whole wait when that is shorter.
+fn progress_every(timeout: Duration) -> Duration {
+    (timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(30))
+}
+
+/// One attempt at reaching the store.
+enum Attempt {
+    Joined(TcpStream, BufReader<TcpStream>),
+    /// Worth another try (nobody listens yet, the store is restarting or busy): why not now.
+    Retry(String),
+    /// Trying again cannot help.
+    Fail(Error),
+}
+
 impl Store {
     /// Connects to the store at `addr`, retrying until `timeout` while nobody listens yet (rank 0
-    /// may start after the others). `rank` only names this client in the store's view.
+    /// may start after the others), while the store of a job that just ended on this port is
+    /// shutting down, and while it is busy; says every 30 s (or every quarter of `timeout`, when
+    /// shorter) that it is still waiting. `rank` only
+    /// names this client in the store's view and in messages.
     pub fn connect(addr: SocketAddr, token: &str, rank: usize, timeout: Duration) -> Result<Self> {
         let started = Instant::now();
-        let stream = loop {
+        let mut said = Duration::ZERO;
+        let (w, r) = loop {
             let left = timeout.saturating_sub(started.elapsed());
-            let attempt = left.clamp(Duration::from_millis(1), HELLO_TIMEOUT);
-            match TcpStream::connect_timeout(&addr, attempt) {
-                Ok(s) => break s,
-                // Nobody listens yet: rank 0 may still be starting.
-                Err(_) if started.elapsed() < timeout => {
+            match Self::attempt(addr, token, rank, left, HELLO_TIMEOUT) {
+                Attempt::Joined(w, r) => break (w, r),
+                Attempt::Fail(e) => return Err(e),
+                Attempt::Retry(why) if started.elapsed() < timeout => {
+                    let waited = started.elapsed();
+                    if waited >= said + progress_every(timeout) {
+                        said = waited;
+                        eprintln!(
+                            "candle-parallel: rank {rank} is still waiting for the master's store at {addr}, {} s so far ({why}); the rendezvous timeout is {} s",
+                            waited.as_secs(),
+                            timeout.as_secs()
+                        );
+                    }
                     std::thread::sleep(Duration::from_millis(50));
                 }
-                Err(e) => {
+                Attempt::Retry(why) => {
                     return Err(Error::Unreachable {
                         addr: addr.to_string(),
                         waited: timeout,
-                        detail: e.to_string(),
+                        detail: why,
                     })
                 }
             }
         };
-        stream.set_nodelay(true).map_err(io_err("store socket"))?;
-        stream
-            .set_read_timeout(Some(HELLO_TIMEOUT))
+        r.get_ref()
+            .set_read_timeout(None)
             .map_err(io_err("store socket"))?;
-        let context = format!("handshake with the store at {addr}");
-        let mut w = BufWriter::new(stream.try_clone().map_err(io_err(context.clone()))?);
+        let local_addr = r.get_ref().local_addr().map_err(io_err("store socket"))?;
+        Ok(Self {
+            addr,
+            local_addr,
+            conn: Mutex::new((r, BufWriter::new(w))),
+        })
+    }
+
+    /// One connection to a store that should be up: `None` unless it answers as this job's
+    /// store within `within` (so that rank 0 tells a second rank 0 of its job from another
+    /// program holding the port at once).
+    pub(crate) fn probe(addr: SocketAddr, token: &str, within: Duration) -> Option<Self> {
+        match Self::attempt(addr, token, 0, within, within) {
+            Attempt::Joined(w, r) => {
+                let local_addr = r.get_ref().local_addr().ok()?;
+                r.get_ref().set_read_timeout(None).ok()?;
+                Some(Self {
+                    addr,
+                    local_addr,
+                    conn: Mutex::new((r, BufWriter::new(w))),
+                })
+            }
+            Attempt::Retry(_) | Attempt::Fail(_) => None,
+        }
+    }
+
+    fn attempt(
+        addr: SocketAddr,
+        token: &str,
+        rank: usize,
+        left: Duration,
+        hello_timeout: Duration,
+    ) -> Attempt {
+        let within = left.clamp(Duration::from_millis(1), hello_timeout);
+        let stream = match TcpStream::connect_timeout(&addr, within) {
+            Ok(s) => s,
+            Err(e) => return Attempt::Retry(e.to_string()),
+        };
         let hello = Hello {
             purpose: Purpose::Store,
             token: token.to_string(),
@@ -56,25 +126,38 @@ impl Store {
             to_rank: 0,
             world_size: 0,
         };
-        w.write_all(&hello.encode())
-            .and_then(|()| w.flush())
-            .map_err(io_err(context.clone()))?;
-        let mut r = BufReader::new(stream);
-        if let Some(reason) = wire::read_reply(&mut r).map_err(io_err(context))? {
-            return Err(Error::Refused {
+        let sent = stream
+            .set_nodelay(true)
+            .and_then(|()| stream.set_read_timeout(Some(hello_timeout)))
+            .and_then(|()| (&stream).write_all(&hello.encode()));
+        if let Err(e) = sent {
+            return Attempt::Retry(format!("the connection closed during the handshake ({e})"));
+        }
+        let Ok(read_half) = stream.try_clone() else {
+            return Attempt::Retry("could not use the connection".into());
+        };
+        let mut r = BufReader::new(read_half);
+        let foreign = |what: String| {
+            Attempt::Fail(Error::Refused {
+                peer: format!("the program at {addr}"),
+                reason: format!(
+                    "{what}: it is not this job's store, so another program holds MASTER_PORT \
+                     (or MASTER_ADDR is wrong); pick a free port, or stop that program"
+                ),
+            })
+        };
+        match wire::read_reply(&mut r) {
+            Ok(None) => Attempt::Joined(stream, r),
+            Ok(Some(reason)) if reason.starts_with(SHUTTING_DOWN) => Attempt::Retry(reason),
+            Ok(Some(reason)) => Attempt::Fail(Error::Refused {
                 peer: format!("the store at {addr}"),
                 reason,
-            });
+            }),
+            Err(NoAnswer::Closed(e)) => Attempt::Retry(format!(
+                "the store closed the connection during the handshake ({e})"
+            )),
+            Err(no) => foreign(no.to_string()),
         }
-        r.get_ref()
-            .set_read_timeout(None)
-            .map_err(io_err("store socket"))?;
-        let local_addr = r.get_ref().local_addr().map_err(io_err("store socket"))?;
-        Ok(Self {
-            addr,
-            local_addr,
-            conn: Mutex::new((r, w)),
-        })
     }
 
     /// The store's address.
@@ -183,6 +266,84 @@ impl Store {
         }
         put_value(&mut req, desired)?;
         self.call(&req, Duration::ZERO, |r| read_bytes(r, MAX_VALUE, "value"))
+    }
+
+    /// Waits up to `timeout` for `keys`, each published by a rank (`(rank, key)`), and returns
+    /// the ranks whose keys are still missing (none when all are there). Fails at once when the
+    /// job was aborted or a rank it waits for left (see [`Store::check_not_aborted`]); says every
+    /// 30 s (or quarter of `timeout`), naming rank `me`, whom it waits for.
+    pub(crate) fn wait_for_ranks(
+        &self,
+        keys: &[(usize, String)],
+        me: usize,
+        timeout: Duration,
+    ) -> Result<Vec<usize>> {
+        let started = Instant::now();
+        let mut said = Duration::ZERO;
+        loop {
+            let refs: Vec<&str> = keys.iter().map(|(_, k)| k.as_str()).collect();
+            let left = timeout.saturating_sub(started.elapsed());
+            let missing = self.wait(&refs, left.min(Duration::from_secs(1)))?;
+            let ranks: Vec<usize> = keys
+                .iter()
+                .filter(|(_, k)| missing.contains(k))
+                .map(|(r, _)| *r)
+                .collect();
+            if ranks.is_empty() {
+                return Ok(ranks);
+            }
+            self.check_not_aborted(&ranks)?;
+            let waited = started.elapsed();
+            if waited >= timeout {
+                return Ok(ranks);
+            }
+            if waited >= said + progress_every(timeout) {
+                said = waited;
+                let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+                eprintln!(
+                    "candle-parallel: rank {me} is still waiting for ranks {} to join, {} s so far; \
+                     the rendezvous timeout is {} s{}",
+                    list.join(", "),
+                    waited.as_secs(),
+                    timeout.as_secs(),
+                    self.refusal_note()
+                );
+            }
+        }
+    }
+
+    /// Fails when the job was aborted (a rank wrote why in `abort`) or one of `ranks` left
+    /// (`gone/<rank>`, written by the store when the connection that claimed the rank closed).
+    pub(crate) fn check_not_aborted(&self, ranks: &[usize]) -> Result<()> {
+        let mut keys = vec![ABORT_KEY.to_string()];
+        keys.extend(ranks.iter().map(|r| format!("gone/{r}")));
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let missing = self.wait(&refs, Duration::ZERO)?;
+        if let Some(k) = keys.iter().find(|k| !missing.contains(k)) {
+            let why = String::from_utf8_lossy(&self.get(k, Duration::ZERO)?).into_owned();
+            let detail = match k.strip_prefix("gone/") {
+                Some(rank) => format!("rank {rank} left during the rendezvous: {why}"),
+                None => why,
+            };
+            return Err(Error::Rendezvous { detail });
+        }
+        Ok(())
+    }
+
+    /// Tells every rank of the job that it cannot form, and why (the first reason stays).
+    pub(crate) fn abort(&self, why: &str) {
+        let _ = self.compare_set(ABORT_KEY, None, why.as_bytes());
+    }
+
+    /// "; meanwhile the store refused ..." when it refused a connection of this job's shape.
+    pub(crate) fn refusal_note(&self) -> String {
+        match self.wait(&[REFUSED_KEY], Duration::ZERO) {
+            Ok(missing) if missing.is_empty() => match self.get(REFUSED_KEY, Duration::ZERO) {
+                Ok(v) => format!("; meanwhile the store {}", String::from_utf8_lossy(&v)),
+                Err(_) => String::new(),
+            },
+            _ => String::new(),
+        }
     }
 
     /// Removes `key`; returns whether it existed.

@@ -1,11 +1,13 @@
 //! The store's server: a thread accepting connections and one thread per client.
 
+use super::client::REFUSED_KEY;
 use super::{
     ADD, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS, MAX_VALUE, OK, SET, TIMED_OUT,
     WAIT,
 };
 use crate::distributed::wire::{
-    self, io_err, put_bytes, read_bytes, read_len, read_string, Hello, Purpose,
+    self, io_err, put_bytes, read_bytes, read_len, read_string, Deadline, HandshakeSlot,
+    HandshakeSlots, Hello, Purpose,
 };
 use crate::error::{Error, Result};
 use crate::sync::lock;
@@ -27,6 +29,9 @@ struct Data {
 pub struct StoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
+    /// Set when the job is ending: new connections are refused, to be retried (by the next job
+    /// on this port, whose server is not up yet).
+    closing: Arc<AtomicBool>,
     clients: Clients,
     accept: Option<JoinHandle<()>>,
 }
@@ -54,19 +59,25 @@ impl StoreServer {
             .set_nonblocking(true)
             .map_err(io_err("store listener"))?;
         let stop = Arc::new(AtomicBool::new(false));
+        let closing = Arc::new(AtomicBool::new(false));
         let clients = Clients::default();
-        let data = Arc::new(Data::default());
-        let token = token.to_string();
+        let shared = Arc::new(Shared {
+            data: Data::default(),
+            token: token.to_string(),
+            closing: closing.clone(),
+            handshakes: Arc::new(HandshakeSlots::default()),
+        });
         let accept = {
             let (stop, clients) = (stop.clone(), clients.clone());
             std::thread::Builder::new()
                 .name("store-accept".into())
-                .spawn(move || accept_loop(listener, token, data, stop, clients))
+                .spawn(move || accept_loop(listener, shared, stop, clients))
                 .map_err(io_err("starting the store thread"))?
         };
         Ok(Self {
             addr,
             stop,
+            closing,
             clients,
             accept: Some(accept),
         })
@@ -76,6 +87,21 @@ impl StoreServer {
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// From now on, refuses new connections as "shutting down" (clients retry): the job is
+    /// ending, and a client connecting now belongs to the next job on this port. Connections
+    /// already made are served to the end.
+    pub fn begin_closing(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+    }
+}
+
+/// What the server's threads share.
+struct Shared {
+    data: Data,
+    token: String,
+    closing: Arc<AtomicBool>,
+    handshakes: Arc<HandshakeSlots>,
 }
 
 impl Drop for StoreServer {
@@ -92,8 +118,7 @@ impl Drop for StoreServer {
 
 fn accept_loop(
     listener: TcpListener,
-    token: String,
-    data: Arc<Data>,
+    shared: Arc<Shared>,
     stop: Arc<AtomicBool>,
     clients: Clients,
 ) {
@@ -101,17 +126,22 @@ fn accept_loop(
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, _)) => {
+                // Strangers that never finish their hello hold at most this many places.
+                let Some(slot) = shared.handshakes.take() else {
+                    let _ = stream.shutdown(Shutdown::Both);
+                    continue;
+                };
                 let Ok(clone) = stream.try_clone() else {
                     continue;
                 };
                 next_id += 1;
                 let id = next_id;
                 lock(&clients).insert(id, clone);
-                let (token, data, clients) = (token.clone(), data.clone(), clients.clone());
+                let (shared, clients) = (shared.clone(), clients.clone());
                 let _ = std::thread::Builder::new()
                     .name("store-client".into())
                     .spawn(move || {
-                        serve(stream, &token, &data);
+                        serve(stream, &shared, slot);
                         lock(&clients).remove(&id);
                     });
             }
@@ -123,17 +153,20 @@ fn accept_loop(
     }
 }
 
-/// Serves one client until it disconnects. Strangers are refused and dropped.
-fn serve(stream: TcpStream, token: &str, data: &Data) {
+/// The refusal a client retries: the store is going away, the next job's is coming.
+pub(crate) const SHUTTING_DOWN: &str = "the store at this address is shutting down";
+
+/// Serves one client until it disconnects. Strangers are refused and dropped. When a client
+/// that claimed ranks disconnects, `gone/<rank>` records it, for ranks still waiting on them.
+fn serve(stream: TcpStream, shared: &Shared, slot: HandshakeSlot) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
-    let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
     let Ok(write_half) = stream.try_clone() else {
         return;
     };
-    let mut r = BufReader::new(stream);
     let mut w = BufWriter::new(write_half);
-    let hello = match Hello::read(&mut r) {
+    // One deadline for the whole hello.
+    let hello = match Hello::read(&mut Deadline::new(&stream, HELLO_TIMEOUT)) {
         Ok(h) => h,
         Err(e) => {
             let _ = wire::write_reply(&mut w, Some(&e.to_string()));
@@ -142,19 +175,54 @@ fn serve(stream: TcpStream, token: &str, data: &Data) {
     };
     let refusal = if hello.purpose != Purpose::Store {
         Some("this is the store, not a peer".to_string())
-    } else if !wire::token_matches(token, &hello.token) {
+    } else if !wire::token_matches(&shared.token, &hello.token) {
         Some("wrong job token (CANDLE_PARALLEL_TOKEN differs)".to_string())
+    } else if shared.closing.load(Ordering::SeqCst) {
+        Some(SHUTTING_DOWN.to_string())
     } else {
         None
     };
+    if let Some(why) = &refusal {
+        if why.starts_with("wrong job token") {
+            // Bounded: one note, the last; waiting ranks mention it.
+            let note = format!(
+                "refused a connection as rank {} from {}: {why}",
+                hello.from_rank,
+                stream
+                    .peer_addr()
+                    .map_or_else(|_| "?".into(), |a| a.to_string())
+            );
+            lock(&shared.data.map).insert(REFUSED_KEY.into(), note.into_bytes());
+        }
+    }
     if wire::write_reply(&mut w, refusal.as_deref()).is_err() || refusal.is_some() {
         return;
     }
-    let _ = r.get_ref().set_read_timeout(None);
-    while let Ok(()) = handle(&mut r, &mut w, data) {}
+    drop(slot);
+    let _ = stream.set_read_timeout(None);
+    let mut r = BufReader::new(stream);
+    let mut claimed = Vec::new();
+    while let Ok(()) = handle(&mut r, &mut w, &shared.data, &mut claimed) {}
+    if !shared.closing.load(Ordering::SeqCst) && !claimed.is_empty() {
+        let mut map = lock(&shared.data.map);
+        for rank in claimed {
+            map.insert(
+                format!("gone/{rank}"),
+                b"its connection to the store closed: the process exited or was killed".to_vec(),
+            );
+        }
+        drop(map);
+        shared.data.changed.notify_all();
+    }
 }
 
-fn handle(r: &mut impl Read, w: &mut impl Write, data: &Data) -> std::io::Result<()> {
+/// Serves one request. A won claim of `rank/<n>` is added to `claimed`.
+fn handle(
+    r: &mut impl Read,
+    w: &mut impl Write,
+    data: &Data,
+    claimed: &mut Vec<usize>,
+) -> std::io::Result<()> {
     let op = wire::read_u8(r)?;
     let mut out = Vec::new();
     match op {
@@ -209,6 +277,9 @@ fn handle(r: &mut impl Read, w: &mut impl Write, data: &Data) -> std::io::Result
             let desired = read_bytes(r, MAX_VALUE, "value")?;
             let mut map = lock(&data.map);
             if map.get(&key) == expected.as_ref() {
+                if let Some(rank) = key.strip_prefix("rank/").and_then(|r| r.parse().ok()) {
+                    claimed.push(rank);
+                }
                 map.insert(key.clone(), desired);
                 data.changed.notify_all();
             }

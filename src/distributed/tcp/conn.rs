@@ -73,6 +73,15 @@ impl Conn {
     }
 }
 
+impl crate::distributed::wire::TimedRead for Conn {
+    fn set_read_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
+        Conn::set_read_timeout(self, d)
+    }
+    fn read_some(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        (&*self).read(buf)
+    }
+}
+
 impl Read for &Conn {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         each!(*self, s => { let mut s = s; s.read(buf) })

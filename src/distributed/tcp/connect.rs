@@ -5,7 +5,9 @@
 use super::conn::{Conn, Listeners, PeerAddress};
 use super::mesh::{Mesh, MeshOptions, ShmLink};
 use crate::distributed::store::Store;
-use crate::distributed::wire::{self, io_err, Hello, Purpose};
+use crate::distributed::wire::{
+    self, io_err, Deadline, HandshakeSlot, HandshakeSlots, Hello, Purpose,
+};
 use crate::error::{Error, Result};
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -47,19 +49,16 @@ pub(crate) fn connect_mesh(
     let addr = listeners.address().map_err(io_err("peer listener"))?;
     let key = |r: usize| format!("{}addr/{r}", me.prefix);
     store.set(&key(rank), addr.as_bytes())?;
-    let keys: Vec<String> = (0..world).map(key).collect();
-    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let missing = store.wait(&key_refs, rendezvous_timeout)?;
+    let keys: Vec<(usize, String)> = (0..world).map(|r| (r, key(r))).collect();
+    let missing = store.wait_for_ranks(&keys, rank, rendezvous_timeout)?;
     if !missing.is_empty() {
-        let ranks: Vec<String> = missing
-            .iter()
-            .map(|k| k.rsplit('/').next().unwrap_or_default().to_string())
-            .collect();
+        let ranks: Vec<String> = missing.iter().map(usize::to_string).collect();
         return Err(Error::Rendezvous {
             detail: format!(
-                "{} of {world} ranks joined within {rendezvous_timeout:?}; missing ranks {}",
+                "{} of {world} ranks joined within {rendezvous_timeout:?}; missing ranks {}{}",
                 world - missing.len(),
-                ranks.join(", ")
+                ranks.join(", "),
+                store.refusal_note()
             ),
         });
     }
@@ -213,13 +212,16 @@ fn connect_peer(
     };
     let mut s = &stream;
     std::io::Write::write_all(&mut s, &hello.encode()).map_err(io_err(ctx.clone()))?;
-    if let Some(reason) = wire::read_reply(&mut s).map_err(io_err(ctx))? {
-        return Err(Error::Refused {
+    match wire::read_reply(&mut s) {
+        Ok(None) => Ok(stream),
+        Ok(Some(reason)) => Err(Error::Refused {
             peer: format!("rank {peer} at {}", addr.tcp),
             reason,
-        });
+        }),
+        Err(no) => Err(Error::Rendezvous {
+            detail: format!("{ctx}: {no}"),
+        }),
     }
-    Ok(stream)
 }
 
 /// Accepts the ranks above this one; refuses anything else and keeps waiting.
@@ -232,24 +234,30 @@ fn accept_peers(
 ) -> Result<Vec<(usize, Conn)>> {
     let mut expected: BTreeSet<usize> = (me.rank + 1..me.world).collect();
     let mut accepted = Vec::new();
-    let (tx, rx) = mpsc::channel::<(std::io::Result<Hello>, Conn)>();
+    let (tx, rx) = mpsc::channel::<(std::io::Result<Hello>, Conn, HandshakeSlot)>();
+    let slots = Arc::new(HandshakeSlots::default());
     while !expected.is_empty() {
         if stop.load(Ordering::SeqCst) {
             return Ok(accepted);
         }
         if let Some(stream) = listeners.accept() {
+            // Strangers that never finish their hello hold at most this many places.
+            let Some(slot) = slots.take() else {
+                stream.shutdown();
+                continue;
+            };
             let tx = tx.clone();
-            // Each handshake on a thread of its own: a silent stranger delays nobody.
+            // Each handshake on a thread of its own, with one deadline for the whole hello: a
+            // silent stranger delays nobody.
             let _ = std::thread::Builder::new()
                 .name("handshake".into())
                 .spawn(move || {
                     let _ = stream.set_nonblocking(false);
-                    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-                    let hello = Hello::read(&mut &stream);
-                    let _ = tx.send((hello, stream));
+                    let hello = Hello::read(&mut Deadline::new(&stream, HANDSHAKE_TIMEOUT));
+                    let _ = tx.send((hello, stream, slot));
                 });
         }
-        while let Ok((hello, stream)) = rx.try_recv() {
+        while let Ok((hello, stream, _slot)) = rx.try_recv() {
             let refusal = match &hello {
                 Err(e) => Some(e.to_string()),
                 Ok(h) => refusal(h, me, &expected),

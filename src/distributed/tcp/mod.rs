@@ -104,7 +104,13 @@ pub(crate) fn connect(r: &Rendezvous, options: &InitOptions) -> Result<Connected
         job: joined.job,
         world_rank: r.rank,
     };
-    let mesh = context.connect(&joined.store, &GroupPath::default(), r.rank, r.world_size)?;
+    let mesh = context
+        .connect(&joined.store, &GroupPath::default(), r.rank, r.world_size)
+        .inspect_err(|e| {
+            joined
+                .store
+                .abort(&format!("rank {} could not join: {e}", r.rank))
+        })?;
     Ok(Connected {
         comm: Box::new(TcpComm { mesh, context }),
         store: Some(joined.store),

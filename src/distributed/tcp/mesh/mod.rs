@@ -289,17 +289,40 @@ impl Links for Mesh {
     }
 }
 
+/// How long a closing mesh waits for its peers' goodbyes.
+const GOODBYE_WAIT: Duration = Duration::from_secs(2);
+
 impl Drop for Mesh {
+    /// Says goodbye to every peer and, unless the mesh is broken, waits (briefly) for theirs:
+    /// the ranks of a group leave it together, so that none starts its next group (on the same
+    /// master port, say) while another still serves this one.
     fn drop(&mut self) {
-        lock(&self.shared.state).closing = true;
-        *lock(&self.shared.stop.0) = true;
-        self.shared.stop.1.notify_all();
         let bye = encode_header(Tag::control(FrameKind::Bye), 0);
         for w in self.shared.writers.iter().flatten() {
             if let Ok(mut s) = w.stream.try_lock() {
                 let _ = s.write_all(&bye);
             }
         }
+        let deadline = Instant::now() + GOODBYE_WAIT.min(self.shared.options.peer_timeout);
+        let mut st = lock(&self.shared.state);
+        loop {
+            let everyone_left =
+                (0..self.shared.world).all(|p| p == self.shared.rank || st.departed[p]);
+            let now = Instant::now();
+            if st.broken.is_some() || everyone_left || now >= deadline {
+                break;
+            }
+            st = self
+                .shared
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        st.closing = true;
+        drop(st);
+        *lock(&self.shared.stop.0) = true;
+        self.shared.stop.1.notify_all();
         for s in self.shared.sockets.iter().flatten() {
             s.shutdown();
         }

@@ -84,24 +84,54 @@ impl MeshState {
         });
     }
 
-    /// Sends heartbeats to quiet connections and declares silent peers lost.
+    /// Sends heartbeats to quiet connections and declares silent peers lost, within
+    /// `peer_timeout` of their last frame: it wakes at the next heartbeat or at the earliest
+    /// moment a peer could be overdue, whichever comes first. A process that did not run for
+    /// longer than `peer_timeout` itself (stopped, frozen, starved) says so, rather than blame
+    /// the peers whose frames it could not read meanwhile.
     pub(super) fn heartbeat(&self) {
         let interval = (self.options.peer_timeout / 5)
             .clamp(Duration::from_millis(20), Duration::from_secs(5));
         let (stop, cv) = &self.stop;
         let mut stopped = lock(stop);
+        let mut last_tick = Instant::now();
         loop {
             // Checked under the lock before every wait: a stop set before this thread first
             // waits must not be missed.
             if *stopped {
                 return;
             }
+            let wait = self.until_next_deadline().min(interval);
             stopped = cv
-                .wait_timeout(stopped, interval)
+                .wait_timeout(stopped, wait)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
             if *stopped {
                 return;
+            }
+            let now = Instant::now();
+            let gap = now - last_tick;
+            last_tick = now;
+            if gap > self.options.peer_timeout {
+                self.fail(Broken {
+                    lost: None,
+                    detail: format!(
+                        "rank {} itself did not run for {:.1} s (stopped, frozen or starved of \
+                         CPU), longer than the peer timeout of {:?}: its peers count it as lost",
+                        self.rank,
+                        gap.as_secs_f64(),
+                        self.options.peer_timeout
+                    ),
+                });
+                return;
+            }
+            if gap > wait + interval {
+                // This process was held up for a while: the peers' frames may wait unread in
+                // the sockets. Give them the time this process lost.
+                let mut st = lock(&self.state);
+                for seen in st.last_seen.iter_mut() {
+                    *seen = (*seen).max(now - wait);
+                }
             }
             let overdue = {
                 let st = lock(&self.state);
@@ -138,5 +168,18 @@ impl MeshState {
                 }
             }
         }
+    }
+
+    /// The time until the first live peer could be overdue (a millisecond at least).
+    fn until_next_deadline(&self) -> Duration {
+        let st = lock(&self.state);
+        let earliest = (0..self.world)
+            .filter(|&p| p != self.rank && !st.departed[p])
+            .map(|p| st.last_seen[p] + self.options.peer_timeout)
+            .min();
+        earliest.map_or(Duration::from_secs(3600), |d| {
+            d.saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1))
+        })
     }
 }

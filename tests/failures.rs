@@ -1,0 +1,437 @@
+//! What the job promises under failure and abuse, with real processes on 127.0.0.1: groups
+//! re-created on one port, strangers on the store port, frozen ranks, another program on the
+//! master port, and configuration errors that one rank knows about.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use candle_parallel::distributed::store::Store;
+use candle_parallel::distributed::{InitOptions, ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::Error;
+use common::{is_child, rank_env, Ranks, DONE};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn options() -> InitOptions {
+    InitOptions {
+        rendezvous_timeout: Duration::from_secs(30),
+        ..InitOptions::from_env().unwrap()
+    }
+}
+
+fn join() -> ProcessGroup {
+    ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options()).unwrap()
+}
+
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+}
+
+#[test]
+fn a_group_recreated_twenty_times_on_one_port_never_fails() {
+    let test = "a_group_recreated_twenty_times_on_one_port_never_fails";
+    if is_child() {
+        for round in 0..20 {
+            let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options())
+                .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            let x = Tensor::new(&[round as f32], &Device::Cpu).unwrap();
+            let y = pg.all_reduce(&x, ReduceOp::Sum).unwrap();
+            assert_eq!(
+                y.to_vec1::<f32>().unwrap(),
+                [round as f32 * pg.world_size() as f32]
+            );
+        }
+        println!("{DONE}");
+        return;
+    }
+    for world in [2, 3] {
+        Ranks::world(test, world).assert_all_pass(LIMIT);
+    }
+}
+
+#[test]
+fn strangers_on_the_store_port_hold_no_more_than_a_few_descriptors_and_the_job_goes_on() {
+    let test =
+        "strangers_on_the_store_port_hold_no_more_than_a_few_descriptors_and_the_job_goes_on";
+    if is_child() {
+        let r = Rendezvous::from_env().unwrap();
+        if r.rank == 1 {
+            // Join once the strangers are in.
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        let pg = join();
+        println!("joined");
+        // The job's own work, its file opens included, is unaffected.
+        let path = std::env::temp_dir().join(format!("cp-strangers-{}", std::process::id()));
+        std::fs::write(&path, b"ok").unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let y = pg
+            .all_reduce(&Tensor::new(&[1f32], &Device::Cpu).unwrap(), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(y.to_vec1::<f32>().unwrap(), [2.0]);
+        // Stay up while the test counts descriptors.
+        pg.store().unwrap().get("counted", LIMIT).unwrap();
+        println!("{DONE}");
+        return;
+    }
+    let port = common::free_port();
+    // Rank 0 runs with few descriptors: 200 strangers would exhaust them uncapped.
+    let exe = std::env::current_exe().unwrap();
+    let mut commands = Vec::new();
+    for r in 0..2 {
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", "ulimit -n 256 && exec \"$@\"", "sh"])
+            .arg(&exe)
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(common::CHILD, "1")
+            .envs(rank_env(r, 2, port));
+        commands.push(cmd);
+    }
+    let ranks = Ranks::spawn(commands);
+    // Strangers: connected, silent or trickling one byte a second.
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + LIMIT;
+    let mut strangers = Vec::new();
+    while strangers.len() < 200 && Instant::now() < deadline {
+        match TcpStream::connect(addr) {
+            Ok(s) => strangers.push(s),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    let trickle = std::thread::spawn({
+        let mut some: Vec<TcpStream> = strangers
+            .iter()
+            .take(20)
+            .map(|s| s.try_clone().unwrap())
+            .collect();
+        move || {
+            for _ in 0..6 {
+                for s in &mut some {
+                    let _ = s.write_all(b"C");
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+    });
+    ranks.wait_for(0, "joined", LIMIT);
+    ranks.wait_for(1, "joined", LIMIT);
+    let fds = std::fs::read_dir(format!("/proc/{}/fd", ranks.pid(0)))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert!(
+        fds < 150,
+        "rank 0 holds {fds} descriptors with 200 strangers connected"
+    );
+    let store = Store::connect(addr, &format!("test-token-{port}"), 9, LIMIT).unwrap();
+    store.set("counted", b"1").unwrap();
+    ranks.assert_all_pass(LIMIT);
+    trickle.join().unwrap();
+}
+
+#[test]
+fn a_stranger_trickling_its_hello_is_dropped_after_one_deadline() {
+    let server = candle_parallel::distributed::store::StoreServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        "token",
+    )
+    .unwrap();
+    let mut s = TcpStream::connect(server.local_addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    // The beginning of a well-formed hello (magic, version 2, store, a 5-byte token), one byte
+    // every 2 s: every read is quick, the whole hello never ends.
+    let mut hello = b"CPAR\x02\x00\x01\x05\x00\x00\x00token".to_vec();
+    hello.extend_from_slice(&[0; 20]);
+    let started = Instant::now();
+    for byte in hello {
+        if s.write_all(&[byte]).is_err() {
+            break;
+        }
+        let mut buf = [0u8; 64];
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => break, // the refusal: dropped
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(15),
+        "dropped after {took:?}, not one 10 s deadline"
+    );
+}
+
+#[test]
+fn a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed() {
+    let test = "a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed";
+    if is_child() {
+        let o = InitOptions {
+            peer_timeout: Duration::from_secs(3),
+            ..options()
+        };
+        let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o).unwrap();
+        println!("joined");
+        if pg.rank() == 1 {
+            // Stopped here by the test, then resumed.
+            std::thread::sleep(Duration::from_secs(8));
+            let err = pg.barrier().unwrap_err();
+            println!("resumed rank: {err}");
+            assert!(
+                !matches!(err, Error::PeerLost { rank: 0, .. }),
+                "the frozen rank blames rank 0: {err}"
+            );
+            println!("{DONE}");
+            return;
+        }
+        let err = pg.barrier().unwrap_err();
+        println!("lost at {}", now_ms());
+        assert!(matches!(err, Error::PeerLost { rank: 1, .. }), "{err}");
+        println!("{DONE}");
+        return;
+    }
+    let ranks = Ranks::world(test, 2);
+    ranks.wait_for(0, "joined", LIMIT);
+    ranks.wait_for(1, "joined", LIMIT);
+    std::thread::sleep(Duration::from_millis(500));
+    let pid = ranks.pid(1).to_string();
+    let stopped_at = now_ms();
+    assert!(std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    ranks.wait_for(0, "lost at ", LIMIT);
+    let out = ranks.output(0);
+    let lost_at: u128 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("lost at "))
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap();
+    let took = Duration::from_millis((lost_at - stopped_at) as u64);
+    // The documented bound: the peer timeout (3 s) from the last frame; some slack for a
+    // loaded machine.
+    assert!(took < Duration::from_millis(4500), "noticed after {took:?}");
+    assert!(std::process::Command::new("kill")
+        .args(["-CONT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let ended = ranks.wait(LIMIT);
+    for (i, e) in ended.iter().enumerate() {
+        assert!(
+            e.status.success() && e.output.contains(DONE),
+            "rank {i}:\n{}",
+            e.output
+        );
+    }
+    assert!(
+        ended[1].output.contains("rank 1 itself did not run")
+            || ended[1].output.contains("rank 1 was lost"),
+        "{}",
+        ended[1].output
+    );
+}
+
+/// A listener that accepts connections and never answers (a hung program).
+fn silent_holder() -> (TcpListener, u16, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let clone = l.try_clone().unwrap();
+    let h = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in clone.incoming().take(8).flatten() {
+            held.push(s);
+        }
+    });
+    (l, port, h)
+}
+
+fn rendezvous(rank: usize, world: usize, port: u16) -> Rendezvous {
+    Rendezvous {
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        rank,
+        world_size: world,
+        local_rank: rank,
+        local_world_size: world,
+    }
+}
+
+#[test]
+fn another_program_on_the_master_port_is_named_as_such_on_every_rank() {
+    let quick = InitOptions {
+        rendezvous_timeout: Duration::from_secs(20),
+        ..InitOptions::default()
+    };
+    // A silent holder: rank 0 says the port is taken at once; rank 1 that something else
+    // answers there.
+    let (_l, port, _h) = silent_holder();
+    let started = Instant::now();
+    let err = ProcessGroup::new(&rendezvous(0, 2, port), &Device::Cpu, quick.clone()).unwrap_err();
+    assert!(matches!(err, Error::PortInUse { .. }), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    let err = ProcessGroup::new(&rendezvous(1, 2, port), &Device::Cpu, quick.clone()).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("another program holds MASTER_PORT"), "{msg}");
+    assert!(msg.contains("never answered"), "{msg}");
+    // An HTTP server.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut s in l.incoming().take(4).flatten() {
+            let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n");
+        }
+    });
+    let err = ProcessGroup::new(&rendezvous(1, 2, port), &Device::Cpu, quick).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("\"HTTP\"") && msg.contains("MASTER_PORT"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_rank_with_another_world_size_fails_the_others_at_once_with_its_reason() {
+    let test = "a_rank_with_another_world_size_fails_the_others_at_once_with_its_reason";
+    if is_child() {
+        if std::env::var_os("CP_DELAY").is_some() {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        let started = Instant::now();
+        let err = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("WORLD_SIZE=3 but an earlier rank has 2"),
+            "{err}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        println!("{DONE}");
+        return;
+    }
+    let port = common::free_port();
+    let envs = vec![rank_env(0, 2, port), {
+        // Joins after rank 0, so that rank 0's world size is the one agreed.
+        let mut e = rank_env(1, 3, port);
+        e.push(("CP_DELAY".into(), "1".into()));
+        e
+    }];
+    Ranks::start(test, envs).assert_all_pass(LIMIT);
+}
+
+#[test]
+fn a_rank_killed_during_the_rendezvous_is_named_by_the_others_at_once() {
+    let test = "a_rank_killed_during_the_rendezvous_is_named_by_the_others_at_once";
+    if is_child() {
+        let r = Rendezvous::from_env().unwrap();
+        if r.rank == 1 {
+            // Claims its rank, then is killed before the others all arrive.
+            let store =
+                Store::connect(r.master_socket().unwrap(), &options().token, 1, LIMIT).unwrap();
+            store.compare_set("rank/1", None, b"mine").unwrap();
+            println!("claimed");
+            std::thread::sleep(Duration::from_secs(60));
+            return;
+        }
+        if r.rank == 2 {
+            std::thread::sleep(Duration::from_secs(60));
+            return;
+        }
+        let started = Instant::now();
+        let err = ProcessGroup::new(&r, &Device::Cpu, options())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("rank 1 left during the rendezvous"), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "{:?}",
+            started.elapsed()
+        );
+        println!("{DONE}");
+        return;
+    }
+    let mut ranks = Ranks::world(test, 3);
+    ranks.wait_for(1, "claimed", LIMIT);
+    std::thread::sleep(Duration::from_millis(300));
+    ranks.kill(1);
+    ranks.wait_for(0, DONE, LIMIT);
+    ranks.kill(2);
+}
+
+#[test]
+fn a_rank_waiting_for_an_unreachable_master_says_so_and_the_wait_is_set_from_the_environment() {
+    let test =
+        "a_rank_waiting_for_an_unreachable_master_says_so_and_the_wait_is_set_from_the_environment";
+    if is_child() {
+        let started = Instant::now();
+        let err = ProcessGroup::from_env(&Device::Cpu).unwrap_err();
+        assert!(matches!(err, Error::Unreachable { .. }), "{err}");
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_secs(4) && took < Duration::from_secs(15),
+            "{took:?}"
+        );
+        println!("{DONE}");
+        return;
+    }
+    let port = common::free_port();
+    let mut env = rank_env(1, 2, port);
+    env.push(("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT".into(), "4".into()));
+    let ranks = Ranks::start(test, vec![env]);
+    let out = ranks.assert_all_pass(LIMIT);
+    assert!(
+        out[0].contains(&format!(
+            "still waiting for the master's store at 127.0.0.1:{port}"
+        )),
+        "{}",
+        out[0]
+    );
+}
+
+#[test]
+fn a_rank_with_the_wrong_token_is_mentioned_by_the_rank_that_waited_for_it() {
+    let test = "a_rank_with_the_wrong_token_is_mentioned_by_the_rank_that_waited_for_it";
+    if is_child() {
+        let o = InitOptions {
+            rendezvous_timeout: Duration::from_secs(3),
+            ..options()
+        };
+        let r = Rendezvous::from_env().unwrap();
+        let err = ProcessGroup::new(&r, &Device::Cpu, o)
+            .unwrap_err()
+            .to_string();
+        if r.rank == 0 {
+            assert!(err.contains("missing ranks 1"), "{err}");
+            assert!(
+                err.contains("refused a connection as rank 1") && err.contains("wrong job token"),
+                "{err}"
+            );
+        }
+        println!("{DONE}");
+        return;
+    }
+    let port = common::free_port();
+    let mut envs: Vec<_> = (0..2).map(|r| rank_env(r, 2, port)).collect();
+    envs[1].push(("CANDLE_PARALLEL_TOKEN".into(), "another-job".into()));
+    Ranks::start(test, envs).assert_all_pass(LIMIT);
+}
