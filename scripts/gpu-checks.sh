@@ -22,12 +22,6 @@ nvidia-smi 2>&1 | tee -a "$LOG"
 # collectives, new_group, DDP and SyncBatchNorm against the plain model); TCP with CUDA tensors
 # across two processes (collectives, DDP and SyncBatchNorm against one process).
 run gpu_tests ./gpu --test-threads=1 --nocapture
-# The CPU suites again, on this machine (16 cores).
-run data_parallel ./data_parallel
-run dist_processes ./dist_processes
-run dist_inprocess ./dist_inprocess
-run ddp ./ddp
-run sync_batch_norm ./sync_batch_norm
 # DDP on NCCL (one rank), plain and with BatchNorm; two ranks sharing the GPU over TCP.
 run cifar_ddp_1 ./cifar_ddp --epochs 1
 run cifar_ddp_bn ./cifar_ddp --epochs 1 --batch-norm
@@ -42,6 +36,4 @@ run ddp_throughput ./ddp_throughput --cuda
 run torch_ddp_bench python3 torch_ddp_bench.py --device cuda
 # PyTorch's same Net at the same batches on the same GPU.
 run torch_net_bench python3 torch_net_bench.py --batches 128,512 --steps 50
-# Host-memory all-reduce on this machine's cores.
-run allreduce_bandwidth ./allreduce_bandwidth
 echo "log: $LOG"
