@@ -1,11 +1,14 @@
 //! The CNN of PyTorch's CIFAR-10 tutorial, and the same with BatchNorm.
 
-use crate::nn;
+use crate::nn::{self, max_pool2d, Conv2d};
 use candle_core::{Module, Result, Tensor};
-use candle_nn::{Conv2d, Conv2dConfig, Init, Linear, ModuleT, VarBuilder};
+use candle_nn::{Conv2dConfig, Init, Linear, ModuleT, VarBuilder};
 
 /// The CIFAR-10 tutorial's CNN: conv 3→6 (5×5), max-pool 2, conv 6→16 (5×5), max-pool 2,
 /// fc 400→120, fc 120→84, fc 84→10, with ReLU after each layer but the last.
+///
+/// The convolutions and max-pools are [`nn::Conv2d`] and [`nn::max_pool2d`]: our CPU training
+/// kernels for f32 on the CPU, candle's elsewhere.
 ///
 /// Variables are named `conv1`, `conv2`, `fc1`, `fc2`, `fc3` (each with `weight` and `bias`) and
 /// initialised as PyTorch initialises `Conv2d` and `Linear`: uniform in `±1/sqrt(fan_in)`. A
@@ -59,12 +62,8 @@ impl Net {
 impl Module for Net {
     /// Images `(B, 3, 32, 32)` to logits `(B, 10)`.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        xs.apply(&self.conv1)?
-            .relu()?
-            .max_pool2d(2)?
-            .apply(&self.conv2)?
-            .relu()?
-            .max_pool2d(2)?
+        let x = max_pool2d(&xs.apply(&self.conv1)?.relu()?, 2)?;
+        max_pool2d(&x.apply(&self.conv2)?.relu()?, 2)?
             .flatten_from(1)?
             .apply(&self.fc1)?
             .relu()?
@@ -116,11 +115,8 @@ impl ModuleT for NetBn {
     /// Images `(B, 3, 32, 32)` to logits `(B, 10)`; `train` selects batch or running statistics.
     fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
         let x = self.bn1.forward_t(&xs.apply(&self.conv1)?, train)?;
-        let x = x.relu()?.max_pool2d(2)?.apply(&self.conv2)?;
-        self.bn2
-            .forward_t(&x, train)?
-            .relu()?
-            .max_pool2d(2)?
+        let x = max_pool2d(&x.relu()?, 2)?.apply(&self.conv2)?;
+        max_pool2d(&self.bn2.forward_t(&x, train)?.relu()?, 2)?
             .flatten_from(1)?
             .apply(&self.fc1)?
             .relu()?

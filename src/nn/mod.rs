@@ -1,6 +1,6 @@
-//! Layers for data-parallel training: [`SyncBatchNorm`], and [`batch_norm`], the constructor
-//! that lets one model definition serve one device and many (torch's
-//! `convert_sync_batchnorm`).
+//! Layers for training: [`SyncBatchNorm`]; [`batch_norm`], the constructor that lets one model
+//! definition serve one device and many (torch's `convert_sync_batchnorm`); and [`Conv2d`] and
+//! [`max_pool2d`], candle's with CPU training kernels of our own.
 //!
 //! A candle model is its constructor, so instead of converting a built model, the model asks
 //! for its normalisation layers through [`batch_norm`] (a drop-in for `candle_nn::batch_norm`,
@@ -35,8 +35,14 @@
 //! # Ok(()) }
 //! ```
 
+mod conv;
+mod kernels;
+mod pool;
 mod sync_batch_norm;
 
+pub use conv::{conv2d, conv2d_forward, Conv2d};
+pub use kernels::{own_cpu_kernels, use_own_cpu_kernels};
+pub use pool::{max_pool2d, max_pool2d_with_stride};
 pub use sync_batch_norm::{finish_backward, sync_batch_norm, SyncBatchNorm};
 
 use crate::distributed::ProcessGroup;

@@ -1,0 +1,264 @@
+//! The CPU building blocks of our training kernels: patches as columns (`im2col`) and back
+//! (`col2im`), matrix products on slices (the `gemm` crate, as candle uses), and the batch split
+//! over candle's thread pool (rayon's, sized by `RAYON_NUM_THREADS`).
+
+use super::conv::Window;
+use gemm::Parallelism;
+use rayon::prelude::*;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Whether candle's kernels are wanted instead of ours (see [`use_own_cpu_kernels`]).
+static CANDLE_KERNELS: AtomicBool = AtomicBool::new(false);
+
+/// Chooses, for the whole process, between our CPU training kernels for [`Conv2d`] and
+/// [`max_pool2d`] (`true`, the default) and candle's (`false`): to compare the two, or to rule
+/// ours out when something looks wrong. Ops already recorded for a backward keep the kernels
+/// their forward used.
+///
+/// [`Conv2d`]: super::Conv2d
+/// [`max_pool2d`]: super::max_pool2d
+pub fn use_own_cpu_kernels(on: bool) {
+    CANDLE_KERNELS.store(!on, Ordering::Relaxed);
+}
+
+/// Whether our CPU kernels are in use ([`use_own_cpu_kernels`]).
+pub fn own_cpu_kernels() -> bool {
+    !CANDLE_KERNELS.load(Ordering::Relaxed)
+}
+
+/// Whether our kernels take these tensors: f32 on the CPU, and ours not switched off.
+pub(super) fn ours(ts: &[&candle_core::Tensor]) -> bool {
+    own_cpu_kernels()
+        && ts
+            .iter()
+            .all(|t| t.device().is_cpu() && t.dtype() == candle_core::DType::F32)
+}
+
+/// A matrix view of a slice: `rows x cols`, element `(i, j)` at `i * rs + j * cs`.
+pub(super) struct Mat<P> {
+    ptr: P,
+    rows: usize,
+    cols: usize,
+    rs: isize,
+    cs: isize,
+}
+
+impl<'a> Mat<&'a [f32]> {
+    /// `data` as a row-major matrix of `cols` columns.
+    pub fn rows_of(data: &'a [f32], cols: usize) -> Self {
+        Self {
+            ptr: data,
+            rows: data.len() / cols,
+            cols,
+            rs: cols as isize,
+            cs: 1,
+        }
+    }
+
+    /// The transpose of `data` seen as a row-major matrix of `cols` columns.
+    pub fn transposed(data: &'a [f32], cols: usize) -> Self {
+        Self {
+            ptr: data,
+            rows: cols,
+            cols: data.len() / cols,
+            rs: 1,
+            cs: cols as isize,
+        }
+    }
+}
+
+impl<'a> Mat<&'a mut [f32]> {
+    /// `data` as a row-major matrix of `cols` columns, to write.
+    pub fn rows(data: &'a mut [f32], cols: usize) -> Self {
+        let rows = data.len() / cols;
+        Self {
+            ptr: data,
+            rows,
+            cols,
+            rs: cols as isize,
+            cs: 1,
+        }
+    }
+}
+
+/// `dst = a . b`, or `dst += a . b` when `accumulate`.
+pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accumulate: bool) {
+    assert!(
+        a.rows == dst.rows && b.cols == dst.cols && a.cols == b.rows,
+        "matmul of {}x{} by {}x{} into {}x{}",
+        a.rows,
+        a.cols,
+        b.rows,
+        b.cols,
+        dst.rows,
+        dst.cols
+    );
+    if dst.rows == 0 || dst.cols == 0 {
+        return;
+    }
+    if a.cols == 0 {
+        if !accumulate {
+            dst.ptr.fill(0.0);
+        }
+        return;
+    }
+    // SAFETY: the three views lie within their slices (rows, columns and strides come from
+    // the slices' lengths, checked above to agree), `dst` is borrowed mutably so it aliases
+    // neither input, and f32 is a type gemm supports.
+    unsafe {
+        gemm::gemm(
+            dst.rows,
+            dst.cols,
+            a.cols,
+            dst.ptr.as_mut_ptr(),
+            dst.cs,
+            dst.rs,
+            accumulate,
+            a.ptr.as_ptr(),
+            a.cs,
+            a.rs,
+            b.ptr.as_ptr(),
+            b.cs,
+            b.rs,
+            if accumulate { 1.0 } else { 0.0 },
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}
+
+/// Candle's thread count (`RAYON_NUM_THREADS`, else the machine's).
+pub(super) fn threads() -> usize {
+    candle_core::utils::get_num_threads().max(1)
+}
+
+/// Runs `f(first_item, items)` over `out`, a sequence of items of `item_len` elements, cut into
+/// one run of whole items per thread.
+pub(super) fn for_each_chunk(
+    out: &mut [f32],
+    item_len: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let items = out.len() / item_len.max(1);
+    if items == 0 {
+        return;
+    }
+    let per = items.div_ceil(threads());
+    out.par_chunks_mut(per * item_len)
+        .enumerate()
+        .for_each(|(c, chunk)| f(c * per, chunk));
+}
+
+/// `f` of each of the runs that `0..items` is cut into, one per thread, in order.
+pub(super) fn map_chunks<R: Send>(items: usize, f: impl Fn(Range<usize>) -> R + Sync) -> Vec<R> {
+    let per = items.div_ceil(threads()).max(1);
+    (0..items.div_ceil(per))
+        .into_par_iter()
+        .map(|c| f(c * per..((c + 1) * per).min(items)))
+        .collect()
+}
+
+/// The input position that output position `o` reads through kernel offset `k`, if inside.
+#[inline(always)]
+fn source(
+    o: usize,
+    k: usize,
+    stride: usize,
+    dilation: usize,
+    padding: usize,
+    size: usize,
+) -> Option<usize> {
+    (o * stride + k * dilation)
+        .checked_sub(padding)
+        .filter(|&i| i < size)
+}
+
+/// The outputs `lo..hi` (of `out` in all) whose input position through kernel offset `k` lies
+/// inside `0..size`, and the input position of `lo`.
+#[inline(always)]
+fn inside(
+    k: usize,
+    out: usize,
+    stride: usize,
+    dilation: usize,
+    padding: usize,
+    size: usize,
+) -> (usize, usize, usize) {
+    let offset = k * dilation;
+    let lo = padding.saturating_sub(offset).div_ceil(stride);
+    let hi = if size + padding > offset {
+        ((size - 1 + padding - offset) / stride + 1).min(out)
+    } else {
+        0
+    };
+    let lo = lo.min(hi);
+    (lo, hi, (lo * stride + offset).saturating_sub(padding))
+}
+
+/// Lays out `channels` (`c` planes of the window's input size) as columns: row
+/// `(channel, kh, kw)`, column `(oh, ow)` holds the input value that output `(oh, ow)` meets
+/// at kernel position `(kh, kw)` (0 in the padding).
+pub(super) fn im2col(channels: &[f32], c: usize, win: &impl Window, cols: &mut [f32]) {
+    let ((h, w), (kh_n, kw_n), (ho, wo)) = (win.input(), win.kernel(), win.output());
+    let (s, d, p) = (win.stride(), win.dilation(), win.padding());
+    let positions = ho * wo;
+    for ci in 0..c {
+        let plane = &channels[ci * h * w..(ci + 1) * h * w];
+        for kh in 0..kh_n {
+            for kw in 0..kw_n {
+                let row = (ci * kh_n + kh) * kw_n + kw;
+                let dst = &mut cols[row * positions..(row + 1) * positions];
+                let (lo, hi, first) = inside(kw, wo, s, d, p, w);
+                for oh in 0..ho {
+                    let out = &mut dst[oh * wo..(oh + 1) * wo];
+                    let Some(ih) = source(oh, kh, s, d, p, h) else {
+                        out.fill(0.0);
+                        continue;
+                    };
+                    let src = &plane[ih * w..(ih + 1) * w];
+                    out[..lo].fill(0.0);
+                    out[hi..].fill(0.0);
+                    if s == 1 {
+                        out[lo..hi].copy_from_slice(&src[first..first + hi - lo]);
+                    } else {
+                        for (v, &x) in out[lo..hi].iter_mut().zip(src[first..].iter().step_by(s)) {
+                            *v = x;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The reverse of [`im2col`]: adds each column value back onto the input position it came
+/// from.
+pub(super) fn col2im(cols: &[f32], c: usize, win: &impl Window, channels: &mut [f32]) {
+    let ((h, w), (kh_n, kw_n), (ho, wo)) = (win.input(), win.kernel(), win.output());
+    let (s, d, p) = (win.stride(), win.dilation(), win.padding());
+    let positions = ho * wo;
+    for ci in 0..c {
+        let plane = &mut channels[ci * h * w..(ci + 1) * h * w];
+        for kh in 0..kh_n {
+            for kw in 0..kw_n {
+                let row = (ci * kh_n + kh) * kw_n + kw;
+                let src = &cols[row * positions..(row + 1) * positions];
+                let (lo, hi, first) = inside(kw, wo, s, d, p, w);
+                for oh in 0..ho {
+                    let Some(ih) = source(oh, kh, s, d, p, h) else {
+                        continue;
+                    };
+                    let dst = &mut plane[ih * w..(ih + 1) * w];
+                    let values = &src[oh * wo + lo..oh * wo + hi];
+                    for (x, &v) in dst[first..].iter_mut().step_by(s).zip(values) {
+                        *x += v;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,427 @@
+//! Our CPU convolution and max-pooling against candle's, with their gradients.
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::Conv2dConfig;
+use candle_parallel::nn;
+use candle_parallel::rng::Rng;
+use std::sync::{Mutex, MutexGuard};
+
+/// Held by every test: one of them switches our kernels off for the whole process.
+fn kernels_lock() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn random(shape: &[usize], seed: u64) -> Tensor {
+    let mut rng = Rng::new(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// The largest difference relative to the largest magnitude (at least 1).
+fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims());
+    let d = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let m = b
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    d / m.max(1.0)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    n: usize,
+    c_in: usize,
+    h: usize,
+    w: usize,
+    c_out: usize,
+    k: usize,
+    padding: usize,
+    stride: usize,
+    dilation: usize,
+    groups: usize,
+}
+
+const fn case(
+    n: usize,
+    c_in: usize,
+    (h, w): (usize, usize),
+    c_out: usize,
+    k: usize,
+    (padding, stride, dilation, groups): (usize, usize, usize, usize),
+) -> Case {
+    Case {
+        n,
+        c_in,
+        h,
+        w,
+        c_out,
+        k,
+        padding,
+        stride,
+        dilation,
+        groups,
+    }
+}
+
+const CASES: [Case; 8] = [
+    case(2, 3, (32, 32), 6, 5, (0, 1, 1, 1)), // the Net's first layer
+    case(2, 6, (14, 14), 16, 5, (0, 1, 1, 1)), // its second
+    case(1, 3, (7, 9), 4, 3, (1, 1, 1, 1)),   // batch 1, odd sizes, padding
+    case(3, 4, (11, 10), 6, 3, (2, 2, 1, 2)), // stride 2, groups 2
+    case(2, 2, (9, 9), 3, 3, (1, 1, 2, 1)),   // dilation 2
+    case(2, 6, (8, 8), 6, 1, (0, 1, 1, 3)),   // 1x1, groups 3
+    case(2, 4, (10, 7), 4, 3, (1, 3, 1, 4)),  // depthwise, stride 3
+    case(1, 1, (5, 5), 2, 5, (0, 1, 1, 1)),   // the kernel covers the image
+];
+
+/// The convolution by loops, in f64: the output, and the input and weight gradients of
+/// `sum(weights * output)`.
+fn naive_conv(x: &Tensor, w: &Tensor, c: &Case, weights: &Tensor) -> (Tensor, Tensor, Tensor) {
+    let v = |t: &Tensor| -> Vec<f64> {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let (xv, wv, gv) = (v(x), v(w), v(weights));
+    let (cig, cog) = (c.c_in / c.groups, c.c_out / c.groups);
+    let span = |k: usize| c.dilation * (k - 1) + 1;
+    let ho = (c.h + 2 * c.padding - span(c.k)) / c.stride + 1;
+    let wo = (c.w + 2 * c.padding - span(c.k)) / c.stride + 1;
+    let mut out = vec![0f64; c.n * c.c_out * ho * wo];
+    let mut dx = vec![0f64; xv.len()];
+    let mut dw = vec![0f64; wv.len()];
+    for b in 0..c.n {
+        for o in 0..c.c_out {
+            let grp = o / cog;
+            for oh in 0..ho {
+                for ow in 0..wo {
+                    let oi = ((b * c.c_out + o) * ho + oh) * wo + ow;
+                    for ci in 0..cig {
+                        for kh in 0..c.k {
+                            for kw in 0..c.k {
+                                let ih =
+                                    (oh * c.stride + kh * c.dilation) as isize - c.padding as isize;
+                                let iw =
+                                    (ow * c.stride + kw * c.dilation) as isize - c.padding as isize;
+                                if ih < 0 || iw < 0 || ih >= c.h as isize || iw >= c.w as isize {
+                                    continue;
+                                }
+                                let xi = ((b * c.c_in + grp * cig + ci) * c.h + ih as usize) * c.w
+                                    + iw as usize;
+                                let wi = ((o * cig + ci) * c.k + kh) * c.k + kw;
+                                out[oi] += xv[xi] * wv[wi];
+                                dx[xi] += gv[oi] * wv[wi];
+                                dw[wi] += gv[oi] * xv[xi];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let t = |v: Vec<f64>, shape: &[usize]| {
+        Tensor::from_vec(v, shape, &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+    };
+    (
+        t(out, &[c.n, c.c_out, ho, wo]),
+        t(dx, x.dims()),
+        t(dw, w.dims()),
+    )
+}
+
+#[test]
+fn conv2d_matches_candle_and_a_direct_computation_with_its_gradients() {
+    let _serial = kernels_lock();
+    for (i, c) in CASES.iter().enumerate() {
+        let x = Var::from_tensor(&random(&[c.n, c.c_in, c.h, c.w], i as u64)).unwrap();
+        let w = Var::from_tensor(&random(
+            &[c.c_out, c.c_in / c.groups, c.k, c.k],
+            100 + i as u64,
+        ))
+        .unwrap();
+        let cfg = Conv2dConfig {
+            padding: c.padding,
+            stride: c.stride,
+            dilation: c.dilation,
+            groups: c.groups,
+            ..Default::default()
+        };
+        let ours = nn::conv2d_forward(x.as_tensor(), w.as_tensor(), &cfg).unwrap();
+        let candle = x
+            .as_tensor()
+            .conv2d(w.as_tensor(), c.padding, c.stride, c.dilation, c.groups)
+            .unwrap();
+        assert!(
+            rel_diff(&ours, &candle) <= 1e-4,
+            "{c:?}: output against candle"
+        );
+        // A loss that weighs every output differently.
+        let weights = random(candle.dims(), 200 + i as u64);
+        let (out, dx, dw) = naive_conv(x.as_tensor(), w.as_tensor(), c, &weights);
+        assert!(rel_diff(&ours, &out) <= 1e-4, "{c:?}: output");
+        let g = (&ours * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for (name, v, want) in [("input", &x, &dx), ("weight", &w, &dw)] {
+            let d = rel_diff(g.get(v).unwrap(), want);
+            assert!(d <= 1e-4, "{c:?}: {name} gradient off by {d}");
+        }
+        // candle's own autograd, where it works (candle 0.11's convolution backward fails
+        // for a stride with a width its output padding does not fit, as in the 11x10 case).
+        if let Ok(gc) = (&candle * &weights).unwrap().sum_all().unwrap().backward() {
+            for (name, v) in [("input", &x), ("weight", &w)] {
+                let d = rel_diff(g.get(v).unwrap(), gc.get(v).unwrap());
+                assert!(d <= 1e-4, "{c:?}: {name} gradient off candle's by {d}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_input_gradient_is_computed_exactly_when_something_needs_it() {
+    let _serial = kernels_lock();
+    let c = CASES[2];
+    let cfg = Conv2dConfig {
+        padding: c.padding,
+        ..Default::default()
+    };
+    let images = random(&[c.n, c.c_in, c.h, c.w], 1);
+    let w = Var::from_tensor(&random(&[c.c_out, c.c_in, c.k, c.k], 2)).unwrap();
+    let weights = random(&[c.n, c.c_out, c.h, c.w], 3);
+    let loss = |x: &Tensor| {
+        (nn::conv2d_forward(x, w.as_tensor(), &cfg).unwrap() * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+    };
+    // Plain images: no input gradient, and the weight's is right.
+    let g = loss(&images).backward().unwrap();
+    assert!(g.get(&images).is_none());
+    let reference = Var::from_tensor(&images).unwrap();
+    let g_ref = (reference
+        .as_tensor()
+        .conv2d(w.as_tensor(), c.padding, 1, 1, 1)
+        .unwrap()
+        * &weights)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(rel_diff(g.get(&w).unwrap(), g_ref.get(&w).unwrap()) <= 1e-4);
+    // The output of a tracked op: its variable gets the gradient through the convolution.
+    let v = Var::from_tensor(&images).unwrap();
+    let g = loss(&(v.as_tensor() * 2.0).unwrap()).backward().unwrap();
+    let want = (g_ref.get(&reference).unwrap() * 2.0).unwrap();
+    assert!(rel_diff(g.get(&v).expect("the input gradient reached it"), &want) <= 1e-4);
+}
+
+/// Max-pooling by loops: outputs and the gradient of `sum(weights * outputs)`.
+fn naive_pool(x: &Tensor, k: usize, s: usize, weights: &Tensor) -> (Tensor, Tensor) {
+    let (n, c, h, w) = x.dims4().unwrap();
+    let (ho, wo) = ((h - k) / s + 1, (w - k) / s + 1);
+    let xv = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let wv = weights.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut out = vec![0f32; n * c * ho * wo];
+    let mut dx = vec![0f32; n * c * h * w];
+    for p in 0..n * c {
+        for oh in 0..ho {
+            for ow in 0..wo {
+                let mut best = p * h * w + oh * s * w + ow * s;
+                for kh in 0..k {
+                    for kw in 0..k {
+                        let j = p * h * w + (oh * s + kh) * w + ow * s + kw;
+                        if xv[j] > xv[best] {
+                            best = j;
+                        }
+                    }
+                }
+                let o = (p * ho + oh) * wo + ow;
+                out[o] = xv[best];
+                dx[best] += wv[o];
+            }
+        }
+    }
+    (
+        Tensor::from_vec(out, (n, c, ho, wo), &Device::Cpu).unwrap(),
+        Tensor::from_vec(dx, (n, c, h, w), &Device::Cpu).unwrap(),
+    )
+}
+
+#[test]
+fn max_pool2d_matches_candle_and_a_direct_computation() {
+    let _serial = kernels_lock();
+    // (shape, kernel, stride, whether candle's backward applies: a kernel equal to the stride
+    // and sizes that divide)
+    let cases: [(&[usize], usize, usize, bool); 5] = [
+        (&[2, 3, 8, 8], 2, 2, true),
+        (&[1, 4, 6, 6], 3, 3, true),
+        (&[2, 6, 28, 28], 2, 2, true), // the Net's
+        (&[1, 2, 7, 9], 2, 2, false),  // odd sizes
+        (&[2, 2, 7, 7], 3, 2, false),  // overlapping windows
+    ];
+    for (i, (shape, k, s, candle_grad)) in cases.into_iter().enumerate() {
+        let x = Var::from_tensor(&random(shape, 10 + i as u64)).unwrap();
+        let ours = nn::max_pool2d_with_stride(x.as_tensor(), k, s).unwrap();
+        let want = x.as_tensor().max_pool2d_with_stride(k, s).unwrap();
+        assert_eq!(rel_diff(&ours, &want), 0.0, "{shape:?} k {k} s {s}: output");
+        let weights = random(want.dims(), 50 + i as u64);
+        let g = (&ours * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (naive_out, naive_dx) = naive_pool(x.as_tensor(), k, s, &weights);
+        assert_eq!(rel_diff(&ours, &naive_out), 0.0);
+        assert!(
+            rel_diff(g.get(&x).unwrap(), &naive_dx) <= 1e-6,
+            "{shape:?}: gradient"
+        );
+        if candle_grad {
+            // candle 0.11's max-pool backward scales every gradient by 1 / kernel^2 (it
+            // multiplies by the average of the max mask instead of dividing by its count):
+            // ours, the direct computation's and PyTorch's are that times kernel^2.
+            let gc = (&want * &weights)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let scaled = (g.get(&x).unwrap() / (k * k) as f64).unwrap();
+            assert!(rel_diff(&scaled, gc.get(&x).unwrap()) <= 1e-6, "{shape:?}");
+        }
+    }
+    // Other dtypes use candle's kernel.
+    let x = random(&[1, 1, 4, 4], 9).to_dtype(DType::F64).unwrap();
+    assert_eq!(nn::max_pool2d(&x, 2).unwrap().dtype(), DType::F64);
+}
+
+#[test]
+fn the_conv2d_layer_matches_candle_nn_with_the_same_variables_and_bias_gradient() {
+    let _serial = kernels_lock();
+    use candle_core::Module;
+    use candle_nn::{VarBuilder, VarMap};
+    for (i, c) in [CASES[0], CASES[3], CASES[6]].iter().enumerate() {
+        let cfg = Conv2dConfig {
+            padding: c.padding,
+            stride: c.stride,
+            dilation: c.dilation,
+            groups: c.groups,
+            ..Default::default()
+        };
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let ours = nn::conv2d(c.c_in, c.c_out, c.k, cfg, vb.pp("conv")).unwrap();
+        // candle-nn finds the same variables under the same names.
+        let theirs = candle_nn::conv2d(c.c_in, c.c_out, c.k, cfg, vb.pp("conv")).unwrap();
+        assert_eq!(varmap.all_vars().len(), 2);
+        let x = Var::from_tensor(&random(&[c.n, c.c_in, c.h, c.w], 300 + i as u64)).unwrap();
+        let (y, want) = (
+            ours.forward(x.as_tensor()).unwrap(),
+            theirs.forward(x.as_tensor()).unwrap(),
+        );
+        assert!(rel_diff(&y, &want) <= 1e-4, "{c:?}: output");
+        let weights = random(want.dims(), 400 + i as u64);
+        let g = (&y * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        // The bias gradient: the loss weights summed per output channel.
+        let bias = ours.bias().unwrap();
+        let db = weights.sum((0, 2, 3)).unwrap();
+        assert!(
+            rel_diff(g.get(bias).unwrap(), &db) <= 1e-4,
+            "{c:?}: bias gradient"
+        );
+        let (_, dx, dw) = naive_conv(x.as_tensor(), ours.weight(), c, &weights);
+        assert!(rel_diff(g.get(ours.weight()).unwrap(), &dw) <= 1e-4);
+        assert!(rel_diff(g.get(x.as_tensor()).unwrap(), &dx) <= 1e-4);
+    }
+}
+
+#[test]
+fn bad_shapes_are_errors_that_say_what_is_wrong() {
+    let _serial = kernels_lock();
+    let x = random(&[1, 4, 8, 8], 1);
+    let cfg = Conv2dConfig {
+        groups: 3,
+        ..Default::default()
+    };
+    let err = nn::conv2d_forward(&x, &random(&[6, 1, 3, 3], 2), &cfg).unwrap_err();
+    assert!(err.to_string().contains("3 groups"), "{err}");
+    let err = nn::conv2d_forward(&x, &random(&[2, 4, 9, 9], 2), &Default::default()).unwrap_err();
+    assert!(err.to_string().contains("does not fit"), "{err}");
+    let conv = nn::Conv2d::new(
+        random(&[2, 4, 3, 3], 2),
+        Some(random(&[3], 3)),
+        Default::default(),
+    );
+    let err = candle_core::Module::forward(&conv, &x).unwrap_err();
+    assert!(
+        err.to_string().contains("one value per output channel"),
+        "{err}"
+    );
+    let err = nn::max_pool2d(&x, 9).unwrap_err();
+    assert!(!err.to_string().is_empty());
+}
+
+#[test]
+fn candle_kernels_can_be_chosen_for_the_whole_process() {
+    let _serial = kernels_lock();
+    // Told apart by candle 0.11's max-pool gradient, 1 / kernel^2 of ours.
+    let x = Var::from_tensor(&random(&[1, 2, 4, 4], 5)).unwrap();
+    let grad = || {
+        let g = nn::max_pool2d(x.as_tensor(), 2)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        g.get(&x)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    assert!(nn::own_cpu_kernels());
+    assert_eq!(grad(), 8.0); // one per output
+    nn::use_own_cpu_kernels(false);
+    let (candle, conv) = (
+        grad(),
+        nn::conv2d_forward(
+            x.as_tensor(),
+            &random(&[3, 2, 3, 3], 6),
+            &Default::default(),
+        ),
+    );
+    nn::use_own_cpu_kernels(true);
+    assert_eq!(candle, 2.0);
+    assert_eq!(conv.unwrap().dims(), [1, 3, 2, 2]);
+    assert!(nn::own_cpu_kernels());
+}
