@@ -517,6 +517,8 @@ fn parse() -> Result<Options> {
 }
 
 fn main() -> Result<()> {
+    // Freed tensor memory stays for the next step (see candle_parallel::memory).
+    candle_parallel::memory::keep_freed_memory();
     if let Ok(job) = std::env::var(JOB_VAR) {
         return child(&Job::decode(&job)?);
     }

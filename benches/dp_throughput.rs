@@ -1,12 +1,15 @@
 //! Training throughput of the CIFAR-10 tutorial Net under DataParallel.
 //!
 //!     cargo bench --bench dp_throughput
+//!     cargo bench --bench dp_throughput -- --kernels ours --devices 1 --batches 128
 //!     cargo bench --bench dp_throughput --features cuda -- --devices 1,2,4 --steps 50
 //!
-//! For each batch size and replica count: warm-up steps, then timed SGD steps (forward,
-//! cross-entropy, backward, update) on random CIFAR-shaped data; prints images/s and the ratio
-//! to one replica at the same batch size, all measured in this one run. Without GPUs the
-//! replicas are CPU replicas (which share the machine's cores). Reports; asserts nothing.
+//! For each batch size, kernel choice and replica count: warm-up steps, then timed SGD steps
+//! (forward, cross-entropy, backward, update) on random CIFAR-shaped data; prints images/s, the
+//! ratio to one replica with the same kernels and batch size, and on the CPU the ratio of our
+//! convolution and max-pool kernels to candle's (`--kernels candle,ours`, the default there;
+//! see `nn::use_own_cpu_kernels`), all measured in this one run. Without GPUs the replicas are
+//! CPU replicas (which share the machine's cores). Reports; asserts nothing.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
@@ -24,6 +27,20 @@ struct Options {
     steps: usize,
     warmup: usize,
     cpu: bool,
+    /// `false` for candle's CPU kernels, `true` for ours, in the order measured.
+    kernels: Vec<bool>,
+}
+
+fn kernels(value: Option<String>) -> Result<Vec<bool>> {
+    let value = value.context("--kernels needs a value: candle, ours or candle,ours")?;
+    value
+        .split(',')
+        .map(|k| match k.trim() {
+            "candle" => Ok(false),
+            "ours" => Ok(true),
+            other => bail!("--kernels: {other:?} is neither candle nor ours"),
+        })
+        .collect()
 }
 
 fn list(value: Option<String>, flag: &str) -> Result<Vec<usize>> {
@@ -45,6 +62,7 @@ fn parse() -> Result<Options> {
         steps: 20,
         warmup: 3,
         cpu: false,
+        kernels: Vec::new(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -54,9 +72,15 @@ fn parse() -> Result<Options> {
             "--steps" => o.steps = list(args.next(), "--steps")?[0],
             "--warmup" => o.warmup = list(args.next(), "--warmup")?[0],
             "--cpu" => o.cpu = true,
+            "--kernels" => o.kernels = kernels(args.next())?,
             "--bench" => {} // passed by `cargo bench`
             other => bail!("unknown argument {other:?}"),
         }
+    }
+    if o.kernels.is_empty() {
+        // On GPUs candle's kernels run either way.
+        let gpu = !o.cpu && candle_parallel::devices::gpu_count() > 0;
+        o.kernels = if gpu { vec![true] } else { vec![false, true] };
     }
     if o.devices.contains(&0) || o.batches.contains(&0) || o.steps == 0 {
         bail!("device counts, batch sizes and --steps must be positive");
@@ -99,6 +123,8 @@ fn measure(n: usize, batch: usize, o: &Options) -> Result<f64> {
 }
 
 fn main() -> Result<()> {
+    // Freed tensor memory stays for the next step (see candle_parallel::memory).
+    candle_parallel::memory::keep_freed_memory();
     let o = parse()?;
     let kind = if o.cpu || candle_parallel::devices::gpu_count() == 0 {
         "CPU replicas".to_string()
@@ -113,16 +139,32 @@ fn main() -> Result<()> {
         o.steps, o.warmup
     );
     println!(
-        "{:>6} {:>8} {:>12} {:>9}",
-        "batch", "devices", "images/s", "vs 1"
+        "{:>6} {:>8} {:>8} {:>12} {:>9} {:>10}",
+        "batch", "kernels", "devices", "images/s", "vs 1", "vs candle"
     );
     for &batch in &o.batches {
-        let mut base = None;
-        for &n in &o.devices {
-            let rate = measure(n, batch, &o)?;
-            let base = *base.get_or_insert(if n == 1 { rate } else { measure(1, batch, &o)? });
-            println!("{batch:>6} {n:>8} {rate:>12.1} {:>8.2}x", rate / base);
+        let mut candle_rates = std::collections::HashMap::new();
+        for &own in &o.kernels {
+            candle_parallel::nn::use_own_cpu_kernels(own);
+            let name = if own { "ours" } else { "candle" };
+            let mut base = None;
+            for &n in &o.devices {
+                let rate = measure(n, batch, &o)?;
+                let base = *base.get_or_insert(if n == 1 { rate } else { measure(1, batch, &o)? });
+                if !own {
+                    candle_rates.insert(n, rate);
+                }
+                let vs_candle = match candle_rates.get(&n) {
+                    Some(c) if own => format!("{:.2}x", rate / c),
+                    _ => "-".to_string(),
+                };
+                println!(
+                    "{batch:>6} {name:>8} {n:>8} {rate:>12.1} {:>8.2}x {vs_candle:>10}",
+                    rate / base
+                );
+            }
         }
     }
+    candle_parallel::nn::use_own_cpu_kernels(true);
     Ok(())
 }

@@ -43,6 +43,8 @@ struct Args {
 const EVAL_BATCH: usize = 1000;
 
 fn main() -> Result<()> {
+    // Freed tensor memory stays for the next step (see candle_parallel::memory).
+    candle_parallel::memory::keep_freed_memory();
     let args = Args::parse();
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
     let data = args.train.load_data()?;

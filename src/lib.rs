@@ -39,6 +39,7 @@ mod error;
 pub mod init;
 #[cfg(unix)]
 pub mod launch;
+pub mod memory;
 pub mod nn;
 pub mod optim;
 pub mod parallel_apply;
