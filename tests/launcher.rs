@@ -73,6 +73,31 @@ fn two_and_three_ranks_get_torchruns_environment_and_finish() {
 }
 
 #[test]
+fn ranks_sharing_the_machine_share_its_cores_unless_told_otherwise() {
+    let script = r#"echo "threads ${RAYON_NUM_THREADS:-unset}""#;
+    let threads = |nproc: &str, set: Option<&str>| -> Vec<String> {
+        let mut cmd = candle_run(&["--nproc-per-node", nproc, "sh", "-c", script]);
+        match set {
+            Some(v) => cmd.env("RAYON_NUM_THREADS", v),
+            None => cmd.env_remove("RAYON_NUM_THREADS"),
+        };
+        let out = common::run_ok(cmd, LIMIT);
+        let mut seen: Vec<String> = out
+            .lines()
+            .filter_map(|l| l.split_once("threads ").map(|(_, v)| v.trim().to_string()))
+            .collect();
+        seen.dedup();
+        seen
+    };
+    let cores = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(threads("2", None), [(cores / 2).max(1).to_string()]);
+    assert_eq!(threads("3", None), [(cores / 3).max(1).to_string()]);
+    // A choice of the user's stands, and one rank keeps the whole machine.
+    assert_eq!(threads("2", Some("5")), ["5"]);
+    assert_eq!(threads("1", None), ["unset"]);
+}
+
+#[test]
 fn ranks_started_by_candle_run_form_a_group_and_free_the_port_after() {
     if is_child() {
         let pg = ProcessGroup::from_env(&Device::Cpu).unwrap();

@@ -26,7 +26,9 @@ OPTIONS:
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 MASTER_PORT and CANDLE_PARALLEL_TOKEN (random on one machine; set it yourself, the same on
-every machine, for several). When a rank fails the others are stopped and candle-run exits
+every machine, for several). With several ranks per machine and RAYON_NUM_THREADS unset,
+each rank's compute pool gets the machine's cores divided by the ranks (RAYON_NUM_THREADS,
+as torchrun sets OMP_NUM_THREADS=1). When a rank fails the others are stopped and candle-run exits
 with the failing rank's status. Options also take the torchrun spellings (--nproc_per_node).";
 
 /// What the command line asks for.

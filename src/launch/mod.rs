@@ -3,7 +3,9 @@
 //!
 //! The launcher starts one process per rank with torchrun's environment (`RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) and the job token
-//! `CANDLE_PARALLEL_TOKEN`, prefixes each line of their output with `[rankN]: `, forwards
+//! `CANDLE_PARALLEL_TOKEN` (and, with several ranks and no choice of yours, `RAYON_NUM_THREADS`:
+//! the machine's cores divided among them, so that their compute pools do not fight over the
+//! cores, as torchrun sets `OMP_NUM_THREADS=1`), prefixes each line of their output with `[rankN]: `, forwards
 //! Ctrl-C and SIGTERM to them (SIGHUP as SIGTERM), and when one rank fails stops the others
 //! (SIGTERM, then SIGKILL after a grace period) and reports the failing rank's exit status.
 //! Every rank runs in its own process group, which is killed as a whole when the rank ends. If

@@ -156,6 +156,23 @@ struct Job<'a> {
     done: mpsc::Sender<()>,
 }
 
+/// The variable that sizes candle's CPU thread pool (rayon's).
+pub(super) const THREADS_VAR: &str = "RAYON_NUM_THREADS";
+
+/// The compute threads each rank gets when several share the machine and nobody chose:
+/// the cores divided among the local ranks, at least one (torchrun sets `OMP_NUM_THREADS=1`
+/// for the same reason: N ranks each running a pool as large as the machine fight over the
+/// cores: two ranks of `cifar_ddp` on 2 cores trained slower than one process).
+fn compute_threads(config: &LaunchConfig) -> Option<usize> {
+    let chosen =
+        std::env::var_os(THREADS_VAR).is_some() || config.env.iter().any(|(k, _)| k == THREADS_VAR);
+    if chosen || config.nproc_per_node < 2 {
+        return None;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Some((cores / config.nproc_per_node).max(1))
+}
+
 /// Starts local rank `local`; returns it and how many output threads it has.
 fn start(job: &Job<'_>, local: usize) -> Result<(Rank, usize)> {
     let Job {
@@ -181,6 +198,7 @@ fn start(job: &Job<'_>, local: usize) -> Result<(Rank, usize)> {
         .env("MASTER_PORT", port.to_string())
         .env(TOKEN_VAR, token)
         .env(super::ERROR_FILE_VAR, &error_file)
+        .envs(compute_threads(config).map(|n| (THREADS_VAR, n.to_string())))
         .envs(config.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .process_group(0);

@@ -42,6 +42,9 @@ pub fn max_pool2d_with_stride(x: &Tensor, kernel: usize, stride: usize) -> Resul
     if h < kernel || w < kernel {
         candle_core::bail!("max_pool2d: kernel-size {kernel} is larger than the input size {h},{w}")
     }
+    if u32::try_from(h * w).is_err() {
+        candle_core::bail!("max_pool2d: planes of {h}x{w} are too large (at most 2^32 values)")
+    }
     let op = MaxPool2dOp {
         dims: (n, c),
         input: (h, w),
