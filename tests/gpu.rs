@@ -352,3 +352,48 @@ fn ddp_and_sync_batch_norm_over_tcp_with_cuda_tensors_on_two_processes_equal_one
     )
     .assert_all_pass(Duration::from_secs(300));
 }
+
+#[test]
+fn the_nets_loss_and_gradients_on_the_gpu_equal_those_of_our_cpu_kernels() {
+    if !have_gpu() {
+        return;
+    }
+    // On CUDA the convolutions are candle's and the max-pool candle's ops composed for a
+    // right gradient; on the CPU both are our kernels. The same Net must train the same.
+    let gpu = Device::new_cuda(0).unwrap();
+    let x = images(16, &Device::Cpu);
+    let run = |device: &Device| {
+        let varmap = VarMap::new();
+        let net = Net::new(seeded_var_builder(&varmap, 3, DType::F32, device)).unwrap();
+        let logits = net.forward(&x.to_device(device).unwrap()).unwrap();
+        let loss = loss::cross_entropy(&logits, &labels(16, 0, device)).unwrap();
+        let grads = loss.backward().unwrap();
+        let mut by_name: Vec<(String, Tensor)> = varmap
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), grads.get(v).expect(k).clone()))
+            .collect();
+        by_name.sort_by(|a, b| a.0.cmp(&b.0));
+        (loss, by_name)
+    };
+    let (cpu_loss, cpu_grads) = run(&Device::Cpu);
+    let (gpu_loss, gpu_grads) = run(&gpu);
+    assert!(max_abs_diff(&cpu_loss, &gpu_loss) <= 1e-4);
+    assert_eq!(cpu_grads.len(), 10);
+    for ((name, c), (_, g)) in cpu_grads.iter().zip(&gpu_grads) {
+        let scale = c
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let d = max_abs_diff(c, g);
+        assert!(
+            d <= 1e-4 * scale.max(1.0),
+            "{name}: the GPU's gradient is off by {d}"
+        );
+    }
+}

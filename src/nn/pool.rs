@@ -5,7 +5,8 @@
 //! average pool, another upsampling) and supports only a stride equal to the kernel. Here the
 //! forward records, for f32 tensors on the CPU, where each maximum came from (the first, on
 //! ties, as PyTorch does); the backward adds each output gradient there. Other dtypes and
-//! devices use candle's kernels.
+//! devices (CUDA) use candle's kernels, composed so that the gradient is right: candle's own
+//! max-pool backward scales every gradient by 1/kernel².
 //!
 //! ```rust
 //! use candle_core::{Device, Tensor};
@@ -17,9 +18,9 @@
 //! # Ok(()) }
 //! ```
 
-use super::kernels::{for_each_chunk, ours, threads};
+use super::kernels::{for_each_chunk, ours, own_cpu_kernels, threads};
 use crate::sync::lock;
-use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
@@ -32,7 +33,8 @@ pub fn max_pool2d(x: &Tensor, kernel: usize) -> Result<Tensor> {
 /// Max-pooling of `x` `(N, C, H, W)` over `kernel`-sized windows every `stride` positions:
 /// outputs `(H - kernel) / stride + 1` high and wide, as candle's `max_pool2d_with_stride`.
 pub fn max_pool2d_with_stride(x: &Tensor, kernel: usize, stride: usize) -> Result<Tensor> {
-    if !(ours(&[x]) && x.rank() == 4) {
+    let cpu_f32 = x.device().is_cpu() && x.dtype() == DType::F32;
+    if x.rank() != 4 || (cpu_f32 && !own_cpu_kernels()) {
         return x.max_pool2d_with_stride(kernel, stride);
     }
     let (n, c, h, w) = x.dims4()?;
@@ -45,6 +47,9 @@ pub fn max_pool2d_with_stride(x: &Tensor, kernel: usize, stride: usize) -> Resul
     if u32::try_from(h * w).is_err() {
         candle_core::bail!("max_pool2d: planes of {h}x{w} are too large (at most 2^32 values)")
     }
+    if !ours(&[x]) {
+        return by_gather(x, kernel, stride);
+    }
     let op = MaxPool2dOp {
         dims: (n, c),
         input: (h, w),
@@ -54,6 +59,34 @@ pub fn max_pool2d_with_stride(x: &Tensor, kernel: usize, stride: usize) -> Resul
         argmax: Mutex::new(Vec::new()),
     };
     x.contiguous()?.apply_op1(op)
+}
+
+/// Max-pooling from candle ops whose gradients are right, for devices and dtypes our kernel
+/// does not take (candle's own max-pool gradient is scaled by 1/kernel², and it has none for a
+/// stride other than the kernel): every window's values gathered (`index_select`), the
+/// position of each maximum (`argmax`), the maximum taken there (`gather`), so the backward
+/// sends each output's gradient to one input, as PyTorch's does.
+fn by_gather(x: &Tensor, kernel: usize, stride: usize) -> Result<Tensor> {
+    let (n, c, h, w) = x.dims4()?;
+    let (ho, wo) = ((h - kernel) / stride + 1, (w - kernel) / stride + 1);
+    let window = kernel * kernel;
+    let mut at = Vec::with_capacity(ho * wo * window);
+    for oh in 0..ho {
+        for ow in 0..wo {
+            for kh in 0..kernel {
+                let row = (oh * stride + kh) * w + ow * stride;
+                // Fits: h * w was checked against u32.
+                at.extend((row..row + kernel).map(|i| i as u32));
+            }
+        }
+    }
+    let at = Tensor::from_vec(at, ho * wo * window, &Device::Cpu)?.to_device(x.device())?;
+    let windows = x
+        .flatten_from(2)?
+        .index_select(&at, 2)?
+        .reshape((n, c, ho * wo, window))?;
+    let best = windows.argmax_keepdim(D::Minus1)?;
+    windows.gather(&best, D::Minus1)?.reshape((n, c, ho, wo))
 }
 
 /// One max-pooling, with where each maximum came from.
