@@ -196,13 +196,12 @@ fn channel_shape(rank: usize, c: usize) -> Vec<usize> {
     (0..rank).map(|d| if d == 1 { c } else { 1 }).collect()
 }
 
-/// Sums over every dimension but the channels (dimension 1), as a `[C]` tensor.
-fn per_channel_sum(t: &Tensor) -> Result<Tensor> {
-    let c = t.dim(1)?;
+/// Per-row sums of a `(C, M)` tensor, as a `[C]` tensor (zeros when `M` is 0).
+fn row_sums(t: &Tensor) -> Result<Tensor> {
     if t.elem_count() == 0 {
-        return Tensor::zeros(c, t.dtype(), t.device());
+        return Tensor::zeros(t.dim(0)?, t.dtype(), t.device());
     }
-    t.transpose(0, 1)?.flatten_from(1)?.sum(1)
+    t.sum(1)
 }
 
 /// The global statistics, combined from every rank's count, mean and centred sum of squares.
@@ -290,6 +289,11 @@ impl SyncBatchNorm {
         }
     }
 
+    /// The training forward. Everything runs in the channels-first layout `(C, M)`, `M` the
+    /// samples times the spatial positions (as candle-nn's `BatchNorm` does): there every
+    /// per-channel reduction, those of autograd for the weight and bias included, is over the
+    /// last, contiguous dimension, which candle's CPU backend sums fast; over the other
+    /// dimensions of `(N, C, H, W)` it takes a slow strided path.
     fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
         let c = self.check_input(x)?;
         let internal = if x.dtype() == DType::F64 {
@@ -297,18 +301,24 @@ impl SyncBatchNorm {
         } else {
             DType::F32
         };
-        let xi = x.to_dtype(internal)?;
-        let flat = xi.transpose(0, 1)?.flatten_from(1)?.contiguous()?;
+        let xi = x.to_dtype(internal)?.transpose(0, 1)?;
+        let channels_first = xi.dims().to_vec();
+        let flat = xi.flatten_from(1)?.contiguous()?;
         let n = flat.dim(1)?;
+        // The statistics need no gradient: the backward uses the global ones (below).
+        let values = flat.detach();
         let (mean, m2) = if n == 0 {
             let z = Tensor::zeros(c, internal, x.device())?;
             (z.clone(), z)
         } else if self.remove_mean {
-            let mean = flat.mean_keepdim(1)?;
-            let m2 = flat.broadcast_sub(&mean)?.sqr()?.sum(1)?;
+            let mean = values.mean_keepdim(1)?;
+            let m2 = values.broadcast_sub(&mean)?.sqr()?.sum(1)?;
             (mean.flatten_all()?, m2)
         } else {
-            (Tensor::zeros(c, internal, x.device())?, flat.sqr()?.sum(1)?)
+            (
+                Tensor::zeros(c, internal, x.device())?,
+                values.sqr()?.sum(1)?,
+            )
         };
         let count = Tensor::new(&[n as f64], x.device())?.to_dtype(internal)?;
         let message = Tensor::cat(&[&mean, &m2, &count], 0)?;
@@ -336,20 +346,18 @@ impl SyncBatchNorm {
             .into_candle());
         }
         self.update_running_stats(&stats)?;
-        let shape = channel_shape(x.rank(), c);
-        let on_device = |v: &[f64]| -> Result<Tensor> {
-            Tensor::from_vec(v.to_vec(), c, &Device::Cpu)?
+        let column = |v: &[f64]| -> Result<Tensor> {
+            Tensor::from_vec(v.to_vec(), (c, 1), &Device::Cpu)?
                 .to_dtype(internal)?
-                .to_device(x.device())?
-                .reshape(shape.as_slice())
+                .to_device(x.device())
         };
         let std: Vec<f64> = stats.var.iter().map(|v| (v + self.eps).sqrt()).collect();
         let centred = if self.remove_mean {
-            xi.broadcast_sub(&on_device(&stats.mean)?)?
+            flat.broadcast_sub(&column(&stats.mean)?)?
         } else {
-            xi
+            flat
         };
-        let z = centred.broadcast_div(&on_device(&std)?)?;
+        let z = centred.broadcast_div(&column(&std)?)?;
         let ticket = self.tickets.issue(c, internal, x.device());
         let normed = z.apply_op1(GlobalStatsGrad {
             group: self.group.clone(),
@@ -359,7 +367,9 @@ impl SyncBatchNorm {
             remove_mean: self.remove_mean,
             name: self.name.clone(),
         })?;
-        self.affine(normed.to_dtype(x.dtype())?, &shape)
+        self.affine(normed.to_dtype(x.dtype())?, &[c, 1])?
+            .reshape(channels_first)?
+            .transpose(0, 1)
     }
 
     fn update_running_stats(&self, stats: &Stats) -> Result<()> {
@@ -413,7 +423,8 @@ impl ModuleT for SyncBatchNorm {
 /// The identity on the normalised input `x_hat`, whose backward turns `g = dL/dx_hat` into
 /// the gradient through the global statistics: `g - mean(g) - x_hat * mean(g * x_hat)`, the
 /// means over every rank's samples (one all-reduce of `sum(g)` and `sum(g * x_hat)` per
-/// channel). Autograd then divides by the standard deviation on the way to the input.
+/// channel). `x_hat` is channels first, `(C, M)`, as `forward_train` lays it out. Autograd then
+/// divides by the standard deviation on the way to the input.
 struct GlobalStatsGrad {
     group: ProcessGroup,
     tickets: Arc<BackwardTickets>,
@@ -453,15 +464,15 @@ impl candle_core::CustomOp1 for GlobalStatsGrad {
             }
             .into_candle());
         }
-        let sums = Tensor::cat(&[per_channel_sum(g)?, per_channel_sum(&(g * x_hat)?)?], 0)?;
+        // `x_hat` and `g` are `(C, M)`, channels first (see `forward_train`).
+        let sums = Tensor::cat(&[row_sums(g)?, row_sums(&(g * x_hat)?)?], 0)?;
         let sums = self
             .group
             .all_reduce(&sums, ReduceOp::Sum)
             .map_err(Error::into_candle)?;
-        let c = x_hat.dim(1)?;
-        let shape = channel_shape(x_hat.rank(), c);
-        let mean_g = (sums.narrow(0, 0, c)? / self.count)?.reshape(shape.as_slice())?;
-        let mean_gx = (sums.narrow(0, c, c)? / self.count)?.reshape(shape.as_slice())?;
+        let c = x_hat.dim(0)?;
+        let mean_g = (sums.narrow(0, 0, c)? / self.count)?.reshape((c, 1))?;
+        let mean_gx = (sums.narrow(0, c, c)? / self.count)?.reshape((c, 1))?;
         let dz = g.broadcast_sub(&x_hat.broadcast_mul(&mean_gx)?)?;
         let dz = if self.remove_mean {
             dz.broadcast_sub(&mean_g)?
