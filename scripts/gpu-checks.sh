@@ -11,10 +11,14 @@ mkdir -p "$OUT"
 LOG="$OUT/gpu-checks.log"
 : > "$LOG"
 for f in *.xz; do xz -d -k -f "$f" && chmod +x "${f%.xz}"; done
+# Each check is bounded (CHECK_TIMEOUT seconds, default 150), so that one hang costs one
+# check's time, not the sitting's: a device call has 10 minutes in all.
 run() { # name, command...: runs it, logs it, and never stops the sitting
   local name=$1; shift
+  # ONLY='gpu_tests|dp_throughput' runs just those checks (a second sitting's leftovers).
+  if [[ -n "${ONLY:-}" && ! "$name" =~ ^(${ONLY})$ ]]; then return; fi
   echo "=== $name: $*" | tee -a "$LOG"
-  ( time ./run-on-gpu.sh "$@" ) 2>&1 | tee -a "$LOG" | tail -n 25
+  ( time timeout -k 5 "${CHECK_TIMEOUT:-150}" ./run-on-gpu.sh "$@" ) 2>&1 | tee -a "$LOG" | tail -n 25
   echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 }
 nvidia-smi 2>&1 | tee -a "$LOG"
@@ -31,9 +35,9 @@ run cifar_dp_1 ./cifar_dp --epochs 1 --devices 1
 run cifar_dp_2 ./cifar_dp --epochs 1 --devices 2
 # Throughput table: 1, 2, 4 devices on GPU 0, batch 128 and 512.
 run dp_throughput ./dp_throughput --devices 1,2,4 --batches 128,512 --steps 50
+# PyTorch's same Net at the same batches on the same GPU, right after.
+run torch_net_bench python3 torch_net_bench.py --batches 128,512 --steps 50
 # DDP on NCCL with one rank against the plain step (its overhead), beside PyTorch's.
 run ddp_throughput ./ddp_throughput --cuda
 run torch_ddp_bench python3 torch_ddp_bench.py --device cuda
-# PyTorch's same Net at the same batches on the same GPU.
-run torch_net_bench python3 torch_net_bench.py --batches 128,512 --steps 50
 echo "log: $LOG"
