@@ -29,11 +29,10 @@
 use super::algorithms::consensus;
 use super::algorithms::Links;
 use super::communicator::{Call, Communicator, Connected, GroupPath, IssueMark};
-use super::join::join;
 use super::options::InitOptions;
 use super::rendezvous::Rendezvous;
 use super::tcp::mesh::Broken;
-use super::tcp::{Mesh, MeshContext};
+use super::tcp::{join_world, Mesh, MeshContext};
 use super::work::{DeviceCompletion, Finished};
 use super::ReduceOp;
 use crate::error::{device_name, Error, Result};
@@ -565,21 +564,7 @@ pub(crate) fn connect(r: &Rendezvous, device: &Device, options: &InitOptions) ->
             ),
         });
     };
-    let joined = join(r, options)?;
-    let context = MeshContext {
-        store_addr: joined.store.addr(),
-        local_ip: joined.store.local_addr().ip(),
-        options: options.clone(),
-        job: joined.job,
-        world_rank: r.rank,
-    };
-    let mesh = context
-        .connect(&joined.store, &GroupPath::default(), r.rank, r.world_size)
-        .inspect_err(|e| {
-            joined
-                .store
-                .abort(&format!("rank {} could not join: {e}", r.rank))
-        })?;
+    let (joined, context, mesh) = join_world(r, options)?;
     let id = if r.rank == 0 {
         let id = result::get_uniqueid().map_err(|e| Error::Nccl {
             op: "ncclGetUniqueId",

@@ -14,7 +14,7 @@ pub(crate) mod shm;
 use super::algorithms::{broadcast, consensus, ring, Links};
 use super::communicator::{Call, Communicator, Connected, GroupPath};
 use super::host_buf::{with_bytes, HostBuf};
-use super::join::join;
+use super::join::{join, Joined};
 use super::options::InitOptions;
 use super::rendezvous::Rendezvous;
 use super::store::Store;
@@ -94,8 +94,13 @@ impl MeshContext {
     }
 }
 
-/// Joins the job described by `r` and connects its TCP group.
-pub(crate) fn connect(r: &Rendezvous, options: &InitOptions) -> Result<Connected> {
+/// Joins the job described by `r` and connects the world group's mesh, which every backend
+/// stands on (TCP carries its data over it; NCCL its agreement and failure detection). A rank
+/// that cannot connect tells the others through the store.
+pub(crate) fn join_world(
+    r: &Rendezvous,
+    options: &InitOptions,
+) -> Result<(Joined, MeshContext, Mesh)> {
     let joined = join(r, options)?;
     let context = MeshContext {
         store_addr: joined.store.addr(),
@@ -111,6 +116,12 @@ pub(crate) fn connect(r: &Rendezvous, options: &InitOptions) -> Result<Connected
                 .store
                 .abort(&format!("rank {} could not join: {e}", r.rank))
         })?;
+    Ok((joined, context, mesh))
+}
+
+/// Joins the job described by `r` and connects its TCP group.
+pub(crate) fn connect(r: &Rendezvous, options: &InitOptions) -> Result<Connected> {
+    let (joined, context, mesh) = join_world(r, options)?;
     Ok(Connected {
         comm: Box::new(TcpComm { mesh, context }),
         store: Some(joined.store),
