@@ -43,6 +43,7 @@ pub mod memory;
 pub mod nn;
 pub mod optim;
 pub mod parallel_apply;
+mod pass_through;
 pub mod replicate;
 pub mod rng;
 pub mod sampler;

@@ -17,7 +17,6 @@
 use super::reducer::Reducer;
 use crate::error::{device_name, Error};
 use crate::sync::lock;
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarMap};
@@ -36,7 +35,7 @@ impl candle_core::CustomOp1 for GradReady {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok((s.try_clone(l)?, l.shape().clone()))
+        crate::pass_through::cpu(s, l)
     }
 
     #[cfg(feature = "cuda")]
@@ -45,7 +44,7 @@ impl candle_core::CustomOp1 for GradReady {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        Ok((s.try_clone(l)?, l.shape().clone()))
+        crate::pass_through::cuda(s, l)
     }
 
     /// Hands the gradient to the reducer, which from now on owns it: the variable itself gets

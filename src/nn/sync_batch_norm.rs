@@ -46,7 +46,6 @@
 use crate::distributed::{ProcessGroup, ReduceOp};
 use crate::error::Error;
 use crate::sync::lock;
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Tensor, Var};
 use candle_nn::{BatchNormConfig, Init, ModuleT, VarBuilder};
 use std::sync::{Arc, Mutex};
@@ -441,7 +440,7 @@ impl candle_core::CustomOp1 for GlobalStatsGrad {
 
     /// The input is a fresh tensor (a division's result): its storage is exactly its values.
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        Ok((s.try_clone(l)?, l.shape().clone()))
+        crate::pass_through::cpu(s, l)
     }
 
     #[cfg(feature = "cuda")]
@@ -450,7 +449,7 @@ impl candle_core::CustomOp1 for GlobalStatsGrad {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((s.try_clone(l)?, l.shape().clone()))
+        crate::pass_through::cuda(s, l)
     }
 
     fn bwd(&self, _: &Tensor, x_hat: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
