@@ -8,13 +8,13 @@ use candle_nn::{
     batch_norm, linear, loss, BatchNorm, Linear, ModuleT, Optimizer, VarBuilder, VarMap,
 };
 use candle_parallel::ddp::{Compression, DdpConfig};
-use candle_parallel::distributed::{self, InitOptions, ProcessGroup, Rendezvous};
+use candle_parallel::distributed::{self, ProcessGroup};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::rng::Rng;
 use candle_parallel::{DistributedDataParallel, Error};
-use common::{is_child, Ranks, DONE};
-use std::time::{Duration, Instant};
+use common::{is_child, join_child, Ranks, DONE};
+use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
 const IN: usize = 8;
@@ -184,19 +184,11 @@ fn ddp_over_1_2_and_3_thread_ranks_equals_one_process_on_the_whole_batch() {
     }
 }
 
-fn join() -> ProcessGroup {
-    let options = InitOptions {
-        rendezvous_timeout: Duration::from_secs(30),
-        ..InitOptions::from_env().unwrap()
-    };
-    ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options).unwrap()
-}
-
 #[test]
 fn ddp_over_1_2_and_3_processes_equals_one_process_on_the_whole_batch() {
     let test = "ddp_over_1_2_and_3_processes_equals_one_process_on_the_whole_batch";
     if is_child() {
-        parity(&join());
+        parity(&join_child());
         println!("{DONE}");
         return;
     }
@@ -499,7 +491,7 @@ fn calling_loss_backward_instead_of_the_wrappers_is_reported_at_the_next_forward
 #[test]
 fn a_rank_killed_during_backward_is_named_by_the_others_backward() {
     if is_child() {
-        let pg = join();
+        let pg = join_child();
         let varmap = VarMap::new();
         let model = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, mlp).unwrap();
         let (x, y) = share(0, 3, PER, pg.rank());
@@ -515,28 +507,10 @@ fn a_rank_killed_during_backward_is_named_by_the_others_backward() {
         println!("{DONE}");
         return;
     }
-    let mut ranks = Ranks::world(
+    Ranks::kill_rank_2_during(
         "a_rank_killed_during_backward_is_named_by_the_others_backward",
-        3,
-    );
-    ranks.wait_for(2, "ready", LIMIT);
-    ranks.wait_for(0, "backward", LIMIT);
-    ranks.wait_for(1, "backward", LIMIT);
-    std::thread::sleep(Duration::from_millis(200));
-    let killed = Instant::now();
-    ranks.kill(2);
-    let ended = ranks.wait(LIMIT);
-    for (i, e) in ended.iter().enumerate().take(2) {
-        assert!(
-            e.status.success() && e.output.contains(DONE),
-            "rank {i}:\n{}",
-            e.output
-        );
-    }
-    assert!(
-        killed.elapsed() < Duration::from_secs(30),
-        "{:?}",
-        killed.elapsed()
+        "backward",
+        LIMIT,
     );
 }
 

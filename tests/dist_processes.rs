@@ -10,28 +10,17 @@ use candle_parallel::Error;
 use common::collectives::{
     check_async, check_collectives, check_mismatches, check_new_group, check_special_values,
 };
-use common::{is_child, Ranks, DONE};
+use common::{child_options, is_child, join_child, Ranks, DONE};
 use std::time::{Duration, Instant};
 
 const LIMIT: Duration = Duration::from_secs(120);
-
-fn options() -> InitOptions {
-    InitOptions {
-        rendezvous_timeout: Duration::from_secs(30),
-        ..InitOptions::from_env().unwrap()
-    }
-}
-
-fn join() -> ProcessGroup {
-    ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options()).unwrap()
-}
 
 fn done() {
     println!("{DONE}");
 }
 
 fn collectives_child() {
-    let pg = join();
+    let pg = join_child();
     let r = Rendezvous::from_env().unwrap();
     assert_eq!(pg.backend(), Backend::Tcp);
     assert_eq!((pg.rank(), pg.world_size()), (r.rank, r.world_size));
@@ -110,7 +99,7 @@ fn every_collective_matches_local_values_over_unix_sockets_without_shared_memory
 
 #[test]
 fn every_collective_matches_local_values_in_a_tcp_group_of_one() {
-    let pg = ProcessGroup::new(&common::solo_rendezvous(), &Device::Cpu, options()).unwrap();
+    let pg = ProcessGroup::new(&common::solo_rendezvous(), &Device::Cpu, child_options()).unwrap();
     assert_eq!(pg.transports(), [None]);
     check_collectives(&pg);
 }
@@ -121,7 +110,7 @@ fn ranks_meet_through_a_tcp_url_or_explicit_values() {
         let env = Rendezvous::from_env().unwrap();
         let pg = if env.rank == 0 {
             let url = format!("tcp://127.0.0.1:{}", env.master_port);
-            ProcessGroup::from_url(&url, 0, 2, &Device::Cpu, options()).unwrap()
+            ProcessGroup::from_url(&url, 0, 2, &Device::Cpu, child_options()).unwrap()
         } else {
             let explicit = Rendezvous {
                 master_addr: "localhost".into(),
@@ -131,7 +120,7 @@ fn ranks_meet_through_a_tcp_url_or_explicit_values() {
                 local_rank: 0,
                 local_world_size: 1,
             };
-            ProcessGroup::new(&explicit, &Device::Cpu, options()).unwrap()
+            ProcessGroup::new(&explicit, &Device::Cpu, child_options()).unwrap()
         };
         let x = Tensor::new(&[pg.rank() as f32 + 1.0], &Device::Cpu).unwrap();
         let y = pg.all_reduce(&x, ReduceOp::Sum).unwrap();
@@ -148,7 +137,7 @@ fn a_missing_rank_is_named_when_the_rendezvous_times_out() {
         let rank = Rendezvous::from_env().unwrap().rank;
         let o = InitOptions {
             rendezvous_timeout: Duration::from_millis(if rank == 0 { 3000 } else { 1500 }),
-            ..options()
+            ..child_options()
         };
         let err = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o)
             .unwrap_err()
@@ -173,7 +162,7 @@ fn strangers_with_a_wrong_token_are_refused_and_do_not_disturb_the_job() {
             // Give the stranger time to knock while rank 0 waits.
             std::thread::sleep(Duration::from_millis(1500));
         }
-        let pg = join();
+        let pg = join_child();
         let y = pg
             .all_reduce(&Tensor::new(&[1f64], &Device::Cpu).unwrap(), ReduceOp::Sum)
             .unwrap();
@@ -211,7 +200,7 @@ fn a_rank_with_the_wrong_token_is_refused_and_named_missing() {
     if is_child() {
         let o = InitOptions {
             rendezvous_timeout: Duration::from_secs(2),
-            ..options()
+            ..child_options()
         };
         let err = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o).unwrap_err();
         if Rendezvous::from_env().unwrap().rank == 1 {
@@ -236,7 +225,13 @@ fn a_rank_with_the_wrong_token_is_refused_and_named_missing() {
 /// the store up until then.
 fn report_refusal(r: &Rendezvous) {
     let addr = r.master_socket().unwrap();
-    let store = Store::connect(addr, &options().token, r.rank, Duration::from_secs(30)).unwrap();
+    let store = Store::connect(
+        addr,
+        &child_options().token,
+        r.rank,
+        Duration::from_secs(30),
+    )
+    .unwrap();
     store.set("refused-done", b"1").unwrap();
 }
 
@@ -248,7 +243,7 @@ fn wait_for_refusal(pg: &ProcessGroup) {
 fn two_processes_claiming_one_rank_are_told_so() {
     if is_child() {
         let r = Rendezvous::from_env().unwrap();
-        match ProcessGroup::new(&r, &Device::Cpu, options()) {
+        match ProcessGroup::new(&r, &Device::Cpu, child_options()) {
             Ok(pg) => {
                 pg.barrier().unwrap();
                 if pg.rank() == 0 {
@@ -286,9 +281,9 @@ fn a_second_rank_0_is_told_that_rank_0_is_taken() {
         if std::env::var("CP_SECOND").is_ok() {
             let err = loop {
                 // Until the first rank 0 holds the port, this one would simply take it.
-                match Store::connect(r.master_socket().unwrap(), &options().token, 0, LIMIT) {
+                match Store::connect(r.master_socket().unwrap(), &child_options().token, 0, LIMIT) {
                     Ok(s) if s.wait(&["rank/0"], LIMIT).unwrap().is_empty() => {
-                        break ProcessGroup::new(&r, &Device::Cpu, options()).unwrap_err()
+                        break ProcessGroup::new(&r, &Device::Cpu, child_options()).unwrap_err()
                     }
                     _ => std::thread::sleep(Duration::from_millis(20)),
                 }
@@ -299,7 +294,7 @@ fn a_second_rank_0_is_told_that_rank_0_is_taken() {
             );
             report_refusal(&r);
         } else {
-            let pg = join();
+            let pg = join_child();
             if pg.rank() == 0 {
                 wait_for_refusal(&pg);
             }
@@ -321,7 +316,7 @@ fn a_second_rank_0_is_told_that_rank_0_is_taken() {
 #[test]
 fn a_killed_rank_is_named_by_the_others_pending_in_a_collective() {
     if is_child() {
-        let pg = join();
+        let pg = join_child();
         if pg.rank() == 2 {
             println!("ready");
             std::thread::sleep(Duration::from_secs(60));
@@ -338,28 +333,10 @@ fn a_killed_rank_is_named_by_the_others_pending_in_a_collective() {
         assert!(kill_seen.elapsed() < Duration::from_secs(1));
         return done();
     }
-    let mut ranks = Ranks::world(
+    Ranks::kill_rank_2_during(
         "a_killed_rank_is_named_by_the_others_pending_in_a_collective",
-        3,
-    );
-    ranks.wait_for(2, "ready", LIMIT);
-    ranks.wait_for(0, "entering", LIMIT);
-    ranks.wait_for(1, "entering", LIMIT);
-    std::thread::sleep(Duration::from_millis(200));
-    let killed = Instant::now();
-    ranks.kill(2);
-    let ended = ranks.wait(LIMIT);
-    let waited = killed.elapsed();
-    for (i, e) in ended.iter().enumerate().take(2) {
-        assert!(
-            e.status.success() && e.output.contains(DONE),
-            "rank {i}:\n{}",
-            e.output
-        );
-    }
-    assert!(
-        waited < Duration::from_secs(30),
-        "the others took {waited:?} to notice"
+        "entering",
+        LIMIT,
     );
 }
 
@@ -368,7 +345,7 @@ fn a_rank_killed_during_the_data_phase_is_named_by_its_neighbour() {
     if is_child() {
         // Large all-reduces: most of the time goes to moving data, which between ranks of
         // one machine waits on shared memory rather than on a socket.
-        let pg = join();
+        let pg = join_child();
         let x = Tensor::ones(4 << 20, DType::F32, &Device::Cpu).unwrap();
         println!("looping");
         let started = Instant::now();
@@ -405,7 +382,7 @@ fn a_rank_killed_during_the_data_phase_is_named_by_its_neighbour() {
 #[test]
 fn a_rank_that_panics_is_named_by_the_others() {
     if is_child() {
-        let pg = join();
+        let pg = join_child();
         if pg.rank() == 1 {
             panic!("rank 1 crashes before the collective");
         }
@@ -427,7 +404,7 @@ fn a_stopped_rank_is_lost_after_the_peer_timeout() {
     if is_child() {
         let o = InitOptions {
             peer_timeout: Duration::from_secs(2),
-            ..options()
+            ..child_options()
         };
         let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o).unwrap();
         println!("joined");
@@ -514,7 +491,7 @@ fn bad_local_configuration_fails_fast_with_a_clear_error() {
 fn async_calls_in_flight_give_exact_results_over_1_2_and_3_processes() {
     let test = "async_calls_in_flight_give_exact_results_over_1_2_and_3_processes";
     if is_child() {
-        check_async(&join());
+        check_async(&join_child());
         return done();
     }
     for world in 1..=3 {
@@ -526,7 +503,7 @@ fn async_calls_in_flight_give_exact_results_over_1_2_and_3_processes() {
 fn nan_infinities_and_signed_zeros_follow_the_one_rule_over_3_processes() {
     let test = "nan_infinities_and_signed_zeros_follow_the_one_rule_over_3_processes";
     if is_child() {
-        check_special_values(&join());
+        check_special_values(&join_child());
         return done();
     }
     Ranks::world(test, 3).assert_all_pass(LIMIT);
@@ -536,7 +513,7 @@ fn nan_infinities_and_signed_zeros_follow_the_one_rule_over_3_processes() {
 fn new_groups_of_processes_run_beside_their_parent() {
     let test = "new_groups_of_processes_run_beside_their_parent";
     if is_child() {
-        check_new_group(&join());
+        check_new_group(&join_child());
         return done();
     }
     Ranks::world(test, 3).assert_all_pass(LIMIT);
@@ -546,7 +523,7 @@ fn new_groups_of_processes_run_beside_their_parent() {
 #[test]
 fn a_rank_killed_while_an_async_call_is_in_flight_is_named_by_wait() {
     if is_child() {
-        let pg = join();
+        let pg = join_child();
         if pg.rank() == 2 {
             println!("ready");
             std::thread::sleep(Duration::from_secs(60));
@@ -564,27 +541,9 @@ fn a_rank_killed_while_an_async_call_is_in_flight_is_named_by_wait() {
         assert!(again.unwrap_err().to_string().contains("rank 2 was lost"));
         return done();
     }
-    let mut ranks = Ranks::world(
+    Ranks::kill_rank_2_during(
         "a_rank_killed_while_an_async_call_is_in_flight_is_named_by_wait",
-        3,
-    );
-    ranks.wait_for(2, "ready", LIMIT);
-    ranks.wait_for(0, "issued", LIMIT);
-    ranks.wait_for(1, "issued", LIMIT);
-    std::thread::sleep(Duration::from_millis(200));
-    let killed = Instant::now();
-    ranks.kill(2);
-    let ended = ranks.wait(LIMIT);
-    for (i, e) in ended.iter().enumerate().take(2) {
-        assert!(
-            e.status.success() && e.output.contains(DONE),
-            "rank {i}:\n{}",
-            e.output
-        );
-    }
-    assert!(
-        killed.elapsed() < Duration::from_secs(30),
-        "the others took {:?} to notice",
-        killed.elapsed()
+        "issued",
+        LIMIT,
     );
 }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Module, D};
+use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use candle_parallel::cifar::{self, Net};
 use candle_parallel::DataParallel;
@@ -38,6 +38,21 @@ fn repeat(line: &str, n: usize) -> Vec<String> {
 
 const FULL: &str = "[30, 5] output_size [30, 2]";
 const LAST: &str = "[10, 5] output_size [10, 2]";
+
+/// How many rows of `logits` pick their label.
+fn count_correct(logits: &Tensor, labels: &Tensor) -> usize {
+    logits
+        .argmax(D::Minus1)
+        .unwrap()
+        .eq(labels)
+        .unwrap()
+        .to_dtype(DType::U32)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<u32>()
+        .unwrap() as usize
+}
 
 #[test]
 fn tutorial_with_8_devices_splits_30_into_seven_fours_and_a_two() {
@@ -125,17 +140,7 @@ fn a_cifar_dp_checkpoint_loads_into_a_plain_net_with_the_same_predictions() {
     let indices: Vec<usize> = (0..test).collect();
     let (x, y) = data.test.batch(&indices, &Device::Cpu).unwrap();
     let logits = plain.forward(&x).unwrap();
-    let correct = logits
-        .argmax(D::Minus1)
-        .unwrap()
-        .eq(&y)
-        .unwrap()
-        .to_dtype(DType::U32)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<u32>()
-        .unwrap() as usize;
+    let correct = count_correct(&logits, &y);
     assert_eq!(
         correct, reported,
         "the plain Net's accuracy differs from the run's: {line}"
@@ -225,19 +230,7 @@ fn cifar_ddp_on_2_processes_learns_like_cifar_dp_on_the_same_global_batch() {
     let data = cifar::synthetic(12_800, 1_000, 0);
     let indices: Vec<usize> = (0..1_000).collect();
     let (x, y) = data.test.batch(&indices, &Device::Cpu).unwrap();
-    let plain_correct = plain
-        .forward(&x)
-        .unwrap()
-        .argmax(D::Minus1)
-        .unwrap()
-        .eq(&y)
-        .unwrap()
-        .to_dtype(DType::U32)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<u32>()
-        .unwrap() as usize;
+    let plain_correct = count_correct(&plain.forward(&x).unwrap(), &y);
     assert_eq!(plain_correct, correct);
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -8,23 +8,12 @@ use candle_core::{Device, Tensor};
 use candle_parallel::distributed::store::Store;
 use candle_parallel::distributed::{InitOptions, ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::Error;
-use common::{is_child, rank_env, Ranks, DONE};
+use common::{child_options, is_child, join_child, rank_env, Ranks, DONE};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const LIMIT: Duration = Duration::from_secs(120);
-
-fn options() -> InitOptions {
-    InitOptions {
-        rendezvous_timeout: Duration::from_secs(30),
-        ..InitOptions::from_env().unwrap()
-    }
-}
-
-fn join() -> ProcessGroup {
-    ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options()).unwrap()
-}
 
 fn now_ms() -> u128 {
     SystemTime::now()
@@ -38,8 +27,12 @@ fn a_group_recreated_twenty_times_on_one_port_never_fails() {
     let test = "a_group_recreated_twenty_times_on_one_port_never_fails";
     if is_child() {
         for round in 0..20 {
-            let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options())
-                .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            let pg = ProcessGroup::new(
+                &Rendezvous::from_env().unwrap(),
+                &Device::Cpu,
+                child_options(),
+            )
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
             let x = Tensor::new(&[round as f32], &Device::Cpu).unwrap();
             let y = pg.all_reduce(&x, ReduceOp::Sum).unwrap();
             assert_eq!(
@@ -65,7 +58,7 @@ fn strangers_on_the_store_port_hold_no_more_than_a_few_descriptors_and_the_job_g
             // Join once the strangers are in.
             std::thread::sleep(Duration::from_millis(1500));
         }
-        let pg = join();
+        let pg = join_child();
         println!("joined");
         // The job's own work, its file opens included, is unaffected.
         let path = std::env::temp_dir().join(format!("cp-strangers-{}", std::process::id()));
@@ -179,7 +172,7 @@ fn a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed
     if is_child() {
         let o = InitOptions {
             peer_timeout: Duration::from_secs(3),
-            ..options()
+            ..child_options()
         };
         let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o).unwrap();
         println!("joined");
@@ -314,9 +307,13 @@ fn a_rank_with_another_world_size_fails_the_others_at_once_with_its_reason() {
             std::thread::sleep(Duration::from_secs(1));
         }
         let started = Instant::now();
-        let err = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options())
-            .unwrap_err()
-            .to_string();
+        let err = ProcessGroup::new(
+            &Rendezvous::from_env().unwrap(),
+            &Device::Cpu,
+            child_options(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             err.contains("WORLD_SIZE=3 but an earlier rank has 2"),
             "{err}"
@@ -347,7 +344,8 @@ fn a_rank_killed_during_the_rendezvous_is_named_by_the_others_at_once() {
         if r.rank == 1 {
             // Claims its rank, then is killed before the others all arrive.
             let store =
-                Store::connect(r.master_socket().unwrap(), &options().token, 1, LIMIT).unwrap();
+                Store::connect(r.master_socket().unwrap(), &child_options().token, 1, LIMIT)
+                    .unwrap();
             store.compare_set("rank/1", None, b"mine").unwrap();
             println!("claimed");
             std::thread::sleep(Duration::from_secs(60));
@@ -358,7 +356,7 @@ fn a_rank_killed_during_the_rendezvous_is_named_by_the_others_at_once() {
             return;
         }
         let started = Instant::now();
-        let err = ProcessGroup::new(&r, &Device::Cpu, options())
+        let err = ProcessGroup::new(&r, &Device::Cpu, child_options())
             .unwrap_err()
             .to_string();
         assert!(err.contains("rank 1 left during the rendezvous"), "{err}");
@@ -414,7 +412,7 @@ fn a_rank_with_the_wrong_token_is_mentioned_by_the_rank_that_waited_for_it() {
     if is_child() {
         let o = InitOptions {
             rendezvous_timeout: Duration::from_secs(3),
-            ..options()
+            ..child_options()
         };
         let r = Rendezvous::from_env().unwrap();
         let err = ProcessGroup::new(&r, &Device::Cpu, o)

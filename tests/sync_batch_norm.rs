@@ -6,12 +6,12 @@ mod common;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{batch_norm, linear, loss, Linear, ModuleT, Optimizer, VarBuilder, VarMap};
 use candle_parallel::ddp::DdpConfig;
-use candle_parallel::distributed::{self, InitOptions, ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::distributed::{self, ProcessGroup, ReduceOp};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::rng::Rng;
 use candle_parallel::{checkpoint, nn, DistributedDataParallel};
-use common::{is_child, Ranks, DONE};
+use common::{is_child, join_child, Ranks, DONE};
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -189,19 +189,11 @@ fn sync_batch_norm_over_thread_ranks_equals_batch_norm_on_the_whole_batch() {
     }
 }
 
-fn join() -> ProcessGroup {
-    let options = InitOptions {
-        rendezvous_timeout: Duration::from_secs(30),
-        ..InitOptions::from_env().unwrap()
-    };
-    ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, options).unwrap()
-}
-
 #[test]
 fn sync_batch_norm_over_processes_equals_batch_norm_on_the_whole_batch() {
     let test = "sync_batch_norm_over_processes_equals_batch_norm_on_the_whole_batch";
     if is_child() {
-        all_parity(&join());
+        all_parity(&join_child());
         println!("{DONE}");
         return;
     }

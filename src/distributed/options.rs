@@ -134,18 +134,20 @@ pub const BACKEND_VAR: &str = "CANDLE_PARALLEL_BACKEND";
 /// The environment variable bounding the wait for every rank to join, in seconds.
 pub const RENDEZVOUS_TIMEOUT_VAR: &str = "CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT";
 
+/// An environment made of `pairs`, for the tests of the `from_vars` readers.
+#[cfg(test)]
+pub(crate) fn test_vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let map: std::collections::HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    move |k| map.get(k).cloned()
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_vars as vars;
     use super::*;
-    use std::collections::HashMap;
-
-    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |k| map.get(k).cloned()
-    }
 
     #[test]
     fn the_environment_sets_the_options_and_bad_values_are_named() {

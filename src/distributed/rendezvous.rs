@@ -263,16 +263,8 @@ pub(crate) fn first_slurm_host(list: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::options::test_vars as vars;
     use super::*;
-    use std::collections::HashMap;
-
-    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |k| map.get(k).cloned()
-    }
 
     #[test]
     fn torchrun_variables_are_read() {

@@ -114,6 +114,25 @@ pub fn solo_rendezvous() -> candle_parallel::distributed::Rendezvous {
     }
 }
 
+/// A child rank's options: the environment's, with a rendezvous timeout of 30 s so that a test
+/// that goes wrong fails well within its limit.
+pub fn child_options() -> candle_parallel::distributed::InitOptions {
+    candle_parallel::distributed::InitOptions {
+        rendezvous_timeout: Duration::from_secs(30),
+        ..candle_parallel::distributed::InitOptions::from_env().unwrap()
+    }
+}
+
+/// Joins the CPU group of a child rank started by [`Ranks::start`], with [`child_options`].
+pub fn join_child() -> candle_parallel::distributed::ProcessGroup {
+    candle_parallel::distributed::ProcessGroup::new(
+        &candle_parallel::distributed::Rendezvous::from_env().unwrap(),
+        &candle_core::Device::Cpu,
+        child_options(),
+    )
+    .unwrap()
+}
+
 /// Marks a process as a child rank started by [`Ranks::start`].
 pub const CHILD: &str = "CP_TEST_CHILD";
 
@@ -256,6 +275,33 @@ impl Ranks {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// Runs the parent side of a "rank 2 dies mid-call" test: starts 3 ranks of `test`, waits
+    /// until rank 2 printed `ready` and ranks 0 and 1 printed `marker` (they are in the call
+    /// under test), kills rank 2, and checks that ranks 0 and 1 then pass (print [`DONE`])
+    /// within 30 s of the kill.
+    pub fn kill_rank_2_during(test: &str, marker: &str, limit: Duration) {
+        let mut ranks = Ranks::world(test, 3);
+        ranks.wait_for(2, "ready", limit);
+        ranks.wait_for(0, marker, limit);
+        ranks.wait_for(1, marker, limit);
+        std::thread::sleep(Duration::from_millis(200));
+        let killed = Instant::now();
+        ranks.kill(2);
+        let ended = ranks.wait(limit);
+        let waited = killed.elapsed();
+        for (i, e) in ended.iter().enumerate().take(2) {
+            assert!(
+                e.status.success() && e.output.contains(DONE),
+                "rank {i}:\n{}",
+                e.output
+            );
+        }
+        assert!(
+            waited < Duration::from_secs(30),
+            "the others took {waited:?} to notice"
+        );
     }
 
     /// Waits for every child, killing all after `limit`.

@@ -189,6 +189,16 @@ mod tests {
         (0..len).map(|i| (rank * 1000 + i) as f64 * 0.5).collect()
     }
 
+    /// What a sum over `world` ranks of [`values`] gives.
+    fn summed(world: usize, len: usize) -> HostBuf {
+        let inputs: Vec<Vec<f64>> = (0..world).map(|r| values(r, len)).collect();
+        HostBuf::F64(
+            (0..len)
+                .map(|i| inputs.iter().map(|v| v[i]).sum())
+                .collect(),
+        )
+    }
+
     #[test]
     fn all_reduce_sums_for_every_world_size_and_odd_lengths() {
         // Lengths below the world size, odd, and spanning several segments.
@@ -201,12 +211,9 @@ mod tests {
                     all_reduce(l, 1, &mut out, input.bytes(0..len), ReduceOp::Sum).unwrap();
                     out
                 });
-                let inputs: Vec<Vec<f64>> = (0..world).map(|r| values(r, len)).collect();
-                let want: Vec<f64> = (0..len)
-                    .map(|i| inputs.iter().map(|v| v[i]).sum())
-                    .collect();
+                let want = summed(world, len);
                 for got in results {
-                    assert_eq!(got, HostBuf::F64(want.clone()), "world {world} len {len}");
+                    assert_eq!(got, want, "world {world} len {len}");
                 }
             }
         }
@@ -222,12 +229,9 @@ mod tests {
                     all_reduce_in_place(l, 1, &mut buf, ReduceOp::Sum).unwrap();
                     buf
                 });
-                let inputs: Vec<Vec<f64>> = (0..world).map(|r| values(r, len)).collect();
-                let want: Vec<f64> = (0..len)
-                    .map(|i| inputs.iter().map(|v| v[i]).sum())
-                    .collect();
+                let want = summed(world, len);
                 for got in results {
-                    assert_eq!(got, HostBuf::F64(want.clone()), "world {world} len {len}");
+                    assert_eq!(got, want, "world {world} len {len}");
                 }
             }
         }
