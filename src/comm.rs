@@ -28,7 +28,9 @@
 //!
 //! Tensors that change device are first made compact: candle copies a view's whole underlying
 //! storage when it moves it, so a narrowed chunk would otherwise drag the whole batch along.
-//! CUDA to CUDA moves are device-to-device copies and never pass through the host.
+//! CUDA to CUDA moves are device-to-device copies and never pass through the host; they are
+//! ordered on both devices' streams as PyTorch orders its cross-device copies (see
+//! `ordered_copy`), which candle's own `to_device` does not do.
 
 use crate::error::{device_name, Error, Result};
 use candle_core::{Device, Tensor};
@@ -160,7 +162,7 @@ pub(crate) fn move_to(t: &Tensor, device: &Device, is_view: bool) -> Result<Tens
     } else {
         t.force_contiguous()?
     };
-    Ok(t.to_device(device)?)
+    Ok(crate::ordered_copy::to_device(&t, device)?)
 }
 
 fn check_dim(t: &Tensor, dim: usize, what: &str) -> Result<()> {

@@ -42,6 +42,7 @@ pub mod launch;
 pub mod memory;
 pub mod nn;
 pub mod optim;
+mod ordered_copy;
 pub mod parallel_apply;
 mod pass_through;
 pub mod replicate;

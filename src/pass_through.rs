@@ -8,7 +8,7 @@ use candle_core::{CpuStorage, Layout, Result, Shape};
 /// Fails unless `l` is compact (contiguous from offset 0), where a storage's whole copy is
 /// exactly the tensor's values. Every caller passes such a tensor (a variable, or a fresh
 /// op result); a view would otherwise come out with the wrong values.
-fn check(l: &Layout) -> Result<()> {
+pub(crate) fn check(l: &Layout) -> Result<()> {
     if !l.is_contiguous() || l.start_offset() != 0 {
         candle_core::bail!("pass-through op given a view ({l:?}): make it contiguous first");
     }

@@ -5,13 +5,13 @@
 
 mod common;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{loss, Optimizer, VarMap};
 use candle_parallel::cifar::Net;
 use candle_parallel::distributed::{Backend, InitOptions, ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
-use candle_parallel::{DataParallel, Error};
+use candle_parallel::{comm, distributed, DataParallel, Error};
 use common::{is_child, max_abs_diff, solo_rendezvous, Ranks, DONE};
 use std::time::Duration;
 
@@ -72,6 +72,88 @@ fn data_parallel_over_two_devices_on_gpu_0_matches_one_device() {
     for (name, var) in dp_vars.data().lock().unwrap().iter() {
         let diff = max_abs_diff(var.as_tensor(), plain_data[name].as_tensor());
         assert!(diff <= 1e-4, "after 20 steps {name} differs by {diff}");
+    }
+}
+
+/// `t` through eight chained matmuls: slow on purpose, so that the stream computing it is still
+/// busy when a copy is enqueued on another stream. Scaled to keep the values near 1.
+fn busy(t: &Tensor) -> Tensor {
+    let scale = (t.dim(0).unwrap() as f64).sqrt();
+    (0..8).fold(t.clone(), |y, _| (y.matmul(t).unwrap() / scale).unwrap())
+}
+
+/// candle's kernels register their output as a read argument, so cudarc's per-buffer events do
+/// not order a copy on another stream after the kernel that fills its source; our copies
+/// order the two streams themselves (`src/ordered_copy.rs`). Forward and backward, each round
+/// computes on device `a`, moves to device `b` at once, and must match the same computation
+/// done on `a` alone.
+#[test]
+fn copies_between_two_devices_of_gpu_0_wait_for_the_kernels_that_fill_them() {
+    if !have_gpu() {
+        return;
+    }
+    let a = Device::new_cuda_with_stream(0).unwrap();
+    let b = Device::new_cuda_with_stream(0).unwrap();
+    let x0 = Tensor::randn(0f32, 1.0, (1024, 1024), &Device::Cpu).unwrap();
+    let w0 = Tensor::randn(0f32, 1.0, (1024, 1024), &Device::Cpu).unwrap();
+    for round in 0..10 {
+        let x = Var::from_tensor(&x0.to_device(&a).unwrap()).unwrap();
+        let y = (busy(x.as_tensor()) + f64::from(round)).unwrap();
+        let moved = comm::broadcast(&y, std::slice::from_ref(&b))
+            .unwrap()
+            .remove(0);
+        assert!(moved.device().same_device(&b));
+        assert_eq!(
+            max_abs_diff(&moved, &y),
+            0.0,
+            "round {round}: the copy read its source before the kernels that fill it had run"
+        );
+        // The gradient of `moved` is made on `b` and moved back to `a` by the copy's backward.
+        let w = busy(&w0.to_device(&b).unwrap());
+        let grads = (moved * w).unwrap().sum_all().unwrap().backward().unwrap();
+        let x1 = Var::from_tensor(&x0.to_device(&a).unwrap()).unwrap();
+        let y1 = (busy(x1.as_tensor()) + f64::from(round)).unwrap();
+        let w1 = busy(&w0.to_device(&a).unwrap());
+        let want = (y1 * w1).unwrap().sum_all().unwrap().backward().unwrap();
+        let (got, want) = (grads.get(&x).unwrap(), want.get(&x1).unwrap());
+        let scale = max_abs_diff(want, &want.zeros_like().unwrap());
+        let diff = max_abs_diff(got, want);
+        assert!(
+            diff <= 1e-4 * scale,
+            "round {round}: the gradient moved back differs by {diff} (scale {scale})"
+        );
+    }
+}
+
+/// The in-process backend hands ranks each other's tensors: with each rank on its own device of
+/// GPU 0, what arrives must be what the other rank's kernels computed.
+#[test]
+fn in_process_ranks_on_two_devices_of_gpu_0_gather_what_the_others_computed() {
+    if !have_gpu() {
+        return;
+    }
+    let x0 = Tensor::randn(0f32, 1.0, (512, 512), &Device::Cpu).unwrap();
+    let diffs = distributed::spawn_threads(2, |pg| {
+        let device = Device::new_cuda_with_stream(0)?;
+        let rank = pg.rank() as f64;
+        let mine = (busy(&x0.to_device(&device)?) + rank)?;
+        let all = pg.all_gather(&mine)?;
+        let from_root = pg.broadcast(&mine, 0)?;
+        // Every rank computed the same `busy(x0)`, offset by its rank.
+        let base = (&mine - rank)?;
+        let mut worst = max_abs_diff(&(&from_root - &base)?, &base.zeros_like()?);
+        for (j, t) in all.iter().enumerate() {
+            assert!(t.device().same_device(&device));
+            worst = worst.max(max_abs_diff(&(t - j as f64)?, &base));
+        }
+        Ok(worst)
+    })
+    .unwrap();
+    for (rank, diff) in diffs.iter().enumerate() {
+        assert!(
+            *diff <= 1e-4,
+            "rank {rank}: gathered tensors differ by {diff}"
+        );
     }
 }
 

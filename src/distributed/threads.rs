@@ -158,7 +158,7 @@ fn fresh(t: &Tensor, device: &Device) -> Result<Tensor> {
     let moved = if t.device().same_device(device) {
         t.copy()?
     } else {
-        t.to_device(device)?
+        crate::ordered_copy::to_device(t, device)?
     };
     Ok(moved.detach())
 }
