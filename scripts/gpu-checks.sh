@@ -37,6 +37,9 @@ run cifar_dp_2 ./cifar_dp --epochs 1 --devices 2
 run dp_throughput ./dp_throughput --devices 1,2,4 --batches 128,512 --steps 50
 # PyTorch's same Net at the same batches on the same GPU, right after.
 run torch_net_bench python3 torch_net_bench.py --batches 128,512 --steps 50
+# Where the step's time goes: phases and layers with CUDA events, ours then PyTorch's.
+run net_phases ./net_phases --batches 128,512 --steps 30
+run torch_net_phases python3 torch_net_bench.py --phases --batches 128,512 --steps 30
 # DDP on NCCL with one rank against the plain step (its overhead), beside PyTorch's.
 run ddp_throughput ./ddp_throughput --cuda
 run torch_ddp_bench python3 torch_ddp_bench.py --device cuda

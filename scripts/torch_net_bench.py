@@ -4,6 +4,11 @@ The PyTorch side of candle-parallel's dp_throughput comparison (same Net, SGD lr
 0.9, cross-entropy, same batch sizes, same GPU), so that the two can be reported side by side:
 
     python3 torch_net_bench.py --batches 128,512 --steps 50 [--device cpu]
+
+With --phases it prints instead what benches/net_phases.rs prints for candle-parallel, measured
+the same way: the median time of forward with the loss, backward, the SGD update and the step
+(CUDA events on a GPU, beside the host's time to issue the calls), then each layer alone on an
+input of the shape it sees in the Net: its forward, and the backward of sum(layer(x) * g).
 """
 import argparse
 import time
@@ -57,14 +62,134 @@ def rate(device, batch, steps, warmup):
     return steps * batch / (time.perf_counter() - start)
 
 
+class Clock:
+    """Marks on the current CUDA stream (GPU time) and on the host."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return time.perf_counter(), event
+
+    def between(self, a, b):
+        """Milliseconds from a to b: (device, host). Waits for b on a GPU."""
+        host = (b[0] - a[0]) * 1e3
+        if self.cuda:
+            b[1].synchronize()
+            return a[1].elapsed_time(b[1]), host
+        return host, host
+
+
+def median(v):
+    return sorted(v)[len(v) // 2]
+
+
+def phases(device, batch, steps, warmup=3):
+    torch.manual_seed(0)
+    net = Net().to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, 3, 32, 32, device=device)
+    y = torch.arange(batch, device=device) % 10
+    clock = Clock(device)
+    marks = []
+    for step in range(warmup + steps):
+        opt.zero_grad()
+        m0 = clock.mark()
+        loss = F.cross_entropy(net(x), y)
+        m1 = clock.mark()
+        loss.backward()
+        m2 = clock.mark()
+        opt.step()
+        m3 = clock.mark()
+        if step >= warmup:
+            marks.append((m0, m1, m2, m3))
+    columns = [([], []) for _ in range(4)]
+    for m0, m1, m2, m3 in marks:
+        for i, (a, b) in enumerate([(m0, m1), (m1, m2), (m2, m3), (m0, m3)]):
+            gpu, host = clock.between(a, b)
+            columns[i][0].append(gpu)
+            columns[i][1].append(host)
+    return [(median(g), median(h)) for g, h in columns]
+
+
+def layers(device, batch):
+    torch.manual_seed(0)
+    net = Net().to(device)
+    y = torch.arange(batch, device=device) % 10
+    b = batch
+    return [
+        ("conv1", (b, 3, 32, 32), False, net.conv1),
+        ("relu", (b, 6, 28, 28), True, F.relu),
+        ("max_pool", (b, 6, 28, 28), True, net.pool),
+        ("conv2", (b, 6, 14, 14), True, net.conv2),
+        ("relu", (b, 16, 10, 10), True, F.relu),
+        ("max_pool", (b, 16, 10, 10), True, net.pool),
+        ("fc1", (b, 400), True, net.fc1),
+        ("relu", (b, 120), True, F.relu),
+        ("fc2", (b, 120), True, net.fc2),
+        ("relu", (b, 84), True, F.relu),
+        ("fc3", (b, 84), True, net.fc3),
+        ("cross_entropy", (b, 10), True, lambda t: F.cross_entropy(t, y)),
+    ]
+
+
+def layer_times(device, shape, needs_grad, layer, reps):
+    x = torch.randn(*shape, device=device, requires_grad=needs_grad)
+    g = torch.randn_like(layer(x))
+    clock = Clock(device)
+    fwd, bwd = [], []
+    for rep in range(reps + 2):
+        m0 = clock.mark()
+        out = layer(x)
+        m1 = clock.mark()
+        objective = (out * g).sum()
+        m2 = clock.mark()
+        objective.backward()
+        m3 = clock.mark()
+        if rep >= 2:
+            fwd.append(clock.between(m0, m1)[0])
+            bwd.append(clock.between(m2, m3)[0])
+    return median(fwd), median(bwd)
+
+
+def print_phases(device, batches, steps):
+    cuda = device.type == "cuda"
+    what, host = ("GPU ms (CUDA events)", "host ms") if cuda else ("ms (wall clock)", "")
+    for b in batches:
+        where = "GPU 0" if cuda else "the CPU"
+        print(f"\nPyTorch {torch.__version__}: Net training step at batch {b} on {where}: "
+              f"median of {steps} steps")
+        print(f"{'phase':<20} {what:>22} {host:>10}")
+        names = ["forward + loss", "backward", "SGD update", "step"]
+        for name, (gpu, h) in zip(names, phases(device, b, steps)):
+            print(f"{name:<20} {gpu:>22.3f} {f'{h:.3f}' if cuda else '':>10}")
+        print(f"{'layer':<14} {'input':<18} {'forward ms':>12} {'backward ms':>12}")
+        total_f = total_b = 0.0
+        for name, shape, needs_grad, layer in layers(device, b):
+            f, bw = layer_times(device, shape, needs_grad, layer, steps)
+            total_f += f
+            total_b += bw
+            print(f"{name:<14} {str(list(shape)):<18} {f:>12.3f} {bw:>12.3f}")
+        print(f"{'sum':<14} {'':<18} {total_f:>12.3f} {total_b:>12.3f}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batches", default="128,512")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--phases", action="store_true",
+                   help="time the phases of a step and each layer, as benches/net_phases.rs")
     a = p.parse_args()
     device = torch.device(a.device)
+    if a.phases:
+        print_phases(device, [int(v) for v in a.batches.split(",")], a.steps)
+        return
     print(f"PyTorch {torch.__version__}, CIFAR-10 Net training, {device}, {a.steps} steps")
     print(f"{'batch':>6} {'images/s':>12}")
     for b in (int(v) for v in a.batches.split(",")):
