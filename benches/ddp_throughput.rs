@@ -25,9 +25,11 @@
 //! only the one-process rows, as one GPU holds one NCCL rank. `scripts/torch_ddp_bench.py`
 //! measures PyTorch on the same models and setups. Reports; asserts nothing.
 
+mod common;
+
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear, loss, Linear, ModuleT, Optimizer, VarBuilder, VarMap};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{loss, ModuleT, Optimizer, VarBuilder, VarMap};
 use candle_parallel::cifar::{Net, NetBn};
 use candle_parallel::ddp::DdpConfig;
 use candle_parallel::distributed::{ProcessGroup, ReduceOp};
@@ -35,6 +37,7 @@ use candle_parallel::init::seeded_var_builder;
 use candle_parallel::launch::{self, LaunchConfig};
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::DistributedDataParallel;
+use common::{big, big_batch};
 use std::ffi::OsString;
 use std::time::{Duration, Instant};
 
@@ -52,29 +55,6 @@ fn device() -> Result<Device> {
     } else {
         Device::Cpu
     })
-}
-
-/// An MLP of 25.2 M parameters: 1024 → 4096 → 4096 → 1024.
-struct Big {
-    layers: [Linear; 3],
-}
-
-fn big(vb: VarBuilder) -> candle_core::Result<Big> {
-    Ok(Big {
-        layers: [
-            linear(1024, 4096, vb.pp("fc1"))?,
-            linear(4096, 4096, vb.pp("fc2"))?,
-            linear(4096, 1024, vb.pp("fc3"))?,
-        ],
-    })
-}
-
-impl Module for Big {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let h = x.apply(&self.layers[0])?.relu()?;
-        let h = h.apply(&self.layers[1])?.relu()?;
-        h.apply(&self.layers[2])
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,12 +93,11 @@ impl Model {
 
     /// A batch of `n` inputs and labels, on `device`.
     fn batch(self, n: usize, device: &Device) -> Result<(Tensor, Tensor)> {
-        let (shape, classes): (Vec<usize>, u32) = match self {
-            Self::Net | Self::NetBn => (vec![n, 3, 32, 32], 10),
-            Self::Big => (vec![n, 1024], 1024),
-        };
-        let x = Tensor::randn(0f32, 1.0, shape, device)?;
-        let y = Tensor::from_vec((0..n as u32).map(|i| i % classes).collect(), n, device)?;
+        if self == Self::Big {
+            return Ok(big_batch(n, device)?);
+        }
+        let x = Tensor::randn(0f32, 1.0, (n, 3, 32, 32), device)?;
+        let y = Tensor::from_vec((0..n as u32).map(|i| i % 10).collect(), n, device)?;
         Ok((x, y))
     }
 }

@@ -43,4 +43,7 @@ run torch_net_phases python3 torch_net_bench.py --phases --batches 128,512 --ste
 # DDP on NCCL with one rank against the plain step (its overhead), beside PyTorch's.
 run ddp_throughput ./ddp_throughput --cuda
 run torch_ddp_bench python3 torch_ddp_bench.py --device cuda
+# NCCL all-reduce of 25.2 M f32 at world size 1: latency per call, and how much hides behind
+# the MLP's backward when issued before it.
+run async_overlap ./async_overlap --cuda
 echo "log: $LOG"

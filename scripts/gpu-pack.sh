@@ -44,7 +44,7 @@ for example in cifar_dp cifar_ddp; do
 done
 { list test --release; list bench; } | while read -r name exe; do
   case "$name" in
-    gpu|dp_throughput|ddp_throughput|net_phases) pack "$name" "$exe" ;;
+    gpu|dp_throughput|ddp_throughput|net_phases|async_overlap) pack "$name" "$exe" ;;
   esac
 done
 cp scripts/gpu-checks.sh scripts/torch_net_bench.py scripts/torch_ddp_bench.py .gpu/

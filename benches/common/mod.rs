@@ -1,0 +1,35 @@
+//! What several benches share: the 25.2 M-parameter MLP on which communication matters.
+
+use candle_core::{Device, Module, Tensor};
+use candle_nn::{linear, Linear, VarBuilder};
+
+/// An MLP of 25.2 M parameters: 1024 → 4096 → 4096 → 1024.
+pub struct Big {
+    layers: [Linear; 3],
+}
+
+/// Builds [`Big`] from `vb`.
+pub fn big(vb: VarBuilder) -> candle_core::Result<Big> {
+    Ok(Big {
+        layers: [
+            linear(1024, 4096, vb.pp("fc1"))?,
+            linear(4096, 4096, vb.pp("fc2"))?,
+            linear(4096, 1024, vb.pp("fc3"))?,
+        ],
+    })
+}
+
+impl Module for Big {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let h = x.apply(&self.layers[0])?.relu()?;
+        let h = h.apply(&self.layers[1])?.relu()?;
+        h.apply(&self.layers[2])
+    }
+}
+
+/// A batch of `n` random inputs for [`Big`] and labels among its 1024 classes, on `device`.
+pub fn big_batch(n: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+    let x = Tensor::randn(0f32, 1.0, (n, 1024), device)?;
+    let y = Tensor::from_vec((0..n as u32).map(|i| i % 1024).collect(), n, device)?;
+    Ok((x, y))
+}
