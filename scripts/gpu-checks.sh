@@ -22,6 +22,14 @@ run() { # name, command...: runs it, logs it, and never stops the sitting
   echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 }
 nvidia-smi 2>&1 | tee -a "$LOG"
+# cuDNN for the binaries built with our `cudnn` feature: the one in PyTorch's venv.
+for py in "${TORCH_PYTHON:-}" /opt/torch/.venv/bin/python python3; do
+  [[ -n "$py" ]] && command -v "$py" >/dev/null 2>&1 || continue
+  cudnn_lib=$("$py" -c 'import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], "lib"))' 2>/dev/null) || continue
+  export LD_LIBRARY_PATH="$cudnn_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "cuDNN: $cudnn_lib" | tee -a "$LOG"
+  break
+done
 # DataParallel over two devices on GPU 0 vs one; NCCL with one rank (blocking and async
 # collectives, new_group, DDP and SyncBatchNorm against the plain model); TCP with CUDA tensors
 # across two processes (collectives, DDP and SyncBatchNorm against one process).
@@ -39,6 +47,7 @@ run dp_throughput ./dp_throughput --devices 1,2,4 --batches 128,512 --steps 50
 run torch_net_bench python3 torch_net_bench.py --batches 128,512 --steps 50
 # Where the step's time goes: phases and layers with CUDA events, ours then PyTorch's.
 run net_phases ./net_phases --batches 128,512 --steps 30
+run net_phases_cudnn ./net_phases_cudnn --batches 128,512 --steps 30
 run torch_net_phases python3 torch_net_bench.py --phases --batches 128,512 --steps 30
 # DDP on NCCL with one rank against the plain step (its overhead), beside PyTorch's.
 run ddp_throughput ./ddp_throughput --cuda

@@ -11,8 +11,9 @@ FEATURES=cuda,nccl
 
 "$BUILD" build --release --features "$FEATURES" --examples --bins
 # Test and bench executables: cargo lists them in its JSON messages.
-list() { # `test --release` or `bench` (whose profile is always release)
-  "$BUILD" "$@" --features "$FEATURES" --no-run --message-format=json 2>/dev/null |
+list() { # features, then `test --release` or `bench` (whose profile is always release)
+  local features=$1; shift
+  "$BUILD" "$@" --features "$features" --no-run --message-format=json 2>/dev/null |
     python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -42,10 +43,17 @@ chmod +x .gpu/run-on-gpu.sh
 for example in cifar_dp cifar_ddp; do
   pack "$example" "$CARGO_TARGET_DIR/release/examples/$example"
 done
-{ list test --release; list bench; } | while read -r name exe; do
+{ list "$FEATURES" test --release; list "$FEATURES" bench; } | while read -r name exe; do
   case "$name" in
     gpu|dp_throughput|ddp_throughput|net_phases|async_overlap) pack "$name" "$exe" ;;
   esac
+done
+# net_phases again with our `cudnn` feature, linked against the cuDNN that PyTorch pins (its
+# own target folder, as the features differ). On the GPU machine cuDNN comes from PyTorch's venv.
+cudnn_lib=$(scripts/cudnn-lib.sh)
+LIBRARY_PATH="$cudnn_lib${LIBRARY_PATH:+:$LIBRARY_PATH}" CARGO_TARGET_DIR=target-cudnn \
+  list "$FEATURES,cudnn" bench --bench net_phases | while read -r name exe; do
+  pack "${name}_cudnn" "$exe"
 done
 cp scripts/gpu-checks.sh scripts/torch_net_bench.py scripts/torch_ddp_bench.py .gpu/
 du -sh .gpu
