@@ -1,11 +1,15 @@
 //! Copies between two CUDA devices, ordered on both devices' streams as PyTorch orders them.
 //!
 //! candle's `Tensor::to_device` from one CUDA device to another enqueues the copy on the
-//! destination's stream and leaves the ordering to cudarc's per-buffer events. Those do not
-//! order it: candle's kernels register the buffer they write as a *read* argument, so a
-//! kernel's output never records its write event, and a copy on another stream may start
-//! before the kernel that fills its source has run. This is what made `DataParallel` over two
-//! candle devices of one GPU compute with stale activations and gradients.
+//! destination's stream. Between two candle devices of one GPU (one CUDA context) cudarc orders
+//! it by the source buffer's write event alone, and that does not order it: candle's kernels
+//! register the buffer they write as a *read* argument, so a kernel's output never records its
+//! write event, and the copy may start before the kernel that fills its source has run. This is
+//! what made `DataParallel` over two candle devices of one GPU compute with stale activations
+//! and gradients. (Between two GPUs cudarc does make the destination wait for the source's
+//! stream.) And cudarc keeps one read event per buffer, which the source's free waits for: once
+//! its own stream reads it again (or, between GPUs, from the start), the free no longer waits
+//! for the copy, and the memory may be reused under it.
 //!
 //! `OrderedCopy` does what PyTorch's cross-device `copy_` does: the destination's stream waits
 //! for everything the source's stream has queued, the copy runs, and the source's stream waits
