@@ -44,7 +44,7 @@ pub(crate) fn to_device(t: &Tensor, device: &Device) -> Result<Tensor> {
 #[cfg(feature = "cuda")]
 struct OrderedCopy {
     /// Where the copy goes: a CUDA device other than the source's.
-    pub to: Device,
+    to: Device,
 }
 
 #[cfg(feature = "cuda")]
