@@ -4,7 +4,7 @@
 //! to a multiple of the number of replicas (or, with `drop_last`, truncates it), and takes every
 //! `num_replicas`-th index starting at its rank. Shuffling is seeded by `seed + epoch`, so call
 //! [`DistributedSampler::set_epoch`] at the start of each epoch to reshuffle. The permutation
-//! comes from this crate's own [`Rng`](crate::rng::Rng): identical on every rank and platform,
+//! comes from this crate's own [`Rng`]: identical on every rank and platform,
 //! but not the same permutation as PyTorch's.
 //!
 //! ```rust

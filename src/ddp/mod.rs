@@ -87,7 +87,7 @@ pub struct DdpConfig {
     pub buffer_names: Vec<String>,
     /// The dtype variables are created with when the `VarMap` lacks them (default f32).
     pub dtype: DType,
-    /// Make the model's [`nn::batch_norm`](crate::nn::batch_norm) layers SyncBatchNorm, over a
+    /// Make the model's [`nn::batch_norm`] layers SyncBatchNorm, over a
     /// process group of their own (torch's `convert_sync_batchnorm`; default false).
     pub sync_batch_norm: bool,
 }

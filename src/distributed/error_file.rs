@@ -3,7 +3,7 @@
 //!
 //! A launcher (`candle-run`, `launch::spawn`) gives each rank a file name in
 //! [`ERROR_FILE_VAR`]. A rank that fails writes its error there ([`record_error`]), and a rank
-//! whose process group broke because a peer was lost notes that first ([`note_loss`]), so that
+//! whose process group broke because a peer was lost notes that first (`note_loss`), so that
 //! when several ranks fail the launcher reports the one that failed first, not those that lost
 //! it. Outside a launcher both do nothing.
 

@@ -1,47 +1,5 @@
-//! `SyncBatchNorm`: batch normalisation with the batch statistics of every rank's samples
-//! (`torch.nn.SyncBatchNorm`).
-//!
-//! With data parallelism each rank sees a slice of the batch; plain BatchNorm normalises with
-//! the slice's statistics. SyncBatchNorm normalises with those of the whole batch, exactly as
-//! one process holding it would, with candle-nn's `BatchNorm` semantics and variable names:
-//!
-//! - training forward: each rank sends its per-channel count, mean and centred sum of squares
-//!   (in f32, f64 for f64 inputs) in one all-gather; every rank combines them in rank order
-//!   (Chan's parallel formula, stable where the sum of squares is not), normalises with the
-//!   global mean and (biased) variance, and updates the running statistics with them, the
-//!   variance unbiased with the global count: identical on every rank. Ranks may hold different
-//!   numbers of rows, none included (they still take part);
-//! - backward: the input gradient needs the global `sum(dy)` and `sum(dy * x_hat)` per channel,
-//!   one all-reduce; the weight and bias gradients stay local (DistributedDataParallel averages
-//!   them), as in torch;
-//! - evaluation: the running statistics, no communication at all.
-//!
-//! A rank with no rows may never reach the layer's backward (candle's autograd does not carry
-//! every gradient through empty tensors). Each training forward therefore leaves a ticket for
-//! its backward all-reduce; [`finish_backward`] sends zeros for the tickets autograd did not
-//! reach, in backward order, so that no rank waits. `DistributedDataParallel::backward` calls
-//! it; without DDP, call it after each backward.
-//!
-//! ```rust
-//! use candle_core::{DType, Device, Tensor};
-//! use candle_nn::{ModuleT, VarBuilder, VarMap};
-//! use candle_parallel::{distributed, nn};
-//! # fn main() -> candle_parallel::Result<()> {
-//! // Two ranks with 3 and 1 rows normalise with the statistics of all 4.
-//! let out = distributed::spawn_threads(2, |pg| {
-//!     let varmap = VarMap::new();
-//!     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-//!     let bn = nn::sync_batch_norm(1, 1e-5, vb, &pg)?;
-//!     let rows: &[f32] = if pg.rank() == 0 { &[1.0, 2.0, 3.0] } else { &[6.0] };
-//!     let x = Tensor::new(rows, &Device::Cpu)?.reshape(((), 1))?;
-//!     let y = bn.forward_t(&x, true)?;
-//!     nn::finish_backward(&pg)?; // no backward here: nothing pending is left behind
-//!     Ok(y.flatten_all()?.to_vec1::<f32>()?)
-//! })?;
-//! // Mean 3, variance 3.5: rank 1's 6 is (6 - 3) / sqrt(3.5).
-//! assert!((out[1][0] - 3.0 / 3.5f32.sqrt()).abs() < 1e-4);
-//! # Ok(()) }
-//! ```
+//! `SyncBatchNorm` (`torch.nn.SyncBatchNorm`): the layer, its statistics' collective and its
+//! backward. The user-facing documentation is on [`SyncBatchNorm`].
 
 use crate::distributed::{ProcessGroup, ReduceOp};
 use crate::error::Error;
@@ -112,7 +70,50 @@ pub fn finish_backward(group: &ProcessGroup) -> crate::Result<()> {
     group.extension::<BackwardTickets>().finish(group)
 }
 
-/// Batch normalisation over every rank's samples. See the [module documentation](self).
+/// `SyncBatchNorm`: batch normalisation with the batch statistics of every rank's samples
+/// (`torch.nn.SyncBatchNorm`).
+///
+/// With data parallelism each rank sees a slice of the batch; plain BatchNorm normalises with
+/// the slice's statistics. SyncBatchNorm normalises with those of the whole batch, exactly as
+/// one process holding it would, with candle-nn's `BatchNorm` semantics and variable names:
+///
+/// - training forward: each rank sends its per-channel count, mean and centred sum of squares
+///   (in f32, f64 for f64 inputs) in one all-gather; every rank combines them in rank order
+///   (Chan's parallel formula, stable where the sum of squares is not), normalises with the
+///   global mean and (biased) variance, and updates the running statistics with them, the
+///   variance unbiased with the global count: identical on every rank. Ranks may hold different
+///   numbers of rows, none included (they still take part);
+/// - backward: the input gradient needs the global `sum(dy)` and `sum(dy * x_hat)` per channel,
+///   one all-reduce; the weight and bias gradients stay local (DistributedDataParallel averages
+///   them), as in torch;
+/// - evaluation: the running statistics, no communication at all.
+///
+/// A rank with no rows may never reach the layer's backward (candle's autograd does not carry
+/// every gradient through empty tensors). Each training forward therefore leaves a ticket for
+/// its backward all-reduce; [`finish_backward`] sends zeros for the tickets autograd did not
+/// reach, in backward order, so that no rank waits. `DistributedDataParallel::backward` calls
+/// it; without DDP, call it after each backward.
+///
+/// ```rust
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{ModuleT, VarBuilder, VarMap};
+/// use candle_parallel::{distributed, nn};
+/// # fn main() -> candle_parallel::Result<()> {
+/// // Two ranks with 3 and 1 rows normalise with the statistics of all 4.
+/// let out = distributed::spawn_threads(2, |pg| {
+///     let varmap = VarMap::new();
+///     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+///     let bn = nn::sync_batch_norm(1, 1e-5, vb, &pg)?;
+///     let rows: &[f32] = if pg.rank() == 0 { &[1.0, 2.0, 3.0] } else { &[6.0] };
+///     let x = Tensor::new(rows, &Device::Cpu)?.reshape(((), 1))?;
+///     let y = bn.forward_t(&x, true)?;
+///     nn::finish_backward(&pg)?; // no backward here: nothing pending is left behind
+///     Ok(y.flatten_all()?.to_vec1::<f32>()?)
+/// })?;
+/// // Mean 3, variance 3.5: rank 1's 6 is (6 - 3) / sqrt(3.5).
+/// assert!((out[1][0] - 3.0 / 3.5f32.sqrt()).abs() < 1e-4);
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct SyncBatchNorm {
     running_mean: Var,
