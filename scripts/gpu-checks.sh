@@ -30,29 +30,34 @@ for py in "${TORCH_PYTHON:-}" /opt/torch/.venv/bin/python python3; do
   echo "cuDNN: $cudnn_lib" | tee -a "$LOG"
   break
 done
-# DataParallel over two devices on GPU 0 vs one; NCCL with one rank (blocking and async
-# collectives, new_group, DDP and SyncBatchNorm against the plain model); TCP with CUDA tensors
-# across two processes (collectives, DDP and SyncBatchNorm against one process).
+# In order of what is least proven: what has never run on a GPU first, what ran in an earlier
+# sitting last. A device call has 10 minutes; a second call runs the rest with ONLY='...'.
+#
+# DataParallel over two devices on GPU 0 vs one (and the ordered copies under it); NCCL with
+# one rank (blocking and async collectives, new_group, DDP and SyncBatchNorm against the plain
+# model); TCP with CUDA tensors across two processes (collectives, DDP and SyncBatchNorm
+# against one process).
 run gpu_tests ./gpu --test-threads=1 --nocapture
-# DDP on NCCL (one rank), plain and with BatchNorm; two ranks sharing the GPU over TCP.
-run cifar_ddp_1 ./cifar_ddp --epochs 1
-run cifar_ddp_bn ./cifar_ddp --epochs 1 --batch-norm
-run cifar_ddp_2_tcp env CANDLE_PARALLEL_BACKEND=tcp ./cifar_ddp --epochs 1 --nproc 2 --batch-size 64
-# One epoch of CIFAR-10 (synthetic) on 1 and on 2 devices of GPU 0.
-run cifar_dp_1 ./cifar_dp --epochs 1 --devices 1
+# One epoch of CIFAR-10 (synthetic) on 2 and on 1 devices of GPU 0.
 run cifar_dp_2 ./cifar_dp --epochs 1 --devices 2
+run cifar_dp_1 ./cifar_dp --epochs 1 --devices 1
+# Where the step's time goes: phases and layers with CUDA events, ours (with and without
+# cuDNN) then PyTorch's.
+run net_phases ./net_phases --batches 128,512 --steps 30
+run net_phases_cudnn ./net_phases_cudnn --batches 128,512 --steps 30
+run torch_net_phases python3 torch_net_bench.py --phases --batches 128,512 --steps 30
+# NCCL all-reduce of 25.2 M f32 at world size 1: latency per call, and how much hides behind
+# the MLP's backward when issued before it.
+run async_overlap ./async_overlap --cuda
 # Throughput table: 1, 2, 4 devices on GPU 0, batch 128 and 512.
 run dp_throughput ./dp_throughput --devices 1,2,4 --batches 128,512 --steps 50
 # PyTorch's same Net at the same batches on the same GPU, right after.
 run torch_net_bench python3 torch_net_bench.py --batches 128,512 --steps 50
-# Where the step's time goes: phases and layers with CUDA events, ours then PyTorch's.
-run net_phases ./net_phases --batches 128,512 --steps 30
-run net_phases_cudnn ./net_phases_cudnn --batches 128,512 --steps 30
-run torch_net_phases python3 torch_net_bench.py --phases --batches 128,512 --steps 30
+# DDP on NCCL (one rank), plain and with BatchNorm; two ranks sharing the GPU over TCP.
+run cifar_ddp_1 ./cifar_ddp --epochs 1
+run cifar_ddp_bn ./cifar_ddp --epochs 1 --batch-norm
+run cifar_ddp_2_tcp env CANDLE_PARALLEL_BACKEND=tcp ./cifar_ddp --epochs 1 --nproc 2 --batch-size 64
 # DDP on NCCL with one rank against the plain step (its overhead), beside PyTorch's.
 run ddp_throughput ./ddp_throughput --cuda
 run torch_ddp_bench python3 torch_ddp_bench.py --device cuda
-# NCCL all-reduce of 25.2 M f32 at world size 1: latency per call, and how much hides behind
-# the MLP's backward when issued before it.
-run async_overlap ./async_overlap --cuda
 echo "log: $LOG"
