@@ -13,7 +13,7 @@ use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::rng::Rng;
 use candle_parallel::{DistributedDataParallel, Error};
-use common::{is_child, join_child, Ranks, DONE};
+use common::{is_child, join_child, max_abs_diff, Ranks, DONE};
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -358,10 +358,7 @@ fn three_micro_batches_under_no_sync_equal_one_triple_batch() {
         let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
         let whole = model.backward(&l)?;
         for var in model.parameters() {
-            let d = (accumulated.get(&var).unwrap() - whole.get(&var).unwrap())?
-                .abs()?
-                .max_all()?
-                .to_scalar::<f32>()?;
+            let d = max_abs_diff(accumulated.get(&var).unwrap(), whole.get(&var).unwrap());
             assert!(d < 1e-6, "{d}");
         }
         Ok(())

@@ -151,14 +151,7 @@ fn a_cifar_dp_checkpoint_loads_into_a_plain_net_with_the_same_predictions() {
     let dp = DataParallel::new(&varmap, vec![Device::Cpu; 3], Net::new).unwrap();
     varmap.load(&path).unwrap();
     let dp_logits = dp.forward_t(&x, false).unwrap();
-    let diff = (dp_logits - &logits)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = common::max_abs_diff(&dp_logits, &logits);
     assert!(diff <= 1e-6, "logits differ by {diff}");
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -12,7 +12,7 @@ use candle_parallel::distributed::{Backend, InitOptions, ProcessGroup, ReduceOp,
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::{comm, distributed, DataParallel, Error};
-use common::{is_child, max_abs_diff, solo_rendezvous, Ranks, DONE};
+use common::{is_child, max_abs, max_abs_diff, solo_rendezvous, Ranks, DONE};
 use std::time::Duration;
 
 fn have_gpu() -> bool {
@@ -116,7 +116,7 @@ fn copies_between_two_devices_of_gpu_0_wait_for_the_kernels_that_fill_them() {
         let w1 = busy(&w0.to_device(&a).unwrap());
         let want = (y1 * w1).unwrap().sum_all().unwrap().backward().unwrap();
         let (got, want) = (grads.get(&x).unwrap(), want.get(&x1).unwrap());
-        let scale = max_abs_diff(want, &want.zeros_like().unwrap());
+        let scale = max_abs(want);
         let diff = max_abs_diff(got, want);
         assert!(
             diff <= 1e-4 * scale,
@@ -141,7 +141,7 @@ fn in_process_ranks_on_two_devices_of_gpu_0_gather_what_the_others_computed() {
         let from_root = pg.broadcast(&mine, 0)?;
         // Every rank computed the same `busy(x0)`, offset by its rank.
         let base = (&mine - rank)?;
-        let mut worst = max_abs_diff(&(&from_root - &base)?, &base.zeros_like()?);
+        let mut worst = max_abs_diff(&from_root, &base);
         for (j, t) in all.iter().enumerate() {
             assert!(t.device().same_device(&device));
             worst = worst.max(max_abs_diff(&(t - j as f64)?, &base));
@@ -465,13 +465,7 @@ fn the_nets_loss_and_gradients_on_the_gpu_equal_those_of_our_cpu_kernels() {
     assert!(max_abs_diff(&cpu_loss, &gpu_loss) <= 1e-4);
     assert_eq!(cpu_grads.len(), 10);
     for ((name, c), (_, g)) in cpu_grads.iter().zip(&gpu_grads) {
-        let scale = c
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let scale = max_abs(c);
         let d = max_abs_diff(c, g);
         assert!(
             d <= 1e-4 * scale.max(1.0),

@@ -1,9 +1,12 @@
 //! Our CPU convolution and max-pooling against candle's, with their gradients.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Conv2dConfig;
 use candle_parallel::nn;
 use candle_parallel::rng::Rng;
+use common::{as_f64, max_abs, max_abs_diff};
 use std::sync::{Mutex, MutexGuard};
 
 /// Held by every test: one of them switches our kernels off for the whole process.
@@ -22,22 +25,7 @@ fn random(shape: &[usize], seed: u64) -> Tensor {
 /// The largest difference relative to the largest magnitude (at least 1).
 fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims());
-    let d = (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    let m = b
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    d / m.max(1.0)
+    max_abs_diff(a, b) / max_abs(b).max(1.0)
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -90,15 +78,7 @@ const CASES: [Case; 8] = [
 /// The convolution by loops, in f64: the output, and the input and weight gradients of
 /// `sum(weights * output)`.
 fn naive_conv(x: &Tensor, w: &Tensor, c: &Case, weights: &Tensor) -> (Tensor, Tensor, Tensor) {
-    let v = |t: &Tensor| -> Vec<f64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
-    let (xv, wv, gv) = (v(x), v(w), v(weights));
+    let (xv, wv, gv) = (as_f64(x), as_f64(w), as_f64(weights));
     let (cig, cog) = (c.c_in / c.groups, c.c_out / c.groups);
     let span = |k: usize| c.dilation * (k - 1) + 1;
     let ho = (c.h + 2 * c.padding - span(c.k)) / c.stride + 1;

@@ -11,7 +11,7 @@ use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::rng::Rng;
 use candle_parallel::{checkpoint, nn, DistributedDataParallel};
-use common::{is_child, join_child, Ranks, DONE};
+use common::{is_child, join_child, max_abs, Ranks, DONE};
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -139,13 +139,7 @@ fn parity(pg: &ProcessGroup, rows: &[usize], spatial: bool, dtype: DType, tol: f
             let want = g_ref.get(want_t).unwrap();
             // Sums of many products (in bf16, rounded at every step): compare relative to
             // their size, with twice the tolerance.
-            let scale = want
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let scale = max_abs(want);
             let d = max_diff(&summed, want);
             assert!(
                 d <= 2.0 * tol * scale.max(1.0),

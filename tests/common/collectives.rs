@@ -1,6 +1,7 @@
 //! Checks every collective of a process group against values computed locally. Used by the
 //! multi-process (TCP) and the in-process tests, so both backends meet one standard.
 
+use super::as_f64;
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::distributed::{ProcessGroup, ReduceOp};
 
@@ -43,15 +44,6 @@ fn reduce(world: usize, len: usize, op: ReduceOp) -> Vec<f64> {
             }
         })
         .collect()
-}
-
-fn as_f64(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 fn assert_close(got: &Tensor, want: &[f64], tol: f64, what: &str) {

@@ -84,11 +84,9 @@ pub fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
-/// The largest absolute difference between two tensors of one shape (on any device).
-pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
-    let cpu = candle_core::Device::Cpu;
-    let (a, b) = (a.to_device(&cpu).unwrap(), b.to_device(&cpu).unwrap());
-    (a - b)
+/// The largest absolute value of a tensor (on any device, of any float dtype), as f32.
+pub fn max_abs(t: &candle_core::Tensor) -> f32 {
+    t.to_device(&candle_core::Device::Cpu)
         .unwrap()
         .abs()
         .unwrap()
@@ -99,6 +97,23 @@ pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
         .to_dtype(candle_core::DType::F32)
         .unwrap()
         .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// The largest absolute difference between two tensors of one shape (on any device).
+pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
+    let cpu = candle_core::Device::Cpu;
+    let (a, b) = (a.to_device(&cpu).unwrap(), b.to_device(&cpu).unwrap());
+    max_abs(&(a - b).unwrap())
+}
+
+/// A tensor's values as f64, flattened.
+pub fn as_f64(t: &candle_core::Tensor) -> Vec<f64> {
+    t.to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
         .unwrap()
 }
 
