@@ -42,6 +42,18 @@ struct Case {
     groups: usize,
 }
 
+impl Case {
+    fn config(&self) -> Conv2dConfig {
+        Conv2dConfig {
+            padding: self.padding,
+            stride: self.stride,
+            dilation: self.dilation,
+            groups: self.groups,
+            ..Default::default()
+        }
+    }
+}
+
 const fn case(
     n: usize,
     c_in: usize,
@@ -138,13 +150,7 @@ fn conv2d_matches_candle_and_a_direct_computation_with_its_gradients() {
             100 + i as u64,
         ))
         .unwrap();
-        let cfg = Conv2dConfig {
-            padding: c.padding,
-            stride: c.stride,
-            dilation: c.dilation,
-            groups: c.groups,
-            ..Default::default()
-        };
+        let cfg = c.config();
         let ours = nn::conv2d_forward(x.as_tensor(), w.as_tensor(), &cfg).unwrap();
         let candle = x
             .as_tensor()
@@ -183,10 +189,7 @@ fn conv2d_matches_candle_and_a_direct_computation_with_its_gradients() {
 fn the_input_gradient_is_computed_exactly_when_something_needs_it() {
     let _serial = kernels_lock();
     let c = CASES[2];
-    let cfg = Conv2dConfig {
-        padding: c.padding,
-        ..Default::default()
-    };
+    let cfg = c.config();
     let images = random(&[c.n, c.c_in, c.h, c.w], 1);
     let w = Var::from_tensor(&random(&[c.c_out, c.c_in, c.k, c.k], 2)).unwrap();
     let weights = random(&[c.n, c.c_out, c.h, c.w], 3);
@@ -325,13 +328,7 @@ fn the_conv2d_layer_matches_candle_nn_with_the_same_variables_and_bias_gradient(
     use candle_core::Module;
     use candle_nn::{VarBuilder, VarMap};
     for (i, c) in [CASES[0], CASES[3], CASES[6]].iter().enumerate() {
-        let cfg = Conv2dConfig {
-            padding: c.padding,
-            stride: c.stride,
-            dilation: c.dilation,
-            groups: c.groups,
-            ..Default::default()
-        };
+        let cfg = c.config();
         let varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
         let ours = nn::conv2d(c.c_in, c.c_out, c.k, cfg, vb.pp("conv")).unwrap();
