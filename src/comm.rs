@@ -151,16 +151,16 @@ pub fn reduce_add(ts: &[Tensor], device: &Device) -> Result<Tensor> {
 }
 
 /// Moves `t` to `device`, differentiably. On the same device this is `t` itself. Across devices,
-/// a view is compacted first (always when `is_view`) so that only its own elements travel.
+/// a view is compacted first (always when `is_view`, whose storage may be larger than it even
+/// where it looks compact) so that only its own elements travel.
 pub(crate) fn move_to(t: &Tensor, device: &Device, is_view: bool) -> Result<Tensor> {
     if t.device().same_device(device) {
         return Ok(t.clone());
     }
-    let compact = !is_view && t.is_contiguous() && t.layout().start_offset() == 0;
-    let t = if compact {
-        t.clone()
-    } else {
+    let t = if is_view {
         t.force_contiguous()?
+    } else {
+        t.clone()
     };
     Ok(crate::ordered_copy::to_device(&t, device)?)
 }

@@ -20,21 +20,21 @@
 use candle_core::{CpuStorage, CudaStorage, Layout, Shape};
 use candle_core::{Device, Result, Tensor};
 
-/// `t` on `device`, differentiably: `t` itself on its own device, an `OrderedCopy` between two
-/// CUDA devices, and candle's `to_device` otherwise (copies through the host, which wait for
-/// the source's stream).
+/// `t` on `device`, differentiably: `t` itself on its own device; across devices, a view is
+/// made compact first (candle would move its whole storage), then moved by an `OrderedCopy`
+/// between two CUDA devices and by candle's `to_device` otherwise (copies through the host,
+/// which wait for the source's stream).
 pub(crate) fn to_device(t: &Tensor, device: &Device) -> Result<Tensor> {
     if t.device().same_device(device) {
         return Ok(t.clone());
     }
+    let t = if t.is_contiguous() && t.layout().start_offset() == 0 {
+        t.clone()
+    } else {
+        t.force_contiguous()?
+    };
     #[cfg(feature = "cuda")]
     if t.device().is_cuda() && device.is_cuda() {
-        let compact = t.is_contiguous() && t.layout().start_offset() == 0;
-        let t = if compact {
-            t.clone()
-        } else {
-            t.force_contiguous()?
-        };
         return t.apply_op1(OrderedCopy { to: device.clone() });
     }
     t.to_device(device)
