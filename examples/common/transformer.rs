@@ -1,0 +1,341 @@
+//! A small decoder-only transformer (GPT-style, pre-norm) and the task it learns: sorting a
+//! sequence of digits. Shared by `examples/transformer_ddp.rs` and `benches/ddp_throughput.rs`;
+//! `scripts/torch_transformer_bench.py` is the same model in PyTorch, with the same variable
+//! names, so weights and gradients compare name by name.
+//!
+//! The model is made of candle-nn's `Embedding` and `Linear` and of candle-parallel's layers
+//! with a backward (`nn::LayerNorm`, `nn::ops::softmax_last_dim`): candle-nn's own fused
+//! layer norm and softmax have no backward in candle 0.11, and every parameter upstream of them
+//! would train as if frozen.
+
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{embedding, linear, Embedding, Linear, VarBuilder};
+use candle_parallel::rng::Rng;
+
+// TEMPORARY: until candle_parallel::nn's layers with a backward land, the same paths mapped to
+// candle-nn's differentiable references.
+mod pnn {
+    use candle_core::{Module, Result, Tensor, D};
+    use candle_nn::VarBuilder;
+    pub struct LayerNorm {
+        weight: Tensor,
+        bias: Tensor,
+        eps: f32,
+    }
+    pub fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
+        Ok(LayerNorm {
+            weight: vb.get_with_hints(size, "weight", candle_nn::Init::Const(1.))?,
+            bias: vb.get_with_hints(size, "bias", candle_nn::Init::Const(0.))?,
+            eps: eps as f32,
+        })
+    }
+    impl Module for LayerNorm {
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, self.eps)
+        }
+    }
+    pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+        candle_nn::ops::softmax(x, D::Minus1)
+    }
+}
+use pnn::{layer_norm, softmax_last_dim, LayerNorm};
+
+/// torch's `nn.LayerNorm` default.
+const LN_EPS: f64 = 1e-5;
+
+/// The shape of a [`Transformer`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Tokens in the vocabulary.
+    pub vocab: usize,
+    /// The longest sequence (rows of the position embedding).
+    pub max_len: usize,
+    /// Width of the residual stream.
+    pub dim: usize,
+    /// Attention heads per block; `dim` must be a multiple.
+    pub heads: usize,
+    /// Blocks.
+    pub layers: usize,
+}
+
+impl Config {
+    /// Checks the shape, with a message naming the flag at fault.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if self.dim == 0 || self.heads == 0 || self.layers == 0 {
+            return Err(format!(
+                "--dim {}, --heads {} and --layers {} must all be at least 1",
+                self.dim, self.heads, self.layers
+            ));
+        }
+        if self.dim % self.heads != 0 {
+            return Err(format!(
+                "--dim {} is not a multiple of --heads {}: each head takes dim / heads channels",
+                self.dim, self.heads
+            ));
+        }
+        Ok(())
+    }
+
+    /// The number of trainable parameters.
+    pub fn parameters(&self) -> usize {
+        let (d, v) = (self.dim, self.vocab);
+        let block =
+            2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+        v * d + self.max_len * d + self.layers * block + 2 * d + d * v + v
+    }
+}
+
+/// Causal multi-head self-attention: one projection to queries, keys and values, one out.
+struct Attention {
+    qkv: Linear,
+    proj: Linear,
+    heads: usize,
+}
+
+impl Attention {
+    fn new(dim: usize, heads: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            qkv: linear(dim, 3 * dim, vb.pp("qkv"))?,
+            proj: linear(dim, dim, vb.pp("proj"))?,
+            heads,
+        })
+    }
+
+    /// `x` is (batch, time, dim); `mask` (time, time) holds 0 where a position may look and
+    /// -inf where it may not (the future).
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let hd = d / self.heads;
+        // (b, t, 3, heads, hd) -> three of (b, heads, t, hd)
+        let qkv = x
+            .apply(&self.qkv)?
+            .reshape((b, t, 3, self.heads, hd))?
+            .permute((2, 0, 3, 1, 4))?;
+        let q = qkv.get(0)?.contiguous()?;
+        let k = qkv.get(1)?.contiguous()?;
+        let v = qkv.get(2)?.contiguous()?;
+        let scores = (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
+        let att = softmax_last_dim(&scores.broadcast_add(mask)?)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        y.apply(&self.proj)
+    }
+}
+
+/// A pre-norm block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`, the MLP 4 times wider with
+/// an exact (erf) GELU, as torch's `F.gelu`.
+struct Block {
+    ln1: LayerNorm,
+    attn: Attention,
+    ln2: LayerNorm,
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Block {
+    fn new(dim: usize, heads: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            ln1: layer_norm(dim, LN_EPS, vb.pp("ln1"))?,
+            attn: Attention::new(dim, heads, vb.pp("attn"))?,
+            ln2: layer_norm(dim, LN_EPS, vb.pp("ln2"))?,
+            fc1: linear(dim, 4 * dim, vb.pp("mlp.fc1"))?,
+            fc2: linear(4 * dim, dim, vb.pp("mlp.fc2"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let x = (x + self.attn.forward(&x.apply(&self.ln1)?, mask)?)?;
+        let h = x.apply(&self.ln2)?.apply(&self.fc1)?.gelu_erf()?;
+        x + h.apply(&self.fc2)?
+    }
+}
+
+/// A decoder-only transformer: token and learned position embeddings, pre-norm blocks, a final
+/// layer norm and a linear head. Its forward takes token ids (batch, time) as u32 and gives
+/// logits (batch, time, vocab); position `i` sees tokens `0..=i` only.
+pub struct Transformer {
+    tok_emb: Embedding,
+    pos_emb: Embedding,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    head: Linear,
+    max_len: usize,
+}
+
+impl Transformer {
+    /// Builds the model from `vb`: variables `tok_emb.weight`, `pos_emb.weight`,
+    /// `h.{i}.{ln1,attn.qkv,attn.proj,ln2,mlp.fc1,mlp.fc2}.{weight,bias}`, `ln_f.*`, `head.*`.
+    pub fn new(config: Config, vb: VarBuilder) -> Result<Self> {
+        config.check().map_err(candle_core::Error::msg)?;
+        let blocks = (0..config.layers)
+            .map(|i| Block::new(config.dim, config.heads, vb.pp(format!("h.{i}"))))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            tok_emb: embedding(config.vocab, config.dim, vb.pp("tok_emb"))?,
+            pos_emb: embedding(config.max_len, config.dim, vb.pp("pos_emb"))?,
+            blocks,
+            ln_f: layer_norm(config.dim, LN_EPS, vb.pp("ln_f"))?,
+            head: linear(config.dim, config.vocab, vb.pp("head"))?,
+            max_len: config.max_len,
+        })
+    }
+}
+
+/// (t, t): 0 on and below the diagonal, -inf above.
+fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(mask, (t, t), device)
+}
+
+impl Module for Transformer {
+    fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (_, t) = tokens.dims2()?;
+        if t > self.max_len {
+            candle_core::bail!(
+                "a sequence of {t} tokens is longer than the model's {} positions",
+                self.max_len
+            );
+        }
+        let positions = Tensor::arange(0u32, t as u32, tokens.device())?;
+        let mut x = tokens
+            .apply(&self.tok_emb)?
+            .broadcast_add(&positions.apply(&self.pos_emb)?)?;
+        let mask = causal_mask(t, tokens.device())?;
+        for block in &self.blocks {
+            x = block.forward(&x, &mask)?;
+        }
+        x.apply(&self.ln_f)?.apply(&self.head)
+    }
+}
+
+/// The task: given `len` digits and a separator, write the digits in ascending order.
+///
+/// A sample is `x_1 .. x_len SEP y_1 .. y_len` (2 len + 1 tokens). The model reads its first
+/// 2 len tokens and is trained on the next-token predictions at positions `len .. 2 len`: the
+/// separator predicts `y_1`, `y_1` predicts `y_2`, and so on. The answer is exact: accuracy is
+/// the share of held-out samples whose whole sorted sequence is right.
+#[derive(Clone, Debug)]
+pub struct SortTask {
+    /// Digits per sample.
+    pub len: usize,
+    /// `n` samples of `2 len + 1` tokens, row after row.
+    pub tokens: Vec<u32>,
+}
+
+/// The digits 0..=9 and the separator.
+pub const VOCAB: usize = 11;
+const SEP: u32 = 10;
+
+impl SortTask {
+    /// `train` training and `test` held-out samples of `len` digits, from `seed`. No held-out
+    /// sample occurs in the training set.
+    pub fn generate(len: usize, train: usize, test: usize, seed: u64) -> (Self, Self) {
+        let mut rng = Rng::new(seed);
+        let sample = |rng: &mut Rng| -> Vec<u32> {
+            let x: Vec<u32> = (0..len).map(|_| rng.below(10) as u32).collect();
+            let mut y = x.clone();
+            y.sort_unstable();
+            x.into_iter().chain([SEP]).chain(y).collect()
+        };
+        let mut seen = std::collections::HashSet::new();
+        let mut test_tokens = Vec::with_capacity(test * (2 * len + 1));
+        for _ in 0..test {
+            let s = sample(&mut rng);
+            seen.insert(s.clone());
+            test_tokens.extend(s);
+        }
+        let mut train_tokens = Vec::with_capacity(train * (2 * len + 1));
+        let mut n = 0;
+        while n < train {
+            let s = sample(&mut rng);
+            if !seen.contains(&s) {
+                train_tokens.extend(s);
+                n += 1;
+            }
+        }
+        (
+            Self {
+                len,
+                tokens: train_tokens,
+            },
+            Self {
+                len,
+                tokens: test_tokens,
+            },
+        )
+    }
+
+    /// The number of samples.
+    pub fn size(&self) -> usize {
+        self.tokens.len() / (2 * self.len + 1)
+    }
+
+    /// The positions the model reads: `2 len`.
+    pub fn context(&self) -> usize {
+        2 * self.len
+    }
+
+    /// The samples at `indices`: the model's inputs (n, 2 len) and the answers (n, len).
+    pub fn batch(&self, indices: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
+        let row = 2 * self.len + 1;
+        let (mut inputs, mut answers) = (Vec::new(), Vec::new());
+        for &i in indices {
+            let s = &self.tokens[i * row..(i + 1) * row];
+            inputs.extend_from_slice(&s[..row - 1]);
+            answers.extend_from_slice(&s[self.len + 1..]);
+        }
+        let n = indices.len();
+        Ok((
+            Tensor::from_vec(inputs, (n, row - 1), device)?,
+            Tensor::from_vec(answers, (n, self.len), device)?,
+        ))
+    }
+
+    /// The mean cross-entropy of the answer positions of `logits` (n, 2 len, vocab) against
+    /// `answers` (n, len).
+    pub fn loss(&self, logits: &Tensor, answers: &Tensor) -> Result<Tensor> {
+        let (n, _, vocab) = logits.dims3()?;
+        let logits = logits
+            .narrow(1, self.len, self.len)?
+            .reshape((n * self.len, vocab))?;
+        candle_nn::loss::cross_entropy(&logits, &answers.flatten_all()?)
+    }
+
+    /// Greedy decoding of the answers of `inputs` (n, 2 len), whose answer positions are
+    /// ignored: the model writes each digit after the separator from the ones it wrote before.
+    /// Returns how many samples it got entirely right against `answers`.
+    pub fn exact_matches(
+        &self,
+        model: &impl Module,
+        inputs: &Tensor,
+        answers: &Tensor,
+    ) -> Result<usize> {
+        let len = self.len;
+        let n = inputs.dim(0)?;
+        // The prompt, then the model's own digits as they come.
+        let mut tokens = inputs.narrow(1, 0, len + 1)?;
+        let mut written = Vec::with_capacity(len);
+        for _ in 0..len {
+            let logits = model.forward(&tokens)?;
+            let next = logits
+                .get_on_dim(1, tokens.dim(1)? - 1)?
+                .argmax(D::Minus1)?;
+            let next = next.to_dtype(DType::U32)?.reshape((n, 1))?;
+            written.push(next.clone());
+            tokens = Tensor::cat(&[&tokens, &next], 1)?;
+        }
+        let written = Tensor::cat(&written, 1)?;
+        let wrong = written.ne(answers)?.to_dtype(DType::U32)?.sum(1)?;
+        let right = wrong.eq(0u32)?.to_dtype(DType::U32)?.sum_all()?;
+        Ok(right.to_scalar::<u32>()? as usize)
+    }
+}

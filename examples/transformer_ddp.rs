@@ -1,0 +1,423 @@
+//! Trains a small decoder-only transformer to sort digits, with DistributedDataParallel: one
+//! process per device.
+//!
+//!     cargo run --release --example transformer_ddp                     # one process
+//!     cargo run --release --example transformer_ddp -- --nproc 2         # spawns 2 CPU ranks
+//!     candle-run --nproc-per-node 2 target/release/examples/transformer_ddp   # or torchrun, srun
+//!     cargo run --release --example transformer_ddp --features cuda,nccl -- --nproc 8
+//!
+//! The task is embedded: each sample is 8 random digits, a separator, and the same digits in
+//! ascending order (`examples/common/transformer.rs`); the training and held-out sets come from
+//! `--seed` and share no sample. The model reads the digits and learns to write the sorted
+//! ones; after each epoch rank 0 prints the mean training loss over the epoch (all ranks) and
+//! the exact-match accuracy on the held-out set, by greedy decoding: the model writes all 8
+//! digits from its own previous ones, and a sample counts only if all 8 are right.
+//!
+//! Training follows torch's DDP conventions: `--batch-size` is per rank, each rank trains on its
+//! `DistributedSampler` share (reshuffled every epoch), `--accumulate K` sums K micro-batches
+//! under `no_sync` before one all-reduce and one step. The optimizer is candle-nn's AdamW with a
+//! linear warm-up and a cosine decay of the learning rate, per step. One process and N processes
+//! with the same global batch (`--batch-size` times N times K) take the same steps and print the
+//! same losses, to float noise.
+//!
+//! For `scripts/torch_transformer_bench.py`: `--dump-step FILE` writes the initial weights, one
+//! batch, its loss and every gradient, and exits; `--time-steps N` times N training steps.
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_parallel::ddp::{Compression, DdpConfig};
+use candle_parallel::devices::gpu_count;
+use candle_parallel::distributed::{ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::init::seeded_var_builder;
+use candle_parallel::launch::{self, LaunchConfig};
+use candle_parallel::sampler::{DistributedSampler, SamplerOptions};
+use candle_parallel::{checkpoint, DistributedDataParallel};
+use clap::{Parser, ValueEnum};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[path = "common/transformer.rs"]
+mod transformer;
+
+use transformer::{Config, SortTask, Transformer, VOCAB};
+
+/// Train a small transformer to sort digits, with DistributedDataParallel.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    /// Width of the residual stream.
+    #[arg(long, default_value_t = 64)]
+    dim: usize,
+    /// Attention heads (a divisor of --dim).
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Digits to sort per sample.
+    #[arg(long, default_value_t = 8)]
+    digits: usize,
+    /// Passes over the training set.
+    #[arg(long, default_value_t = 2)]
+    epochs: usize,
+    /// Samples per micro-batch on each rank (torch's convention: the global batch is this times
+    /// the number of processes times --accumulate).
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Micro-batches whose gradients are summed (under `no_sync`) before each optimizer step.
+    #[arg(long, default_value_t = 1)]
+    accumulate: usize,
+    /// Peak learning rate of AdamW.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// AdamW's weight decay.
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Share of the optimizer steps spent warming the learning rate up linearly; a cosine decay
+    /// to a tenth of --lr follows.
+    #[arg(long, default_value_t = 0.05)]
+    warmup: f64,
+    /// Training samples.
+    #[arg(long, default_value_t = 16_384)]
+    train_size: usize,
+    /// Held-out samples.
+    #[arg(long, default_value_t = 1_000)]
+    test_size: usize,
+    /// Seed of the data, the initial weights and the shuffling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// How gradients travel between processes.
+    #[arg(long, value_enum, default_value_t = Compress::None)]
+    compression: Compress,
+    /// Processes to spawn when not started by candle-run, torchrun or srun (then this process
+    /// is one rank of the job they started).
+    #[arg(long, default_value_t = 1)]
+    nproc: usize,
+    /// Train on the CPU even when GPUs are available.
+    #[arg(long)]
+    cpu: bool,
+    /// Save the trained weights here (safetensors, plain variable names; rank 0).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Write the initial weights (`param.NAME`), the first batch (`tokens`, `answers`), its loss
+    /// (`loss`) and every gradient (`grad.NAME`) to this safetensors file, and exit (one
+    /// process only). `scripts/torch_transformer_bench.py --parity FILE` checks them.
+    #[arg(long)]
+    dump_step: Option<PathBuf>,
+    /// Time this many training steps on one batch (one process, no DDP), print the tokens/s,
+    /// and exit.
+    #[arg(long)]
+    time_steps: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Compress {
+    None,
+    Bf16,
+    F16,
+}
+
+const EVAL_BATCH: usize = 500;
+
+fn main() -> Result<()> {
+    // Freed tensor memory stays for the next step (see candle_parallel::memory).
+    candle_parallel::memory::keep_freed_memory();
+    let args = Args::parse();
+    anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
+    anyhow::ensure!(args.accumulate > 0, "--accumulate must be at least 1");
+    anyhow::ensure!(args.nproc > 0, "--nproc must be at least 1");
+    anyhow::ensure!(args.digits > 0, "--digits must be at least 1");
+    anyhow::ensure!(args.test_size > 0, "--test-size must be at least 1");
+    anyhow::ensure!(
+        (0.0..1.0).contains(&args.warmup),
+        "--warmup {} is a share of the steps: at least 0, below 1",
+        args.warmup
+    );
+    args.config().check().map_err(anyhow::Error::msg)?;
+    // Rank 0 alone prints, so the ranks' lines need no prefix.
+    let config = LaunchConfig {
+        nproc_per_node: args.nproc,
+        prefix_output: false,
+        ..LaunchConfig::default()
+    };
+    launch::spawn_with(&config, |_rank| rank_main(&args))?;
+    Ok(())
+}
+
+impl Args {
+    fn config(&self) -> Config {
+        Config {
+            vocab: VOCAB,
+            max_len: 2 * self.digits,
+            dim: self.dim,
+            heads: self.heads,
+            layers: self.layers,
+        }
+    }
+
+    fn compression(&self) -> Compression {
+        match self.compression {
+            Compress::None => Compression::None,
+            Compress::Bf16 => Compression::Bf16,
+            Compress::F16 => Compression::F16,
+        }
+    }
+
+    fn adamw(&self) -> ParamsAdamW {
+        ParamsAdamW {
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            ..ParamsAdamW::default()
+        }
+    }
+}
+
+/// This rank's device: its GPU (`LOCAL_RANK`) when there are GPUs, else the CPU.
+fn device(args: &Args) -> Result<Device> {
+    let gpus = if args.cpu { 0 } else { gpu_count() };
+    if gpus == 0 {
+        return Ok(Device::Cpu);
+    }
+    let local = Rendezvous::from_env()?.local_rank;
+    Ok(Device::new_cuda_with_stream(local % gpus)?)
+}
+
+/// Linear warm-up over `warm` steps to `peak`, then a cosine decay to a tenth of it at step
+/// `total` (steps count from 1).
+fn learning_rate(peak: f64, step: usize, warm: usize, total: usize) -> f64 {
+    if step <= warm {
+        return peak * step as f64 / warm as f64;
+    }
+    let progress = (step - warm) as f64 / (total - warm).max(1) as f64;
+    let min = 0.1 * peak;
+    min + (peak - min) * 0.5 * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos())
+}
+
+fn rank_main(args: &Args) -> Result<()> {
+    let device = device(args)?;
+    let pg = ProcessGroup::from_env(&device)?;
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let (train, test) = SortTask::generate(args.digits, args.train_size, args.test_size, args.seed);
+    let config = args.config();
+    if let Some(steps) = args.time_steps {
+        anyhow::ensure!(
+            world == 1,
+            "--time-steps measures one process: drop --nproc"
+        );
+        return time_steps(args, &train, steps, &device);
+    }
+    if rank == 0 {
+        if world > 1 {
+            println!("Let's use {world} processes!");
+        }
+        println!(
+            "Transformer: {} layers, dim {}, {} heads, {} parameters; sorting {} digits, {} \
+             training and {} held-out samples; global batch {}",
+            args.layers,
+            args.dim,
+            args.heads,
+            config.parameters(),
+            args.digits,
+            train.size(),
+            test.size(),
+            args.batch_size * world * args.accumulate
+        );
+    }
+    let varmap = VarMap::new();
+    let build = move |vb: VarBuilder| Transformer::new(config, vb);
+    // Seeded initial weights; DDP makes every rank take rank 0's anyway.
+    build(seeded_var_builder(&varmap, args.seed, DType::F32, &device))?;
+    let ddp_config = DdpConfig {
+        compression: args.compression(),
+        ..DdpConfig::default()
+    };
+    let model = DistributedDataParallel::with_config(&varmap, &pg, &device, ddp_config, build)?;
+    let mut opt = AdamW::new(model.parameters(), args.adamw())?;
+    let options = SamplerOptions {
+        seed: args.seed,
+        ..SamplerOptions::default()
+    };
+    let mut sampler = DistributedSampler::for_group(train.size(), &pg, options)?;
+    if let Some(path) = &args.dump_step {
+        anyhow::ensure!(
+            world == 1,
+            "--dump-step writes one process's step: drop --nproc"
+        );
+        return dump_step(&model, &train, &sampler, args.batch_size, path, &device);
+    }
+
+    let micro = args.batch_size;
+    let steps_per_epoch = sampler.len().div_ceil(micro * args.accumulate);
+    let total = steps_per_epoch * args.epochs;
+    let warm = ((args.warmup * total as f64).round() as usize).max(1);
+    let mut step = 0;
+    let started = Instant::now();
+    for epoch in 1..=args.epochs {
+        sampler.set_epoch(epoch as u64);
+        let epoch_started = Instant::now();
+        let indices = sampler.indices();
+        let mut loss_sum = 0f64;
+        for chunk in indices.chunks(micro * args.accumulate) {
+            step += 1;
+            opt.set_learning_rate(learning_rate(args.lr, step, warm, total));
+            let micros: Vec<&[usize]> = chunk.chunks(micro).collect();
+            let k = micros.len() as f64;
+            let mut grads = None;
+            for (i, batch) in micros.iter().enumerate() {
+                let (inputs, answers) = train.batch(batch, &device)?;
+                // All but the last micro-batch sum their gradients locally.
+                let _local = (i + 1 < micros.len()).then(|| model.no_sync());
+                let logits = model.forward_t(&inputs, true)?;
+                let loss = (train.loss(&logits, &answers)? / k)?;
+                grads = Some(model.backward(&loss)?);
+                loss_sum += f64::from(loss.to_scalar::<f32>()?);
+            }
+            opt.step(&grads.expect("a step has at least one micro-batch"))?;
+        }
+        let loss = all_reduce_mean(&pg, loss_sum / steps_per_epoch as f64, &device)?;
+        let seconds = epoch_started.elapsed().as_secs_f64();
+        let tokens = (sampler.total_size() * train.context()) as f64;
+        let (correct, n) = evaluate(&model, &pg, &test, &device)?;
+        if rank == 0 {
+            println!(
+                "Epoch {epoch}/{}: train loss {loss:.6}, lr {:.2e}, {:.0} tokens/s",
+                args.epochs,
+                opt.learning_rate(),
+                tokens / seconds
+            );
+            println!(
+                "Held-out: exact match {correct}/{n} ({:.1}%), greedy decoding",
+                100.0 * correct as f64 / n as f64
+            );
+        }
+    }
+    if rank == 0 {
+        println!("Finished in {:.1}s", started.elapsed().as_secs_f64());
+        if let Some(path) = &args.save {
+            checkpoint::save_varmap(model.varmap(), path)
+                .with_context(|| format!("saving the model to {}", path.display()))?;
+            println!("Saved the model to {}", path.display());
+        }
+    }
+    // Nobody leaves before rank 0 has saved.
+    pg.barrier()?;
+    Ok(())
+}
+
+/// The mean of `value` over the ranks.
+fn all_reduce_mean(pg: &ProcessGroup, value: f64, device: &Device) -> Result<f64> {
+    let t = Tensor::new(&[value], device)?;
+    Ok(pg.all_reduce(&t, ReduceOp::Avg)?.to_vec1::<f64>()?[0])
+}
+
+/// The DDP model in evaluation mode, for code written against `Module`.
+struct Eval<'a>(&'a DistributedDataParallel<Transformer>);
+
+impl Module for Eval<'_> {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        self.0
+            .forward_t(xs, false)
+            .map_err(candle_parallel::Error::into_candle)
+    }
+}
+
+/// How many held-out samples the model sorts exactly, and how many there are: each rank
+/// decodes every `world`-th sample (none twice), and the counts are all-reduced.
+fn evaluate(
+    model: &DistributedDataParallel<Transformer>,
+    pg: &ProcessGroup,
+    test: &SortTask,
+    device: &Device,
+) -> Result<(usize, usize)> {
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let mine: Vec<usize> = (rank..test.size()).step_by(world).collect();
+    let mut correct = 0;
+    for batch in mine.chunks(EVAL_BATCH) {
+        let (inputs, answers) = test.batch(batch, device)?;
+        correct += test.exact_matches(&Eval(model), &inputs, &answers)?;
+    }
+    let sums = Tensor::new(&[correct as f64, mine.len() as f64], device)?;
+    let sums = pg.all_reduce(&sums, ReduceOp::Sum)?.to_vec1::<f64>()?;
+    Ok((sums[0] as usize, sums[1] as usize))
+}
+
+/// One forward and backward on the first batch of epoch 1, written with the initial weights
+/// for the PyTorch twin to redo.
+fn dump_step(
+    model: &DistributedDataParallel<Transformer>,
+    train: &SortTask,
+    sampler: &DistributedSampler,
+    batch_size: usize,
+    path: &PathBuf,
+    device: &Device,
+) -> Result<()> {
+    let mut sampler = sampler.clone();
+    sampler.set_epoch(1);
+    let indices = sampler.indices();
+    let batch = &indices[..batch_size.min(indices.len())];
+    let (inputs, answers) = train.batch(batch, device)?;
+    let mut out = HashMap::new();
+    for (name, var) in model.parameter_names().iter().zip(model.parameters()) {
+        out.insert(format!("param.{name}"), var.as_tensor().copy()?);
+    }
+    let loss = train.loss(&model.forward_t(&inputs, true)?, &answers)?;
+    let grads = model.backward(&loss)?;
+    for (name, var) in model.parameter_names().iter().zip(model.parameters()) {
+        let grad = grads
+            .get(var.as_tensor())
+            .with_context(|| format!("no gradient for {name}"))?;
+        out.insert(format!("grad.{name}"), grad.clone());
+    }
+    out.insert("tokens".into(), inputs.to_dtype(DType::I64)?);
+    out.insert("answers".into(), answers.to_dtype(DType::I64)?);
+    out.insert("loss".into(), loss);
+    checkpoint::save(&out, path).with_context(|| format!("writing {}", path.display()))?;
+    println!(
+        "Wrote the initial weights, a batch of {}, its loss {:.6} and {} gradients to {}",
+        batch.len(),
+        out["loss"].to_scalar::<f32>()?,
+        model.parameters().len(),
+        path.display()
+    );
+    Ok(())
+}
+
+/// Times `steps` plain training steps (no DDP) on one batch, after 3 untimed ones.
+fn time_steps(args: &Args, train: &SortTask, steps: usize, device: &Device) -> Result<()> {
+    let varmap = VarMap::new();
+    let model = Transformer::new(
+        args.config(),
+        seeded_var_builder(&varmap, args.seed, DType::F32, device),
+    )?;
+    let mut opt = AdamW::new(varmap.all_vars(), args.adamw())?;
+    let batch: Vec<usize> = (0..args.batch_size.min(train.size())).collect();
+    let (inputs, answers) = train.batch(&batch, device)?;
+    let mut step = || -> Result<Tensor> {
+        let loss = train.loss(&model.forward(&inputs)?, &answers)?;
+        opt.backward_step(&loss)?;
+        Ok(loss)
+    };
+    for _ in 0..3 {
+        step()?;
+    }
+    let started = Instant::now();
+    let mut loss = None;
+    for _ in 0..steps {
+        loss = Some(step()?);
+    }
+    if let Some(loss) = loss {
+        loss.to_scalar::<f32>()?; // waits for the device
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let tokens = (steps * batch.len() * train.context()) as f64;
+    println!(
+        "candle: {:.0} tokens/s training ({steps} steps of {} x {} tokens, {:.2} ms/step)",
+        tokens / seconds,
+        batch.len(),
+        train.context(),
+        1e3 * seconds / steps.max(1) as f64
+    );
+    Ok(())
+}

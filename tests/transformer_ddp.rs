@@ -1,0 +1,113 @@
+//! The transformer example, run as real processes: one process and two with the same global
+//! batch take the same steps.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+/// A small model and task, so that a run takes about a second.
+const SMALL: [&str; 15] = [
+    "--cpu",
+    "--layers",
+    "1",
+    "--dim",
+    "32",
+    "--heads",
+    "2",
+    "--digits",
+    "4",
+    "--train-size",
+    "1024",
+    "--test-size",
+    "200",
+    "--epochs",
+    "3",
+];
+
+/// Each epoch's training loss and held-out exact matches, as the run printed them.
+fn epochs(extra: &[&str]) -> (Vec<f64>, Vec<usize>, String) {
+    let mut cmd = Command::new(common::example("transformer_ddp"));
+    cmd.args(SMALL).args(extra);
+    let out = common::run_ok(cmd, Duration::from_secs(120));
+    let losses: Vec<f64> = out
+        .lines()
+        .filter_map(|l| l.split("train loss ").nth(1))
+        .map(|s| {
+            s.split(',')
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("cannot parse the loss in {s:?}"))
+        })
+        .collect();
+    let matches: Vec<usize> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("Held-out: exact match "))
+        .map(|s| {
+            s.split('/')
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("cannot parse the exact matches in {s:?}"))
+        })
+        .collect();
+    assert_eq!(
+        losses.len(),
+        3,
+        "one loss line per epoch, rank 0 only:\n{out}"
+    );
+    assert_eq!(matches.len(), 3, "one held-out line per epoch:\n{out}");
+    (losses, matches, out)
+}
+
+fn assert_same_steps(a: &(Vec<f64>, Vec<usize>, String), b: &(Vec<f64>, Vec<usize>, String)) {
+    for (la, lb) in a.0.iter().zip(&b.0) {
+        assert!(
+            (la - lb).abs() <= 1e-4 * la.abs().max(1.0),
+            "losses differ:\n{}\n---\n{}",
+            a.2,
+            b.2
+        );
+    }
+    for (ma, mb) in a.1.iter().zip(&b.1) {
+        assert!(
+            ma.abs_diff(*mb) <= 2,
+            "exact matches differ:\n{}\n---\n{}",
+            a.2,
+            b.2
+        );
+    }
+}
+
+#[test]
+fn two_processes_print_the_losses_of_one_with_the_same_global_batch() {
+    let one = epochs(&["--nproc", "1", "--batch-size", "32"]);
+    assert!(!one.2.contains("Let's use"), "{}", one.2);
+    // Training works at all: the loss falls, and the model sorts some held-out samples.
+    assert!(
+        one.0[2] < 0.8 * one.0[0],
+        "the loss did not fall:\n{}",
+        one.2
+    );
+    assert!(one.1[2] > one.1[0], "no held-out progress:\n{}", one.2);
+
+    let two = epochs(&["--nproc", "2", "--batch-size", "16"]);
+    assert_eq!(
+        two.2.matches("Let's use 2 processes!").count(),
+        1,
+        "{}",
+        two.2
+    );
+    assert_same_steps(&one, &two);
+
+    // Two micro-batches of 8 on each of two ranks, summed under no_sync: the same steps again.
+    let accumulated = epochs(&["--nproc", "2", "--batch-size", "8", "--accumulate", "2"]);
+    assert_same_steps(&one, &accumulated);
+
+    // A different global batch takes different steps: the comparison above can tell.
+    let other = epochs(&["--nproc", "2", "--batch-size", "32"]);
+    assert!(
+        (other.0[0] - one.0[0]).abs() > 1e-3,
+        "a global batch of 64 printed the losses of 32:\n{}",
+        other.2
+    );
+}
