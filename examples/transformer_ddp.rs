@@ -245,7 +245,7 @@ fn rank_main(args: &Args) -> Result<()> {
             world == 1,
             "--dump-step writes one process's step: drop --nproc"
         );
-        return dump_step(&model, &train, &sampler, args.batch_size, path, &device);
+        return dump_step(&model, &train, &sampler, args, path, &device);
     }
 
     let micro = args.batch_size;
@@ -349,14 +349,14 @@ fn dump_step(
     model: &DistributedDataParallel<Transformer>,
     train: &SortTask,
     sampler: &DistributedSampler,
-    batch_size: usize,
+    args: &Args,
     path: &PathBuf,
     device: &Device,
 ) -> Result<()> {
     let mut sampler = sampler.clone();
     sampler.set_epoch(1);
     let indices = sampler.indices();
-    let batch = &indices[..batch_size.min(indices.len())];
+    let batch = &indices[..args.batch_size.min(indices.len())];
     let (inputs, answers) = train.batch(batch, device)?;
     let mut out = HashMap::new();
     for (name, var) in model.parameter_names().iter().zip(model.parameters()) {
@@ -370,6 +370,9 @@ fn dump_step(
             .with_context(|| format!("no gradient for {name}"))?;
         out.insert(format!("grad.{name}"), grad.clone());
     }
+    // The shape, which the weights alone do not tell (the heads): layers, dim, heads, digits.
+    let config = [args.layers, args.dim, args.heads, args.digits].map(|v| v as i64);
+    out.insert("config".into(), Tensor::new(&config, device)?);
     out.insert("tokens".into(), inputs.to_dtype(DType::I64)?);
     out.insert("answers".into(), answers.to_dtype(DType::I64)?);
     out.insert("loss".into(), loss);
