@@ -4,8 +4,10 @@
 //!     cargo bench --bench ddp_throughput
 //!     cargo bench --bench ddp_throughput -- --models net --procs 2,4 --steps 30 --repeat 5
 //!
-//! For each model (the CIFAR-10 tutorial `Net`, and `big`, an MLP of 25.2 M parameters, where
-//! communication matters) and one global batch, every setup runs in processes of its own, one
+//! For each model (the CIFAR-10 tutorial `Net`; `big`, an MLP of 25.2 M parameters, where
+//! communication matters; and `tf`, the transformer of `examples/transformer_ddp.rs` at 8
+//! layers of width 512, 25.2 M parameters in 102 tensors, where bucketing and overlap matter)
+//! and one global batch, every setup runs in processes of its own, one
 //! after the other, in this one run:
 //!
 //! - one plain process (no DDP) with 1 and with 2 compute threads (`RAYON_NUM_THREADS`);
@@ -26,6 +28,8 @@
 //! measures PyTorch on the same models and setups. Reports; asserts nothing.
 
 mod common;
+#[path = "../examples/common/transformer.rs"]
+mod transformer;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -40,6 +44,7 @@ use candle_parallel::DistributedDataParallel;
 use common::{big, big_batch};
 use std::ffi::OsString;
 use std::time::{Duration, Instant};
+use transformer::{SortTask, Transformer};
 
 /// The job a child process runs, passed in this variable.
 const JOB_VAR: &str = "CP_BENCH_JOB";
@@ -63,7 +68,25 @@ enum Model {
     /// The Net with BatchNorm after each convolution (`cifar::NetBn`).
     NetBn,
     Big,
+    /// The transformer of `examples/transformer_ddp.rs`, 25.2 M parameters.
+    Tf,
 }
+
+/// The transformer at 25.2 M parameters: 8 blocks of width 512, on the sorting task's 16
+/// positions.
+fn tf(vb: VarBuilder) -> candle_core::Result<Transformer> {
+    let config = transformer::Config {
+        vocab: transformer::VOCAB,
+        max_len: 2 * TF_DIGITS,
+        dim: 512,
+        heads: 8,
+        layers: 8,
+    };
+    Transformer::new(config, vb)
+}
+
+/// Digits per sample of the transformer's sorting task.
+const TF_DIGITS: usize = 8;
 
 impl Model {
     fn parse(s: &str) -> Result<Self> {
@@ -71,7 +94,8 @@ impl Model {
             "net" => Ok(Self::Net),
             "netbn" => Ok(Self::NetBn),
             "big" => Ok(Self::Big),
-            other => bail!("unknown model {other:?}: net, netbn or big"),
+            "tf" => Ok(Self::Tf),
+            other => bail!("unknown model {other:?}: net, netbn, big or tf"),
         }
     }
 
@@ -80,6 +104,7 @@ impl Model {
             Self::Net => "net",
             Self::NetBn => "netbn",
             Self::Big => "big",
+            Self::Tf => "tf",
         }
     }
 
@@ -88,6 +113,7 @@ impl Model {
         match self {
             Self::Net | Self::NetBn => 128,
             Self::Big => 64,
+            Self::Tf => 16,
         }
     }
 
@@ -96,9 +122,30 @@ impl Model {
         if self == Self::Big {
             return Ok(big_batch(n, device)?);
         }
+        if self == Self::Tf {
+            // Inputs (n, 16) and answers (n, 8) of the sorting task.
+            let (task, _) = SortTask::generate(TF_DIGITS, n, 0, 0);
+            let all: Vec<usize> = (0..n).collect();
+            return Ok(task.batch(&all, device)?);
+        }
         let x = Tensor::randn(0f32, 1.0, (n, 3, 32, 32), device)?;
         let y = Tensor::from_vec((0..n as u32).map(|i| i % 10).collect(), n, device)?;
         Ok((x, y))
+    }
+}
+
+impl Model {
+    /// The training loss of `logits` against `y`: cross-entropy over classes, or for the
+    /// transformer over the answer positions of the sorting task.
+    fn loss(self, logits: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+        if self == Self::Tf {
+            let task = SortTask {
+                len: TF_DIGITS,
+                tokens: Vec::new(),
+            };
+            return task.loss(logits, y);
+        }
+        loss::cross_entropy(logits, y)
     }
 }
 
@@ -250,8 +297,9 @@ fn plain_trainer<M: ModuleT>(
     let model = build(seeded_var_builder(&varmap, 0, DType::F32, &device))?;
     let mut opt = Sgd::new(varmap.all_vars(), SGD)?;
     let (x, y) = job.model.batch(job.batch, &device)?;
+    let kind = job.model;
     Ok(move || {
-        let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
+        let l = kind.loss(&model.forward_t(&x, true)?, &y)?;
         opt.backward_step(&l)?;
         Ok(())
     })
@@ -283,7 +331,7 @@ fn overhead<M: ModuleT>(
     let mut opt = Sgd::new(model.parameters(), SGD)?;
     let (x, y) = job.model.batch(job.batch, &device)?;
     let mut ddp = || -> Result<()> {
-        let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
+        let l = job.model.loss(&model.forward_t(&x, true)?, &y)?;
         opt.step(&model.backward(&l)?)?;
         Ok(())
     };
@@ -322,7 +370,7 @@ fn ddp<M: ModuleT>(job: &Job, build: fn(VarBuilder) -> candle_core::Result<M>) -
     let (x, y) = job.model.batch(job.batch, &device)?;
     let mut tail = Duration::ZERO;
     let mut step = |count: bool| -> Result<()> {
-        let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
+        let l = job.model.loss(&model.forward_t(&x, true)?, &y)?;
         opt.step(&model.backward(&l)?)?;
         if count {
             tail += model.last_backward_stats().tail;
@@ -375,6 +423,9 @@ fn child(job: &Job) -> Result<()> {
         (Model::Big, Kind::Ddp) => ddp(job, big)?,
         (Model::Net, Kind::Overhead) => overhead(job, Net::new)?,
         (Model::Big, Kind::Overhead) => overhead(job, big)?,
+        (Model::Tf, Kind::Plain) => plain(job, tf)?,
+        (Model::Tf, Kind::Ddp) => ddp(job, tf)?,
+        (Model::Tf, Kind::Overhead) => overhead(job, tf)?,
     };
     let rank = std::env::var("RANK").map_or(0, |r| r.parse().unwrap_or(0));
     let out = std::env::var(OUT_VAR).context("no output file")?;
@@ -451,7 +502,7 @@ struct Options {
 
 fn parse() -> Result<Options> {
     let mut o = Options {
-        models: vec![Model::Net, Model::NetBn, Model::Big],
+        models: vec![Model::Net, Model::NetBn, Model::Big, Model::Tf],
         procs: vec![2],
         steps: None,
         buckets: vec![1.0, 5.0, 25.0, 100.0],
@@ -510,7 +561,7 @@ fn main() -> Result<()> {
         let global = model.global_batch();
         let (steps, warmup) = match model {
             Model::Net | Model::NetBn => (o.steps.unwrap_or(30), 3),
-            Model::Big => (o.steps.unwrap_or(10), 2),
+            Model::Big | Model::Tf => (o.steps.unwrap_or(10), 2),
         };
         let job = |kind: Kind, batch: usize, bucket_mb: f64| Job {
             model,
@@ -525,6 +576,7 @@ fn main() -> Result<()> {
             Model::Net => "62,006",
             Model::NetBn => "62,050",
             Model::Big => "25.2 M",
+            Model::Tf => "25.2 M",
         };
         println!(
             "\n{} ({params} parameters), global batch {global}, f32, CPU; images/s are the \
@@ -532,6 +584,9 @@ fn main() -> Result<()> {
             model.name(),
             o.repeat
         );
+        if model == Model::Tf {
+            println!("(an image here is a sequence of {} tokens)", 2 * TF_DIGITS);
+        }
         let runs = |kind, batch, procs, threads| {
             median_run(&job(kind, batch, 25.0), procs, threads, o.repeat)
         };

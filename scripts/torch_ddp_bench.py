@@ -4,9 +4,11 @@ batches, so that the two tables can be read side by side.
     python3 scripts/torch_ddp_bench.py                      # CPU: DDP on gloo
     python3 scripts/torch_ddp_bench.py --device cuda        # GPU: DDP on NCCL (world size 1)
 
-Models: the CIFAR-10 tutorial Net (global batch 128) and an MLP of 25.2 M parameters
-(1024 -> 4096 -> 4096 -> 1024, global batch 64), SGD lr 0.01 momentum 0.9, cross-entropy on
-random data. Setups (each in fresh processes, one after the other; images/s the median of
+Models: the CIFAR-10 tutorial Net (global batch 128), an MLP of 25.2 M parameters
+(1024 -> 4096 -> 4096 -> 1024, global batch 64), and the transformer of transformer_ddp at
+25.2 M parameters (8 blocks of width 512, 8 heads; global batch 16 sequences of 16 tokens of
+the sorting task), SGD lr 0.01 momentum 0.9, cross-entropy on random data (the transformer:
+on its answer positions). Setups (each in fresh processes, one after the other; images/s the median of
 --repeat runs): one process with 1 and 2 threads; DDP on one process, and its overhead (plain
 and DDP steps alternating in one process, the median ratio of 7 rounds); N plain processes
 side by side with no communication; DDP on N processes of 1 thread each, the batch split
@@ -26,8 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-# The tutorial Net, defined once beside this script (gpu-pack copies both).
+# The tutorial Net and the transformer, defined once beside this script (gpu-pack copies both).
 from torch_net_bench import Net
+from torch_transformer_bench import Transformer, sort_batch, sort_loss
 
 
 class Big(nn.Module):
@@ -41,12 +44,24 @@ class Big(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
-MODELS = {"net": (Net, 128, (3, 32, 32), 10, 30), "big": (Big, 64, (1024,), 1024, 10)}
+def tf():
+    """The transformer at 25.2 M parameters, on the sorting task's 16 positions."""
+    return Transformer(layers=8, dim=512, heads=8, max_len=16)
+
+
+MODELS = {"net": (Net, 128, (3, 32, 32), 10, 30), "big": (Big, 64, (1024,), 1024, 10),
+          "tf": (tf, 16, None, None, 10)}
 
 
 def batch(model, n, device):
+    if model == "tf":
+        return sort_batch(n, 8, device, torch.Generator().manual_seed(0))
     _, _, shape, classes, _ = MODELS[model]
     return torch.randn(n, *shape, device=device), torch.arange(n, device=device) % classes
+
+
+def loss_fn(model):
+    return sort_loss if model == "tf" else F.cross_entropy
 
 
 def trainer(model, n, device, wrap=None):
@@ -56,10 +71,11 @@ def trainer(model, n, device, wrap=None):
         net = wrap(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     x, y = batch(model, n, device)
+    criterion = loss_fn(model)
 
     def step():
         opt.zero_grad()
-        loss = F.cross_entropy(net(x), y)
+        loss = criterion(net(x), y)
         loss.backward()
         opt.step()
         return loss
@@ -135,7 +151,7 @@ def run(job, procs, repeat):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--models", default="net,big")
+    p.add_argument("--models", default="net,big,tf")
     p.add_argument("--procs", default="2")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", default="cpu")
@@ -149,6 +165,8 @@ def main():
 
         print(f"\n{model}, global batch {global_batch}, PyTorch {torch.__version__} on {dev}; "
               f"images/s are the median of {a.repeat} runs")
+        if model == "tf":
+            print("(an image here is a sequence of 16 tokens)")
         plain1 = run(job("plain", global_batch, 1), 1, a.repeat)
         plain2 = run(job("plain", global_batch, 2), 1, a.repeat)
         print(f"{'setup':<48} {'images/s':>9} {'vs 1 proc':>10}")
