@@ -1,10 +1,15 @@
 //! The transformer example, run as real processes: one process and two with the same global
-//! batch take the same steps.
+//! batch take the same steps, and what it saves loads into a plain model.
 
 mod common;
+#[path = "../examples/common/transformer.rs"]
+mod transformer;
 
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
 use std::process::Command;
 use std::time::Duration;
+use transformer::{Config, SortTask, Transformer, VOCAB};
 
 /// A small model and task, so that a run takes about a second.
 const SMALL: [&str; 15] = [
@@ -110,4 +115,62 @@ fn two_processes_print_the_losses_of_one_with_the_same_global_batch() {
         "a global batch of 64 printed the losses of 32:\n{}",
         other.2
     );
+}
+
+#[test]
+fn bf16_compression_trains_to_nearly_the_same_losses() {
+    let plain = epochs(&["--nproc", "2", "--batch-size", "16"]);
+    let bf16 = epochs(&[
+        "--nproc",
+        "2",
+        "--batch-size",
+        "16",
+        "--compression",
+        "bf16",
+    ]);
+    let diffs: Vec<f64> = plain
+        .0
+        .iter()
+        .zip(&bf16.0)
+        .map(|(a, b)| (a - b).abs())
+        .collect();
+    // Rounded gradients change the steps a little (so the flag took effect), not the training.
+    assert!(
+        diffs.iter().any(|&d| d > 0.0),
+        "bf16 changed nothing:\n{}",
+        bf16.2
+    );
+    assert!(
+        diffs.iter().all(|&d| d < 1e-2),
+        "bf16 trained differently:\n{}\n---\n{}",
+        plain.2,
+        bf16.2
+    );
+}
+
+#[test]
+fn the_saved_model_loads_into_a_plain_transformer_that_sorts_as_reported() {
+    let dir = common::temp_dir("transformer-save");
+    let path = dir.join("tf.safetensors");
+    let path_arg = path.to_str().unwrap();
+    let (_, matches, out) = epochs(&["--nproc", "2", "--batch-size", "16", "--save", path_arg]);
+    assert!(out.contains("Saved the model to"), "{out}");
+
+    // Plain names: a Transformer built straight from the file, no DDP, no prefix.
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &Device::Cpu).unwrap() };
+    let config = Config {
+        vocab: VOCAB,
+        max_len: 8,
+        dim: 32,
+        heads: 2,
+        layers: 1,
+    };
+    let model = Transformer::new(config, vb).unwrap();
+    let (_, test) = SortTask::generate(4, 1024, 200, 0);
+    let all: Vec<usize> = (0..test.size()).collect();
+    let (inputs, answers) = test.batch(&all, &Device::Cpu).unwrap();
+    let correct = test.exact_matches(&model, &inputs, &answers).unwrap();
+    assert_eq!(correct, matches[2], "the run reported otherwise:\n{out}");
+    std::fs::remove_dir_all(dir).unwrap();
 }
