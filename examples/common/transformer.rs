@@ -12,35 +12,9 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear, Embedding, Linear, VarBuilder};
+use candle_parallel::nn::ops::softmax_last_dim;
+use candle_parallel::nn::{layer_norm, LayerNorm};
 use candle_parallel::rng::Rng;
-
-// TEMPORARY: until candle_parallel::nn's layers with a backward land, the same paths mapped to
-// candle-nn's differentiable references.
-mod pnn {
-    use candle_core::{Module, Result, Tensor, D};
-    use candle_nn::VarBuilder;
-    pub struct LayerNorm {
-        weight: Tensor,
-        bias: Tensor,
-        eps: f32,
-    }
-    pub fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
-        Ok(LayerNorm {
-            weight: vb.get_with_hints(size, "weight", candle_nn::Init::Const(1.))?,
-            bias: vb.get_with_hints(size, "bias", candle_nn::Init::Const(0.))?,
-            eps: eps as f32,
-        })
-    }
-    impl Module for LayerNorm {
-        fn forward(&self, x: &Tensor) -> Result<Tensor> {
-            candle_nn::ops::layer_norm_slow(x, &self.weight, &self.bias, self.eps)
-        }
-    }
-    pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-        candle_nn::ops::softmax(x, D::Minus1)
-    }
-}
-use pnn::{layer_norm, softmax_last_dim, LayerNorm};
 
 /// torch's `nn.LayerNorm` default.
 const LN_EPS: f64 = 1e-5;
