@@ -258,7 +258,8 @@ fn rank_main(args: &Args) -> Result<()> {
         sampler.set_epoch(epoch as u64);
         let epoch_started = Instant::now();
         let indices = sampler.indices();
-        let mut loss_sum = 0f64;
+        // Summed on the device: reading a loss each step would wait for the device each step.
+        let mut loss_sum = Tensor::zeros((), DType::F32, &device)?;
         for chunk in indices.chunks(micro * args.accumulate) {
             step += 1;
             opt.set_learning_rate(learning_rate(args.lr, step, warm, total));
@@ -272,10 +273,11 @@ fn rank_main(args: &Args) -> Result<()> {
                 let logits = model.forward_t(&inputs, true)?;
                 let loss = (train.loss(&logits, &answers)? / k)?;
                 grads = Some(model.backward(&loss)?);
-                loss_sum += f64::from(loss.to_scalar::<f32>()?);
+                loss_sum = (loss_sum + loss.detach())?;
             }
             opt.step(&grads.expect("a step has at least one micro-batch"))?;
         }
+        let loss_sum = f64::from(loss_sum.to_scalar::<f32>()?);
         let loss = all_reduce_mean(&pg, loss_sum / steps_per_epoch as f64, &device)?;
         let seconds = epoch_started.elapsed().as_secs_f64();
         let tokens = (sampler.total_size() * train.context()) as f64;
