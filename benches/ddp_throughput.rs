@@ -6,9 +6,9 @@
 //!
 //! For each model (the CIFAR-10 tutorial `Net`; `big`, an MLP of 25.2 M parameters, where
 //! communication matters; and `tf`, the transformer of `examples/transformer_ddp.rs` at 8
-//! layers of width 512, 25.2 M parameters in 102 tensors, where bucketing and overlap matter)
-//! and one global batch, every setup runs in processes of its own, one
-//! after the other, in this one run:
+//! blocks of width 512, 25.2 M parameters in 102 tensors, where bucketing and overlap matter)
+//! and one global batch, every setup runs in processes of its own, one after the other, in
+//! this one run:
 //!
 //! - one plain process (no DDP) with 1 and with 2 compute threads (`RAYON_NUM_THREADS`);
 //! - DDP on 1 process (1 thread), and its overhead: plain and DDP steps in one process, in
@@ -44,7 +44,7 @@ use candle_parallel::DistributedDataParallel;
 use common::{big, big_batch};
 use std::ffi::OsString;
 use std::time::{Duration, Instant};
-use transformer::{SortTask, Transformer};
+use transformer::{sort_loss, SortTask, Transformer};
 
 /// The job a child process runs, passed in this variable.
 const JOB_VAR: &str = "CP_BENCH_JOB";
@@ -132,20 +132,14 @@ impl Model {
         let y = Tensor::from_vec((0..n as u32).map(|i| i % 10).collect(), n, device)?;
         Ok((x, y))
     }
-}
 
-impl Model {
-    /// The training loss of `logits` against `y`: cross-entropy over classes, or for the
+    /// The training loss of `logits` against `y`: cross-entropy over the classes, or for the
     /// transformer over the answer positions of the sorting task.
     fn loss(self, logits: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
-        if self == Self::Tf {
-            let task = SortTask {
-                len: TF_DIGITS,
-                tokens: Vec::new(),
-            };
-            return task.loss(logits, y);
+        match self {
+            Self::Tf => sort_loss(logits, y),
+            _ => loss::cross_entropy(logits, y),
         }
-        loss::cross_entropy(logits, y)
     }
 }
 

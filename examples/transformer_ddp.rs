@@ -41,7 +41,7 @@ use std::time::Instant;
 #[path = "common/transformer.rs"]
 mod transformer;
 
-use transformer::{Config, SortTask, Transformer, VOCAB};
+use transformer::{sort_loss, Config, SortTask, Transformer, VOCAB};
 
 /// Train a small transformer to sort digits, with DistributedDataParallel.
 #[derive(Parser, Debug)]
@@ -271,7 +271,7 @@ fn rank_main(args: &Args) -> Result<()> {
                 // All but the last micro-batch sum their gradients locally.
                 let _local = (i + 1 < micros.len()).then(|| model.no_sync());
                 let logits = model.forward_t(&inputs, true)?;
-                let loss = (train.loss(&logits, &answers)? / k)?;
+                let loss = (sort_loss(&logits, &answers)? / k)?;
                 grads = Some(model.backward(&loss)?);
                 loss_sum = (loss_sum + loss.detach())?;
             }
@@ -364,7 +364,7 @@ fn dump_step(
     for (name, var) in model.parameter_names().iter().zip(model.parameters()) {
         out.insert(format!("param.{name}"), var.as_tensor().copy()?);
     }
-    let loss = train.loss(&model.forward_t(&inputs, true)?, &answers)?;
+    let loss = sort_loss(&model.forward_t(&inputs, true)?, &answers)?;
     let grads = model.backward(&loss)?;
     for (name, var) in model.parameter_names().iter().zip(model.parameters()) {
         let grad = grads
@@ -400,7 +400,7 @@ fn time_steps(args: &Args, train: &SortTask, steps: usize, device: &Device) -> R
     let batch: Vec<usize> = (0..args.batch_size.min(train.size())).collect();
     let (inputs, answers) = train.batch(&batch, device)?;
     let mut step = || -> Result<Tensor> {
-        let loss = train.loss(&model.forward(&inputs)?, &answers)?;
+        let loss = sort_loss(&model.forward(&inputs)?, &answers)?;
         opt.backward_step(&loss)?;
         Ok(loss)
     };

@@ -274,16 +274,6 @@ impl SortTask {
         ))
     }
 
-    /// The mean cross-entropy of the answer positions of `logits` (n, 2 len, vocab) against
-    /// `answers` (n, len).
-    pub fn loss(&self, logits: &Tensor, answers: &Tensor) -> Result<Tensor> {
-        let (n, _, vocab) = logits.dims3()?;
-        let logits = logits
-            .narrow(1, self.len, self.len)?
-            .reshape((n * self.len, vocab))?;
-        candle_nn::loss::cross_entropy(&logits, &answers.flatten_all()?)
-    }
-
     /// Greedy decoding of the answers of `inputs` (n, 2 len), whose answer positions are
     /// ignored: the model writes each digit after the separator from the ones it wrote before.
     /// Returns how many samples it got entirely right against `answers`.
@@ -312,4 +302,13 @@ impl SortTask {
         let right = wrong.eq(0u32)?.to_dtype(DType::U32)?.sum_all()?;
         Ok(right.to_scalar::<u32>()? as usize)
     }
+}
+
+/// The task's loss: the mean cross-entropy of the answer positions `len .. 2 len` of `logits`
+/// (n, 2 len, vocab) against `answers` (n, len).
+pub fn sort_loss(logits: &Tensor, answers: &Tensor) -> Result<Tensor> {
+    let (n, len) = answers.dims2()?;
+    let vocab = logits.dim(2)?;
+    let logits = logits.narrow(1, len, len)?.reshape((n * len, vocab))?;
+    candle_nn::loss::cross_entropy(&logits, &answers.flatten_all()?)
 }
