@@ -174,3 +174,16 @@ fn the_saved_model_loads_into_a_plain_transformer_that_sorts_as_reported() {
     assert_eq!(correct, matches[2], "the run reported otherwise:\n{out}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_width_that_heads_do_not_divide_is_an_error_naming_the_flags() {
+    let mut cmd = Command::new(common::example("transformer_ddp"));
+    cmd.args(["--cpu", "--dim", "30", "--heads", "4"]);
+    let out = common::run(cmd, Duration::from_secs(60));
+    assert!(!out.status.success(), "--dim 30 --heads 4 succeeded");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--dim 30 is not a multiple of --heads 4"),
+        "{err}"
+    );
+}
