@@ -129,6 +129,7 @@ fn main() -> Result<()> {
     anyhow::ensure!(args.accumulate > 0, "--accumulate must be at least 1");
     anyhow::ensure!(args.nproc > 0, "--nproc must be at least 1");
     anyhow::ensure!(args.digits > 0, "--digits must be at least 1");
+    anyhow::ensure!(args.train_size > 0, "--train-size must be at least 1");
     anyhow::ensure!(args.test_size > 0, "--test-size must be at least 1");
     anyhow::ensure!(
         (0.0..1.0).contains(&args.warmup),
