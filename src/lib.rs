@@ -54,7 +54,7 @@ pub mod sampler;
 mod sync;
 
 pub use data_parallel::{DataParallel, DataParallelConfig};
-pub use ddp::{DdpConfig, DistributedDataParallel};
+pub use ddp::{vars_without_gradient, DdpConfig, DistributedDataParallel};
 /// `torch.distributed`'s short name: the same module as [`distributed`].
 pub use distributed as dist;
 pub use error::{Error, Result};
