@@ -1,0 +1,513 @@
+//! candle_parallel::nn's training-capable fused layers against the autograd of the same
+//! functions written with elementary candle ops (in f64): values and the gradients of every
+//! input, in f32, f64, f16 and bf16, over odd sizes, a last dimension of 1, batch 1,
+//! non-contiguous inputs and rope tables longer than the sequence or one per batch element.
+//! Also: the forwards equal candle-nn's fused kernels bit for bit, and the modules build
+//! candle-nn's variables.
+
+use candle_core::{DType, Device, Module, Result, Tensor, Var, D};
+use candle_nn::{VarBuilder, VarMap};
+use candle_parallel::nn::{self, ops, rotary_emb};
+
+mod common;
+use common::{max_abs, max_abs_diff};
+
+const DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+
+/// The tolerance of a result in `dtype` against the f64 reference: relative to the largest
+/// value, absolute below 1 (where f32's cancellation in a gradient of size ~eps is inherent).
+fn tolerance(dtype: DType) -> f32 {
+    match dtype {
+        DType::F64 => 1e-9,
+        DType::F32 => 1e-5,
+        DType::F16 => 4e-3,
+        _ => 3e-2,
+    }
+}
+
+/// A layer under test: what it computes from its inputs (already viewed as the case wants).
+type Layer<'a> = &'a dyn Fn(&[Tensor]) -> Result<Tensor>;
+
+/// Checks `ours` against `reference` on inputs `masters` (f64), for every dtype: the output, and
+/// the gradient of every input of `sum(output * w)` for a random `w`. `view` turns each input's
+/// variable into what the layer is given (a transpose, for the non-contiguous cases).
+fn check(
+    case: &str,
+    masters: &[Tensor],
+    view: &dyn Fn(usize, &Tensor) -> Result<Tensor>,
+    ours: Layer,
+    reference: Layer,
+) -> Result<()> {
+    for dtype in DTYPES {
+        let vars: Vec<Var> = masters
+            .iter()
+            .map(|m| Var::from_tensor(&m.to_dtype(dtype)?))
+            .collect::<Result<_>>()?;
+        // The reference sees the same (rounded) values, in f64.
+        let ref_vars: Vec<Var> = vars
+            .iter()
+            .map(|v| Var::from_tensor(&v.to_dtype(DType::F64)?))
+            .collect::<Result<_>>()?;
+        let given = |vs: &[Var]| -> Result<Vec<Tensor>> {
+            vs.iter().enumerate().map(|(i, v)| view(i, v)).collect()
+        };
+        let out = ours(&given(&vars)?)?;
+        let expected = reference(&given(&ref_vars)?)?;
+        assert_eq!(out.dtype(), dtype, "{case}: the output's dtype");
+        assert_eq!(out.dims(), expected.dims(), "{case}: the output's shape");
+        let w = Tensor::randn(0f64, 1., out.shape(), &Device::Cpu)?;
+        let grads = (out.to_dtype(DType::F64)? * &w)?.sum_all()?.backward()?;
+        let ref_grads = (&expected * &w)?.sum_all()?.backward()?;
+        let tol = tolerance(dtype);
+        let close = |what: &str, a: &Tensor, b: &Tensor| {
+            let (diff, size) = (
+                max_abs_diff(&a.to_dtype(DType::F64).unwrap(), b),
+                max_abs(b),
+            );
+            assert!(
+                diff <= tol * size.max(1.0),
+                "{case} {dtype:?}: {what} differs by {diff} (largest value {size}, tolerance {tol} \
+                 relative)"
+            );
+        };
+        close("the output", &out, &expected);
+        for (i, (v, r)) in vars.iter().zip(&ref_vars).enumerate() {
+            let expected = ref_grads.get(r).expect("the reference has every gradient");
+            let got = grads
+                .get(v)
+                .unwrap_or_else(|| panic!("{case} {dtype:?}: input {i} got no gradient"));
+            assert_eq!(got.dims(), v.dims(), "{case}: gradient {i}'s shape");
+            close(&format!("the gradient of input {i}"), got, expected);
+        }
+    }
+    Ok(())
+}
+
+fn randn(shape: &[usize], mean: f64) -> Result<Tensor> {
+    Tensor::randn(mean, 1.0, shape, &Device::Cpu)
+}
+
+/// Input 0 transposed in its last two dimensions (a non-contiguous view); the others as they are.
+fn transpose_first(i: usize, v: &Tensor) -> Result<Tensor> {
+    if i == 0 {
+        v.transpose(D::Minus1, D::Minus2)
+    } else {
+        Ok(v.clone())
+    }
+}
+
+fn as_is(_: usize, v: &Tensor) -> Result<Tensor> {
+    Ok(v.clone())
+}
+
+fn ref_layer_norm(x: &Tensor, alpha: &Tensor, beta: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+    let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = centred
+        .broadcast_div(&(var + eps)?.sqrt()?)?
+        .broadcast_mul(alpha)?;
+    match beta {
+        Some(beta) => y.broadcast_add(beta),
+        None => Ok(y),
+    }
+}
+
+fn ref_rms_norm(x: &Tensor, alpha: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(alpha)
+}
+
+fn ref_softmax(x: &Tensor) -> Result<Tensor> {
+    let e = x.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// Shapes of inputs for the normalisations: (shape, whether input 0 is given transposed).
+const NORM_SHAPES: [(&[usize], bool); 6] = [
+    (&[2, 3, 7], false),
+    (&[1, 5], false),
+    (&[4, 1], false),
+    (&[3, 13], false),
+    (&[1, 1, 1], false),
+    (&[2, 9, 3], true), // given as (2, 3, 9), non-contiguous
+];
+
+#[test]
+fn layer_norm_values_and_gradients_match_the_elementary_ops() -> Result<()> {
+    // The API takes eps as f32: the reference uses the same value.
+    let eps = 1e-5f32 as f64;
+    for (shape, transposed) in NORM_SHAPES {
+        let n = if transposed {
+            shape[shape.len() - 2]
+        } else {
+            shape[shape.len() - 1]
+        };
+        let masters = [randn(shape, 0.5)?, randn(&[n], 1.0)?, randn(&[n], 0.0)?];
+        let view: &dyn Fn(usize, &Tensor) -> Result<Tensor> =
+            if transposed { &transpose_first } else { &as_is };
+        let case = format!("layer_norm {shape:?} transposed={transposed}");
+        check(
+            &case,
+            &masters,
+            view,
+            &|t| ops::layer_norm(&t[0], &t[1], &t[2], eps as f32),
+            &|t| ref_layer_norm(&t[0], &t[1], Some(&t[2]), eps),
+        )?;
+        check(
+            &format!("{case}, the module"),
+            &masters,
+            view,
+            &|t| nn::LayerNorm::new(t[1].clone(), t[2].clone(), eps).forward(&t[0]),
+            &|t| ref_layer_norm(&t[0], &t[1], Some(&t[2]), eps),
+        )?;
+        check(
+            &format!("{case}, the module without a bias"),
+            &masters[..2],
+            view,
+            &|t| nn::LayerNorm::new_no_bias(t[1].clone(), eps).forward(&t[0]),
+            &|t| ref_layer_norm(&t[0], &t[1], None, eps),
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn rms_norm_values_and_gradients_match_the_elementary_ops() -> Result<()> {
+    let eps = 1e-6f32 as f64;
+    for (shape, transposed) in NORM_SHAPES {
+        let n = if transposed {
+            shape[shape.len() - 2]
+        } else {
+            shape[shape.len() - 1]
+        };
+        let masters = [randn(shape, 0.5)?, randn(&[n], 1.0)?];
+        let view: &dyn Fn(usize, &Tensor) -> Result<Tensor> =
+            if transposed { &transpose_first } else { &as_is };
+        let case = format!("rms_norm {shape:?} transposed={transposed}");
+        check(
+            &case,
+            &masters,
+            view,
+            &|t| ops::rms_norm(&t[0], &t[1], eps as f32),
+            &|t| ref_rms_norm(&t[0], &t[1], eps),
+        )?;
+        check(
+            &format!("{case}, the module"),
+            &masters,
+            view,
+            &|t| nn::RmsNorm::new(t[1].clone(), eps).forward(&t[0]),
+            &|t| ref_rms_norm(&t[0], &t[1], eps),
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn softmax_last_dim_values_and_gradients_match_the_elementary_ops() -> Result<()> {
+    for (shape, transposed) in NORM_SHAPES {
+        let view: &dyn Fn(usize, &Tensor) -> Result<Tensor> =
+            if transposed { &transpose_first } else { &as_is };
+        check(
+            &format!("softmax_last_dim {shape:?} transposed={transposed}"),
+            &[randn(shape, 0.0)?],
+            view,
+            &|t| ops::softmax_last_dim(&t[0]),
+            &|t| ref_softmax(&t[0]),
+        )?;
+    }
+    Ok(())
+}
+
+/// Which rope.
+#[derive(Clone, Copy, Debug)]
+enum Rope {
+    Halves,
+    Interleaved,
+    Thd,
+}
+
+/// The reference rope: `x` is (b, h, t, d), or (b, t, h, d) for Thd; the tables (T, d/2) or
+/// (b, T, d/2) with T >= t.
+fn ref_rope(kind: Rope, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, t, d) = match kind {
+        Rope::Thd => (x.dim(0)?, x.dim(1)?, x.dim(3)?),
+        _ => (x.dim(0)?, x.dim(2)?, x.dim(3)?),
+    };
+    let half = d / 2;
+    let table = |c: &Tensor| -> Result<Tensor> {
+        let batched = c.rank() == 3;
+        let c = c.narrow(c.rank() - 2, 0, t)?;
+        let cb = if batched { b } else { 1 };
+        match kind {
+            Rope::Thd => c.reshape((cb, t, 1, half)),
+            _ => c.reshape((cb, 1, t, half)),
+        }
+    };
+    let (c, s) = (table(cos)?, table(sin)?);
+    match kind {
+        Rope::Interleaved => {
+            let dims = x.dims();
+            let x = x.reshape((dims[0], dims[1], dims[2], half, 2))?;
+            let (x0, x1) = (
+                x.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?,
+                x.narrow(D::Minus1, 1, 1)?.squeeze(D::Minus1)?,
+            );
+            let y0 = (x0.broadcast_mul(&c)? - x1.broadcast_mul(&s)?)?;
+            let y1 = (x0.broadcast_mul(&s)? + x1.broadcast_mul(&c)?)?;
+            Tensor::stack(&[y0, y1], D::Minus1)?.reshape(dims)
+        }
+        _ => {
+            let (x1, x2) = (
+                x.narrow(D::Minus1, 0, half)?,
+                x.narrow(D::Minus1, half, half)?,
+            );
+            let y1 = (x1.broadcast_mul(&c)? - x2.broadcast_mul(&s)?)?;
+            let y2 = (x1.broadcast_mul(&s)? + x2.broadcast_mul(&c)?)?;
+            Tensor::cat(&[y1, y2], D::Minus1)
+        }
+    }
+}
+
+fn our_rope(kind: Rope, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    match kind {
+        Rope::Halves => rotary_emb::rope(x, cos, sin),
+        Rope::Interleaved => rotary_emb::rope_i(x, cos, sin),
+        Rope::Thd => rotary_emb::rope_thd(x, cos, sin),
+    }
+}
+
+#[test]
+fn rope_values_and_gradients_match_the_elementary_ops() -> Result<()> {
+    // (x's shape as the variant reads it, table rows beyond the sequence, batched tables, x
+    // given transposed)
+    let cases: [(&[usize], usize, bool, bool); 6] = [
+        (&[2, 3, 5, 6], 0, false, false),
+        (&[1, 1, 1, 2], 0, false, false),
+        (&[2, 2, 3, 4], 4, false, false), // a table longer than the sequence
+        (&[3, 2, 3, 8], 0, true, false),  // one table per batch element
+        (&[2, 3, 5, 6], 1, true, false),  // both
+        (&[1, 4, 3, 2], 0, false, true),  // non-contiguous: axes 1 and 2 swapped
+    ];
+    for kind in [Rope::Halves, Rope::Interleaved, Rope::Thd] {
+        for (dims, extra, batched, transposed) in cases {
+            let (b, d) = (dims[0], dims[3]);
+            let seq = if matches!(kind, Rope::Thd) {
+                dims[1]
+            } else {
+                dims[2]
+            };
+            let stored: Vec<usize> = if transposed {
+                vec![dims[0], dims[2], dims[1], dims[3]]
+            } else {
+                dims.to_vec()
+            };
+            let table: Vec<usize> = if batched {
+                vec![b, seq + extra, d / 2]
+            } else {
+                vec![seq + extra, d / 2]
+            };
+            let angles = randn(&table, 0.0)?;
+            let masters = [randn(&stored, 0.0)?, angles.cos()?, angles.sin()?];
+            let view = move |i: usize, v: &Tensor| -> Result<Tensor> {
+                if i == 0 && transposed {
+                    v.transpose(1, 2)
+                } else {
+                    Ok(v.clone())
+                }
+            };
+            check(
+                &format!("{kind:?} {dims:?} table {table:?} transposed={transposed}"),
+                &masters,
+                &view,
+                &|t| our_rope(kind, &t[0], &t[1], &t[2]),
+                &|t| ref_rope(kind, &t[0], &t[1], &t[2]),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn rope_with_constant_tables_gives_the_input_its_gradient_only() -> Result<()> {
+    let x = Var::from_tensor(&randn(&[2, 2, 3, 4], 0.0)?)?;
+    let angles = randn(&[3, 2], 0.0)?;
+    let y = rotary_emb::rope(&x, &angles.cos()?, &angles.sin()?)?;
+    let grads = y.sqr()?.sum_all()?.backward()?;
+    // |rope(x)|^2 = |x|^2: the gradient is 2x.
+    let diff = max_abs_diff(grads.get(&x).unwrap(), &(x.as_tensor() * 2.)?);
+    assert!(diff < 1e-5, "{diff}");
+    Ok(())
+}
+
+/// Bit-for-bit equality with candle-nn's fused forward, for contiguous inputs it takes.
+#[test]
+fn forwards_equal_candle_nn_fused_kernels_bit_for_bit() -> Result<()> {
+    let same = |what: &str, a: Tensor, b: Tensor| -> Result<()> {
+        let a = a.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        let b = b.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+            panic!(
+                "{what}: element {i} is {} here and {} in candle-nn",
+                a[i], b[i]
+            );
+        }
+        Ok(())
+    };
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for shape in [&[4usize, 33][..], &[2, 3, 64], &[40, 7], &[1, 1]] {
+            let n = shape[shape.len() - 1];
+            let x = randn(shape, 0.3)?.to_dtype(dtype)?;
+            let a = randn(&[n], 1.0)?.to_dtype(dtype)?;
+            let b = randn(&[n], 0.0)?.to_dtype(dtype)?;
+            let what = format!("{dtype:?} {shape:?}");
+            same(
+                &format!("layer_norm {what}"),
+                ops::layer_norm(&x, &a, &b, 1e-5)?,
+                candle_nn::ops::layer_norm(&x, &a, &b, 1e-5)?,
+            )?;
+            same(
+                &format!("rms_norm {what}"),
+                ops::rms_norm(&x, &a, 1e-5)?,
+                candle_nn::ops::rms_norm(&x, &a, 1e-5)?,
+            )?;
+            same(
+                &format!("softmax_last_dim {what}"),
+                ops::softmax_last_dim(&x)?,
+                candle_nn::ops::softmax_last_dim(&x)?,
+            )?;
+        }
+    }
+    // candle's kernels read a batched table as exactly `seq` rows long (with a longer one,
+    // rope_thd's reads the wrong rows), so each variant gets a table of its sequence's length.
+    type RopeFn = fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>;
+    let variants: [(&str, RopeFn, RopeFn, usize); 3] = [
+        ("rope", rotary_emb::rope, candle_nn::rotary_emb::rope, 2),
+        (
+            "rope_i",
+            rotary_emb::rope_i,
+            candle_nn::rotary_emb::rope_i,
+            2,
+        ),
+        (
+            "rope_thd",
+            rotary_emb::rope_thd,
+            candle_nn::rotary_emb::rope_thd,
+            1,
+        ),
+    ];
+    for dtype in DTYPES {
+        for (name, ours, theirs, seq_dim) in variants {
+            for (dims, batched) in [
+                ([2usize, 3, 5, 8], false),
+                ([2, 3, 5, 8], true),
+                ([1, 1, 1, 2], false),
+            ] {
+                let (seq, half) = (dims[seq_dim], dims[3] / 2);
+                let table = if batched {
+                    vec![dims[0], seq, half]
+                } else {
+                    vec![seq, half]
+                };
+                let angles = randn(&table, 0.0)?;
+                let (cos, sin) = (
+                    angles.cos()?.to_dtype(dtype)?,
+                    angles.sin()?.to_dtype(dtype)?,
+                );
+                let x = randn(&dims, 0.0)?.to_dtype(dtype)?;
+                same(
+                    &format!("{name} {dtype:?} {dims:?} batched={batched}"),
+                    ours(&x, &cos, &sin)?,
+                    theirs(&x, &cos, &sin)?,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_modules_build_candle_nn_variables_and_train_what_is_below_them() -> Result<()> {
+    let dev = Device::Cpu;
+    let (ours, theirs) = (VarMap::new(), VarMap::new());
+    let vb = |m: &VarMap| VarBuilder::from_varmap(m, DType::F32, &dev);
+    nn::layer_norm(5, 1e-5, vb(&ours).pp("ln"))?;
+    nn::rms_norm(5, 1e-6, vb(&ours).pp("rms"))?;
+    nn::layer_norm_no_bias(5, 1e-5, vb(&ours).pp("nb"))?;
+    candle_nn::layer_norm(5, 1e-5, vb(&theirs).pp("ln"))?;
+    candle_nn::rms_norm(5, 1e-6, vb(&theirs).pp("rms"))?;
+    candle_nn::layer_norm_no_bias(5, 1e-5, vb(&theirs).pp("nb"))?;
+    let names = |m: &VarMap| {
+        let mut n: Vec<String> = m.data().lock().unwrap().keys().cloned().collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(&ours), names(&theirs));
+    assert_eq!(
+        names(&ours),
+        ["ln.bias", "ln.weight", "nb.weight", "rms.weight"]
+    );
+
+    // linear -> norm -> linear: the first linear layer gets its gradient through ours, and
+    // none through candle-nn's (candle #2168), which is why these layers exist.
+    for candle in [false, true] {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+        let below = candle_nn::linear(4, 6, vb.pp("below"))?;
+        let above = candle_nn::linear(6, 2, vb.pp("above"))?;
+        let y = if candle {
+            candle_nn::layer_norm(6, 1e-5, vb.pp("norm"))?
+                .forward(&below.forward(&randn(&[3, 4], 0.)?.to_dtype(DType::F32)?)?)?
+        } else {
+            nn::layer_norm(6, 1e-5, vb.pp("norm"))?
+                .forward(&below.forward(&randn(&[3, 4], 0.)?.to_dtype(DType::F32)?)?)?
+        };
+        let grads = above.forward(&y)?.sqr()?.sum_all()?.backward()?;
+        assert_eq!(
+            grads.get(below.weight()).is_some(),
+            !candle,
+            "candle-nn's layer: {candle}"
+        );
+    }
+
+    // candle-nn's layer, taken over with its variables.
+    let theirs = candle_nn::layer_norm(5, 1e-5, vb(&VarMap::new()))?;
+    let x = randn(&[2, 5], 0.)?.to_dtype(DType::F32)?;
+    let converted = nn::LayerNorm::from(theirs.clone());
+    assert_eq!(
+        max_abs_diff(&converted.forward(&x)?, &theirs.forward(&x)?),
+        0.0
+    );
+    Ok(())
+}
+
+#[test]
+fn bad_arguments_are_errors_that_name_the_shapes() -> Result<()> {
+    let x = randn(&[2, 3], 0.)?.to_dtype(DType::F32)?;
+    let w4 = Tensor::ones(4, DType::F32, &Device::Cpu)?;
+    let w3 = Tensor::ones(3, DType::F32, &Device::Cpu)?;
+    let err = ops::layer_norm(&x, &w4, &w3, 1e-5).unwrap_err().to_string();
+    assert!(
+        err.contains("weight has shape [4]") && err.contains("[3]"),
+        "{err}"
+    );
+    let err = ops::rms_norm(&x, &w3.to_dtype(DType::F64)?, 1e-5)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("F32") && err.contains("F64"), "{err}");
+    let err = ops::softmax_last_dim(&x.to_dtype(DType::U32)?)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("U32"), "{err}");
+    let x4 = randn(&[1, 2, 3, 4], 0.)?.to_dtype(DType::F32)?;
+    let short = Tensor::ones((2, 2), DType::F32, &Device::Cpu)?;
+    let err = rotary_emb::rope(&x4, &short, &short)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("covers 2 positions, the input has 3"), "{err}");
+    let odd = randn(&[1, 2, 3, 5], 0.)?.to_dtype(DType::F32)?;
+    let err = rotary_emb::rope(&odd, &short, &short)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("must be even"), "{err}");
+    Ok(())
+}
