@@ -85,15 +85,15 @@ const SGD: SgdConfig = SgdConfig {
     maximize: false,
 };
 
-/// Trains `build`'s model under DDP for 3 steps; returns it and its varmap.
+/// Trains `build`'s model over `varmap` under DDP for 3 steps.
 fn train_stack<M: Module>(
     pg: &ProcessGroup,
+    varmap: &VarMap,
     config: DdpConfig,
     build: impl Fn(VarBuilder) -> candle_core::Result<M>,
-) -> (DistributedDataParallel<M>, VarMap) {
-    let varmap = VarMap::new();
+) -> DistributedDataParallel<M> {
     let model =
-        DistributedDataParallel::with_config(&varmap, pg, &Device::Cpu, config, build).unwrap();
+        DistributedDataParallel::with_config(varmap, pg, &Device::Cpu, config, build).unwrap();
     let mut opt = Sgd::new(model.parameters(), SGD).unwrap();
     for step in 0..3 {
         let (x, y) = share(step, pg.world_size(), pg.rank());
@@ -101,7 +101,7 @@ fn train_stack<M: Module>(
         let grads = model.backward(&l).unwrap();
         opt.step(&grads).unwrap();
     }
-    (model, varmap)
+    model
 }
 
 /// Starts `world` child ranks of `test`, each with the logger at `info`.
@@ -161,6 +161,42 @@ fn candle_nns_layer_norm_freezes_the_layer_below_and_rank_0_names_it_once() {
         "{line}"
     );
     assert!(!out[1].contains(REPORT), "rank 1 reported too:\n{}", out[1]);
+}
+
+/// The same model with candle_parallel's layer_norm, which has a backward.
+fn our_stack(vb: VarBuilder) -> candle_core::Result<Stack<candle_parallel::nn::LayerNorm>> {
+    Ok(Stack {
+        l1: linear(IN, HIDDEN, vb.pp("l1"))?,
+        norm: candle_parallel::nn::layer_norm(HIDDEN, 1e-5, vb.pp("ln"))?,
+        l2: linear(HIDDEN, OUT, vb.pp("l2"))?,
+    })
+}
+
+#[test]
+fn with_candle_parallels_layer_norm_every_parameter_trains_and_nothing_is_reported() {
+    let test = "with_candle_parallels_layer_norm_every_parameter_trains_and_nothing_is_reported";
+    if is_child() {
+        candle_parallel::logging::init();
+        let pg = join_child();
+        let varmap = VarMap::new();
+        our_stack(seeded_var_builder(&varmap, 3, DType::F32, &Device::Cpu)).unwrap();
+        let before: Vec<Tensor> = BELOW_LAYER_NORM.iter().map(|n| var(&varmap, n)).collect();
+        // Every rank starts from these values: DDP's broadcast leaves them as they are.
+        let model = train_stack(&pg, &varmap, DdpConfig::default(), our_stack);
+        assert!(model.unused_parameters().is_empty());
+        for (name, was) in BELOW_LAYER_NORM.iter().zip(&before) {
+            assert!(
+                max_abs_diff(&var(&varmap, name), was) > 0.0,
+                "{name} did not move"
+            );
+        }
+        println!("{DONE}");
+        return;
+    }
+    let out = ranks_with_logger(test, 2).assert_all_pass(LIMIT);
+    for (rank, o) in out.iter().enumerate() {
+        assert!(!o.contains(REPORT), "rank {rank} reported:\n{o}");
+    }
 }
 
 /// Two heads, of which a rank uses one (`head_b` on rank 1 only); `spare` is used nowhere.
@@ -378,11 +414,16 @@ fn parameters_declared_frozen_are_not_reported_but_still_listed() {
             ..DdpConfig::default()
         };
         // Everything below the norm declared frozen (a layer, and a layer by its prefix).
-        let (model, _) = train_stack(&pg, frozen(&["l1", "ln."]), candle_nn_stack);
+        let model = train_stack(&pg, &VarMap::new(), frozen(&["l1", "ln."]), candle_nn_stack);
         assert_eq!(model.unused_parameters(), BELOW_LAYER_NORM);
         println!("silent part over");
         // Only the first layer declared: the norm's parameters are reported.
-        let (model, _) = train_stack(&pg, frozen(&["l1.weight", "l1.bias"]), candle_nn_stack);
+        let model = train_stack(
+            &pg,
+            &VarMap::new(),
+            frozen(&["l1.weight", "l1.bias"]),
+            candle_nn_stack,
+        );
         assert_eq!(model.unused_parameters(), BELOW_LAYER_NORM);
         println!("{DONE}");
         return;
