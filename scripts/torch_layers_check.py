@@ -3,18 +3,24 @@ every input, in f32.
 
     python3 scripts/torch_layers_check.py            # needs torch (pip install torch)
     python3 scripts/torch_layers_check.py --keep DIR  # keep the .npz files
+    python3 scripts/torch_layers_check.py --bench [--device cuda] [--dtype bf16]
 
 Writes the inputs (seeded), runs `cargo run --example fused_layers_twin` on them, and compares
 its outputs and gradients with torch.nn.functional's layer_norm, rms_norm and softmax, and with
 rotary embeddings written in torch ops (torch has no rope function; these follow the formulas of
 candle's rope, rope_i and rope_thd). Exits non-zero when a value differs by more than 1e-5
 relative to the largest value of its array (absolute below 1).
+
+--bench instead times PyTorch's layers at the sizes of `cargo bench --bench fused_layers` and
+prints the same columns where torch has them: the forward, and a step (forward and backward of
+sum(y * g)). Medians of --reps runs, in ms.
 """
 import argparse
 import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -88,11 +94,73 @@ def torch_case(name, arrays):
     return result
 
 
+def bench(device, dtype, reps):
+    """PyTorch's side of benches/fused_layers.rs: the same layers, sizes and columns."""
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype]
+    dev = torch.device(device)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=dev).to(dtype)
+
+    tokens, dim = 16 * 256, 512
+    b, h, t, d = 16, 8, 256, 64
+    angles = torch.randn(t, d // 2, device=dev)
+    cases = [
+        (f"layer_norm ({tokens}, {dim})", [randn(tokens, dim), randn(dim), randn(dim)],
+         lambda x, w, bias: F.layer_norm(x, (dim,), w, bias, EPS)),
+        (f"rms_norm ({tokens}, {dim})", [randn(tokens, dim), randn(dim)],
+         lambda x, w: F.rms_norm(x, (dim,), w, EPS)),
+        (f"softmax_last_dim ({b * h * t}, {t})", [randn(b * h * t, t)],
+         lambda x: F.softmax(x, dim=-1)),
+        (f"rope ({b}, {h}, {t}, {d})", [randn(b, h, t, d), angles.cos().to(dtype),
+                                         angles.sin().to(dtype)],
+         lambda x, c, s: rope("rope", x, c, s)),
+    ]
+
+    def median_ms(f):
+        for _ in range(3):
+            f()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            f()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[reps // 2]
+
+    print(f"PyTorch {torch.__version__} layers on {device}, {dtype}, medians of {reps} runs (ms)")
+    print(f"{'layer':<34} {'forward':>9} {'step':>9}")
+    for name, inputs, layer in cases:
+        with torch.no_grad():
+            forward = median_ms(lambda: layer(*inputs))
+        leaves = [x.detach().requires_grad_(True) for x in inputs]
+        g = torch.randn_like(layer(*leaves))
+
+        def step():
+            for x in leaves:
+                x.grad = None
+            (layer(*leaves) * g).sum().backward()
+
+        print(f"{name:<34} {forward:>9.3f} {median_ms(step):>9.3f}")
+    print("rope is written in torch ops (torch has no rope function)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--keep", help="a folder to keep the .npz files in")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bench", action="store_true", help="time torch's layers instead")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
+    if args.bench:
+        torch.set_num_threads(int(os.environ.get("TORCH_THREADS", torch.get_num_threads())))
+        bench(args.device, args.dtype, args.reps)
+        return
     folder = args.keep or tempfile.mkdtemp(prefix="torch-layers-")
     os.makedirs(folder, exist_ok=True)
     all_cases = cases(np.random.default_rng(args.seed))
