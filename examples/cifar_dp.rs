@@ -43,6 +43,8 @@ struct Args {
 const EVAL_BATCH: usize = 1000;
 
 fn main() -> Result<()> {
+    // The library's messages (rendezvous progress, DDP's reports) go through `log`.
+    candle_parallel::logging::init();
     // Freed tensor memory stays for the next step (see candle_parallel::memory).
     candle_parallel::memory::keep_freed_memory();
     let args = Args::parse();

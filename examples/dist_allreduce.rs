@@ -43,6 +43,8 @@ fn rank_main(args: &Args) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    // The library's messages (rendezvous progress, DDP's reports) go through `log`.
+    candle_parallel::logging::init();
     let args = Args::parse();
     // Spawns --nproc ranks; under candle-run or torchrun this process already is one.
     launch::spawn(args.nproc, |_rank| rank_main(&args))?;

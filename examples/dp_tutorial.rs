@@ -57,6 +57,8 @@ impl Module for Model {
 }
 
 fn main() -> Result<()> {
+    // The library's messages (rendezvous progress, DDP's reports) go through `log`.
+    candle_parallel::logging::init();
     let args = Args::parse();
     let devices = replica_devices(args.devices, args.cpu)?;
     if devices.len() > 1 {

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Runs every GPU check of candle-parallel in one sitting, on the GPU machine, from the .gpu/
-# folder that scripts/gpu-pack.sh filled. Everything goes to one log, $OUT/gpu-checks.log
-# (default ./logs): the device tool brings back only a few files.
+# Runs every GPU check of candle-parallel, on the GPU machine, from a folder that
+# scripts/gpu-pack.sh filled (.gpu/ or .gpu-b/; a check whose binary is not in the folder is
+# skipped). Everything goes to one log, $OUT/gpu-checks.log (default ./logs): the device tool
+# brings back only a few files.
 #
-#   cd .gpu && ./gpu-checks.sh
+#   cd .gpu && ./gpu-checks.sh; cd ../.gpu-b && ./gpu-checks.sh
 set -uo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-logs}
@@ -17,6 +18,11 @@ run() { # name, command...: runs it, logs it, and never stops the sitting
   local name=$1; shift
   # ONLY='gpu_tests|dp_throughput' runs just those checks (a second sitting's leftovers).
   if [[ -n "${ONLY:-}" && ! "$name" =~ ^(${ONLY})$ ]]; then return; fi
+  # A binary of the other pack, or a script that was not copied here.
+  local program=$1
+  [[ "$program" == env ]] && program=$3
+  [[ "$program" == python3 ]] && program=$2
+  if [[ "$program" == ./* || "$program" == *.py ]] && [[ ! -e "${program#./}" ]]; then return; fi
   echo "=== $name: $*" | tee -a "$LOG"
   ( time timeout -k 5 "${CHECK_TIMEOUT:-150}" ./run-on-gpu.sh "$@" ) 2>&1 | tee -a "$LOG" | tail -n 25
   echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$LOG"
@@ -60,4 +66,13 @@ run cifar_ddp_2_tcp env CANDLE_PARALLEL_BACKEND=tcp ./cifar_ddp --epochs 1 --npr
 # DDP on NCCL with one rank against the plain step (its overhead), beside PyTorch's.
 run ddp_throughput ./ddp_throughput --cuda
 run torch_ddp_bench python3 torch_ddp_bench.py --device cuda
+# The transformer layers (pack .gpu-b): their CUDA paths against the CPU are in ./gpu above; here
+# their speed beside candle-nn's fused forwards and PyTorch's layers, in f32 and bf16.
+for dtype in f32 bf16; do
+  run "fused_layers_$dtype" ./fused_layers --cuda --reps 50 --dtype "$dtype"
+  run "torch_fused_layers_$dtype" python3 torch_layers_check.py --bench --device cuda --reps 50 --dtype "$dtype"
+done
+# The transformer example on NCCL at world size 1, then PyTorch's same model on the same GPU.
+run transformer_ddp ./transformer_ddp --epochs 2
+run torch_transformer python3 torch_transformer_bench.py --device cuda
 echo "log: $LOG"

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Builds the CUDA + NCCL binaries here (no GPU needed) and packs them into .gpu/ for the GPU
-# machine, with scripts/gpu-checks.sh to run everything there in one sitting (../shared/GPU.md).
+# Builds the CUDA + NCCL binaries here (no GPU needed) and packs them for the GPU machine, with
+# scripts/gpu-checks.sh to run everything there (../shared/GPU.md). A device call carries at
+# most 64 MiB and each binary holds candle's GPU kernels (about 6 MiB compressed), so there are
+# two packs, one per device call: .gpu/ (DataParallel, the Net, NCCL, DDP) and .gpu-b/ (the
+# transformer layers and transformer_ddp).
 #
-#   scripts/gpu-pack.sh            # then run .gpu/gpu-checks.sh on the GPU machine
+#   scripts/gpu-pack.sh            # then, on the GPU machine, .gpu/gpu-checks.sh and
+#                                  # .gpu-b/gpu-checks.sh (each skips what its pack lacks)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${CUDA_BUILD:-../shared/scripts/cuda-build.sh}
@@ -27,25 +31,29 @@ for line in sys.stdin:
 }
 
 # Debug info would double the compressed size; the GPU code (most of a binary) stays.
-pack() { # name, executable
-  strip --strip-debug -o ".gpu/$1" "$2" && xz -T0 -f ".gpu/$1"
+pack() { # folder, name, executable
+  strip --strip-debug -o "$1/$2" "$3" && xz -T0 -f "$1/$2"
 }
 
-mkdir -p .gpu
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
-grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
-rm -f .gpu/*.xz
-"$BUILD" --launcher > .gpu/run-on-gpu.sh
-chmod +x .gpu/run-on-gpu.sh
+for dir in .gpu .gpu-b; do
+  mkdir -p "$dir"
+  grep -qx "/$dir/" "$exclude" 2>/dev/null || echo "/$dir/" >> "$exclude"
+  rm -f "$dir"/*.xz
+  "$BUILD" --launcher > "$dir/run-on-gpu.sh"
+  chmod +x "$dir/run-on-gpu.sh"
+done
 # What travels is limited to 64 MiB, and each binary carries candle's GPU kernels (about 6 MiB
 # compressed): only what needs the GPU goes. The CPU suites run in CI.
 for example in cifar_dp cifar_ddp; do
-  pack "$example" "$CARGO_TARGET_DIR/release/examples/$example"
+  pack .gpu "$example" "$CARGO_TARGET_DIR/release/examples/$example"
 done
+pack .gpu-b transformer_ddp "$CARGO_TARGET_DIR/release/examples/transformer_ddp"
 { list "$FEATURES" test --release; list "$FEATURES" bench; } | while read -r name exe; do
   case "$name" in
-    gpu|dp_throughput|ddp_throughput|net_phases|async_overlap) pack "$name" "$exe" ;;
+    gpu|dp_throughput|ddp_throughput|net_phases|async_overlap) pack .gpu "$name" "$exe" ;;
+    fused_layers) pack .gpu-b "$name" "$exe" ;;
   esac
 done
 # net_phases again with our `cudnn` feature, linked against the cuDNN that PyTorch pins (its
@@ -53,13 +61,16 @@ done
 cudnn_lib=$(scripts/cudnn-lib.sh)
 LIBRARY_PATH="$cudnn_lib${LIBRARY_PATH:+:$LIBRARY_PATH}" CARGO_TARGET_DIR=target-cudnn \
   list "$FEATURES,cudnn" bench --bench net_phases | while read -r name exe; do
-  pack "${name}_cudnn" "$exe"
+  pack .gpu "${name}_cudnn" "$exe"
 done
 cp scripts/gpu-checks.sh scripts/torch_net_bench.py scripts/torch_ddp_bench.py .gpu/
-du -sh .gpu
-total=$(du -sk .gpu | cut -f1)
-if [ "$total" -gt $((60 * 1024)) ]; then
-  echo "gpu-pack: .gpu holds ${total} KiB, too close to the 64 MiB a device call carries" >&2
-  exit 1
-fi
-ls -l .gpu
+cp scripts/gpu-checks.sh scripts/torch_layers_check.py scripts/torch_transformer_bench.py .gpu-b/
+for dir in .gpu .gpu-b; do
+  du -sh "$dir"
+  total=$(du -sk "$dir" | cut -f1)
+  if [ "$total" -gt $((60 * 1024)) ]; then
+    echo "gpu-pack: $dir holds ${total} KiB, too close to the 64 MiB a device call carries" >&2
+    exit 1
+  fi
+  ls -l "$dir"
+done

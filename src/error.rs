@@ -322,6 +322,19 @@ pub enum Error {
         detail: String,
     },
 
+    /// A synchronised DistributedDataParallel backward left parameters without a gradient on
+    /// every rank, and `DdpConfig::unused_report` asks for an error.
+    #[error(
+        "DistributedDataParallel: {summary} (this is an error because DdpConfig::unused_report \
+         is UnusedReport::Error)"
+    )]
+    ParametersWithoutGradient {
+        /// The parameters' names, sorted.
+        names: Vec<String>,
+        /// The first names, a count, and the likely causes.
+        summary: String,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

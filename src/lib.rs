@@ -12,6 +12,8 @@
 //!   which lets one model definition serve one device and many.
 //! - [`sampler::DistributedSampler`]: each rank's share of a dataset.
 //! - [`launch`]: start N ranks (the `candle-run` launcher and its library entry).
+//! - [`logging`]: the library talks through the `log` facade; `logging::init` shows its
+//!   messages on stderr.
 //!
 //! ```rust
 //! use candle_core::{DType, Device, Module, Tensor};
@@ -39,6 +41,7 @@ mod error;
 pub mod init;
 #[cfg(unix)]
 pub mod launch;
+pub mod logging;
 pub mod memory;
 pub mod nn;
 pub mod optim;
@@ -51,7 +54,7 @@ pub mod sampler;
 mod sync;
 
 pub use data_parallel::{DataParallel, DataParallelConfig};
-pub use ddp::{DdpConfig, DistributedDataParallel};
+pub use ddp::{vars_without_gradient, DdpConfig, DistributedDataParallel};
 /// `torch.distributed`'s short name: the same module as [`distributed`].
 pub use distributed as dist;
 pub use error::{Error, Result};

@@ -381,6 +381,8 @@ fn a_rank_waiting_for_an_unreachable_master_says_so_and_the_wait_is_set_from_the
     let test =
         "a_rank_waiting_for_an_unreachable_master_says_so_and_the_wait_is_set_from_the_environment";
     if is_child() {
+        // The progress lines go through `log`: show them on stderr.
+        candle_parallel::logging::init();
         let started = Instant::now();
         let err = ProcessGroup::from_env(&Device::Cpu).unwrap_err();
         assert!(matches!(err, Error::Unreachable { .. }), "{err}");

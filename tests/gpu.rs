@@ -473,3 +473,107 @@ fn the_nets_loss_and_gradients_on_the_gpu_equal_those_of_our_cpu_kernels() {
         );
     }
 }
+
+/// The fused layers on CUDA (candle's kernels forward; candle ops, or the rotation kernel,
+/// backward) against our CPU kernels: the output and every input's gradient of
+/// `sum(layer(x) * g)`, in f32 and bf16; and the forward equal to candle-nn's fused op on the
+/// GPU bit for bit.
+#[test]
+fn the_fused_layers_on_the_gpu_equal_their_cpu_kernels() {
+    use candle_parallel::nn::{ops, rotary_emb};
+    if !have_gpu() {
+        return;
+    }
+    let gpu = Device::new_cuda_with_stream(0).unwrap();
+    type Layer = fn(&[Tensor]) -> candle_core::Result<Tensor>;
+    let angles = Tensor::randn(0f32, 1., (9, 4), &Device::Cpu).unwrap();
+    let table = [angles.cos().unwrap(), angles.sin().unwrap()];
+    let randn = |shape: &[usize]| Tensor::randn(0f32, 1., shape, &Device::Cpu).unwrap();
+    let cases: Vec<(&str, Vec<Tensor>, Layer, Layer)> = vec![
+        (
+            "layer_norm",
+            vec![randn(&[6, 37]), randn(&[37]), randn(&[37])],
+            |t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            |t| candle_nn::ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        ),
+        (
+            "layer_norm, 1536 wide",
+            vec![randn(&[3, 1536]), randn(&[1536]), randn(&[1536])],
+            |t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            |t| candle_nn::ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        ),
+        (
+            "rms_norm",
+            vec![randn(&[6, 37]), randn(&[37])],
+            |t| ops::rms_norm(&t[0], &t[1], 1e-5),
+            |t| candle_nn::ops::rms_norm(&t[0], &t[1], 1e-5),
+        ),
+        (
+            "softmax_last_dim",
+            vec![randn(&[5, 3, 70])],
+            |t| ops::softmax_last_dim(&t[0]),
+            |t| candle_nn::ops::softmax_last_dim(&t[0]),
+        ),
+        (
+            "rope",
+            vec![randn(&[2, 3, 9, 8]), table[0].clone(), table[1].clone()],
+            |t| rotary_emb::rope(&t[0], &t[1], &t[2]),
+            |t| candle_nn::rotary_emb::rope(&t[0], &t[1], &t[2]),
+        ),
+        (
+            "rope_i",
+            vec![randn(&[2, 3, 9, 8]), table[0].clone(), table[1].clone()],
+            |t| rotary_emb::rope_i(&t[0], &t[1], &t[2]),
+            |t| candle_nn::rotary_emb::rope_i(&t[0], &t[1], &t[2]),
+        ),
+        (
+            "rope_thd",
+            vec![randn(&[2, 9, 3, 8]), table[0].clone(), table[1].clone()],
+            |t| rotary_emb::rope_thd(&t[0], &t[1], &t[2]),
+            |t| candle_nn::rotary_emb::rope_thd(&t[0], &t[1], &t[2]),
+        ),
+    ];
+    for (name, inputs, ours, candle) in cases {
+        for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 2e-2)] {
+            let run = |dev: &Device| {
+                let vars: Vec<Var> = inputs
+                    .iter()
+                    .map(|t| Var::from_tensor(&t.to_dtype(dtype).unwrap().to_device(dev).unwrap()))
+                    .collect::<candle_core::Result<_>>()
+                    .unwrap();
+                let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+                let y = ours(&ts).unwrap();
+                let g = Tensor::ones_like(&y).unwrap().cumsum(y.rank() - 1).unwrap();
+                let g = (g / 50.).unwrap().sin().unwrap();
+                let grads = (&y * g).unwrap().sum_all().unwrap().backward().unwrap();
+                let host = |t: &Tensor| {
+                    t.to_dtype(DType::F32)
+                        .unwrap()
+                        .to_device(&Device::Cpu)
+                        .unwrap()
+                };
+                let mut out = vec![host(&y)];
+                for v in &vars {
+                    out.push(host(grads.get(v).unwrap()));
+                }
+                let fused = host(&candle(&ts).unwrap());
+                (out, fused)
+            };
+            let (cpu, _) = run(&Device::Cpu);
+            let (cuda, candle_fused) = run(&gpu);
+            assert_eq!(
+                max_abs_diff(&cuda[0], &candle_fused),
+                0.0,
+                "{name} {dtype:?}: our CUDA forward is candle-nn's"
+            );
+            for (i, (a, b)) in cuda.iter().zip(&cpu).enumerate() {
+                let (diff, size) = (max_abs_diff(a, b), max_abs(b));
+                assert!(
+                    diff <= tol * size.max(1.0),
+                    "{name} {dtype:?}: result {i} (0 the output, then each input's gradient) \
+                     differs by {diff} on the GPU (largest {size})"
+                );
+            }
+        }
+    }
+}

@@ -31,13 +31,7 @@ type Layer<'a> = &'a dyn Fn(&[Tensor]) -> Result<Tensor>;
 /// Checks `ours` against `reference` on inputs `masters` (f64), for every dtype: the output, and
 /// the gradient of every input of `sum(output * w)` for a random `w`. `view` turns each input's
 /// variable into what the layer is given (a transpose, for the non-contiguous cases).
-fn check(
-    case: &str,
-    masters: &[Tensor],
-    view: &dyn Fn(usize, &Tensor) -> Result<Tensor>,
-    ours: Layer,
-    reference: Layer,
-) -> Result<()> {
+fn check(case: &str, masters: &[Tensor], view: &View, ours: Layer, reference: Layer) -> Result<()> {
     for dtype in DTYPES {
         let vars: Vec<Var> = masters
             .iter()
@@ -132,19 +126,26 @@ const NORM_SHAPES: [(&[usize], bool); 6] = [
     (&[2, 9, 3], true), // given as (2, 3, 9), non-contiguous
 ];
 
+/// How each input's variable is given to the layer.
+type View = dyn Fn(usize, &Tensor) -> Result<Tensor>;
+
+/// A case of [`NORM_SHAPES`]: the size of the normalised dimension as the layer sees it, and
+/// how the input is given.
+fn norm_case(shape: &[usize], transposed: bool) -> (usize, &'static View) {
+    if transposed {
+        (shape[shape.len() - 2], &transpose_first)
+    } else {
+        (shape[shape.len() - 1], &as_is)
+    }
+}
+
 #[test]
 fn layer_norm_values_and_gradients_match_the_elementary_ops() -> Result<()> {
     // The API takes eps as f32: the reference uses the same value.
     let eps = 1e-5f32 as f64;
     for (shape, transposed) in NORM_SHAPES {
-        let n = if transposed {
-            shape[shape.len() - 2]
-        } else {
-            shape[shape.len() - 1]
-        };
+        let (n, view) = norm_case(shape, transposed);
         let masters = [randn(shape, 0.5)?, randn(&[n], 1.0)?, randn(&[n], 0.0)?];
-        let view: &dyn Fn(usize, &Tensor) -> Result<Tensor> =
-            if transposed { &transpose_first } else { &as_is };
         let case = format!("layer_norm {shape:?} transposed={transposed}");
         check(
             &case,
@@ -175,14 +176,8 @@ fn layer_norm_values_and_gradients_match_the_elementary_ops() -> Result<()> {
 fn rms_norm_values_and_gradients_match_the_elementary_ops() -> Result<()> {
     let eps = 1e-6f32 as f64;
     for (shape, transposed) in NORM_SHAPES {
-        let n = if transposed {
-            shape[shape.len() - 2]
-        } else {
-            shape[shape.len() - 1]
-        };
+        let (n, view) = norm_case(shape, transposed);
         let masters = [randn(shape, 0.5)?, randn(&[n], 1.0)?];
-        let view: &dyn Fn(usize, &Tensor) -> Result<Tensor> =
-            if transposed { &transpose_first } else { &as_is };
         let case = format!("rms_norm {shape:?} transposed={transposed}");
         check(
             &case,
@@ -205,8 +200,7 @@ fn rms_norm_values_and_gradients_match_the_elementary_ops() -> Result<()> {
 #[test]
 fn softmax_last_dim_values_and_gradients_match_the_elementary_ops() -> Result<()> {
     for (shape, transposed) in NORM_SHAPES {
-        let view: &dyn Fn(usize, &Tensor) -> Result<Tensor> =
-            if transposed { &transpose_first } else { &as_is };
+        let (_, view) = norm_case(shape, transposed);
         check(
             &format!("softmax_last_dim {shape:?} transposed={transposed}"),
             &[randn(shape, 0.0)?],

@@ -4,6 +4,8 @@
 use candle_parallel::launch::{exit_code, launch, parse_args, Parsed, USAGE};
 
 fn main() {
+    // The launcher's and the library's messages go through `log`; RUST_LOG sets the level.
+    candle_parallel::logging::init();
     let code = match parse_args(std::env::args_os().skip(1)) {
         Ok(Parsed::Help) => {
             println!("{USAGE}");

@@ -38,19 +38,34 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Differences from torch, on purpose: a parameter that gets no gradient on a rank (a branch
-//! not taken) contributes zeros, with no `find_unused_parameters` knob and no error; the
-//! gradients come back in a `GradStore` rather than in `.grad`; `backward` must be called on
-//! the wrapper (`model.backward(&loss)`), which a forward checks, as torch's DDP checks that
-//! the previous reduction finished.
+//! Parameters without a gradient: one that gets no gradient on some ranks (a branch not taken
+//! there) gets the average of the others' gradients and zeros; one that gets a gradient on no
+//! rank at all gets none from `backward`, as in one process, so that the optimizer leaves it as
+//! it is (with zeros, AdamW's weight decay and moments would move it). Such parameters are
+//! usually a mistake, a layer without a backward between them and the loss (candle-nn's fused
+//! norms, softmax and rope: candle issue #2168), so rank 0 says so through the `log` facade,
+//! once per distinct set ([`UnusedReport`]; install a logger, e.g. [`crate::logging::init`], to
+//! see it); [`DistributedDataParallel::unused_parameters`] names them, and
+//! [`DdpConfig::frozen_parameters`] declares those frozen on purpose.
+//!
+//! Differences from torch, on purpose: no `find_unused_parameters` knob, since the check that
+//! it enables costs one small all-reduce per backward here and is always on (torch errors
+//! without the knob and is silent with it; we report by default); the gradients come back in a
+//! `GradStore` rather than in `.grad`; `backward` must be called on the wrapper
+//! (`model.backward(&loss)`), which a forward checks, as torch's DDP checks that the previous
+//! reduction finished; [`DistributedDataParallel::module`] refreshes the model's parameter
+//! copies at each call.
 
 pub mod bucket;
+
+pub mod unused;
 
 mod agreement;
 mod hook;
 mod reducer;
 
 pub use reducer::{BackwardStats, Compression};
+pub use unused::{named_vars_without_gradient, vars_without_gradient, UnusedReport};
 
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
@@ -90,6 +105,13 @@ pub struct DdpConfig {
     /// Make the model's [`nn::batch_norm`] layers SyncBatchNorm, over a
     /// process group of their own (torch's `convert_sync_batchnorm`; default false).
     pub sync_batch_norm: bool,
+    /// What a backward that leaves parameters without a gradient on every rank does: warn
+    /// (default) or fail. See [`UnusedReport`].
+    pub unused_report: UnusedReport,
+    /// Parameters frozen on purpose, never reported for having no gradient: names, or
+    /// prefixes of a whole path component (`"encoder"` covers `"encoder.l1.weight"`, not
+    /// `"encoder2.weight"`). Default: none.
+    pub frozen_parameters: Vec<String>,
 }
 
 impl Default for DdpConfig {
@@ -105,6 +127,8 @@ impl Default for DdpConfig {
                 .to_vec(),
             dtype: DType::F32,
             sync_batch_norm: false,
+            unused_report: UnusedReport::Warn,
+            frozen_parameters: Vec::new(),
         }
     }
 }
@@ -237,6 +261,11 @@ impl<M> DistributedDataParallel<M> {
             bucket_bytes,
             compression: config.compression,
             rebuild_buckets: config.rebuild_buckets,
+            unused_report: config.unused_report,
+            frozen: params
+                .iter()
+                .map(|e| unused::is_declared(&e.name, &config.frozen_parameters))
+                .collect(),
         });
         Ok(Self {
             module,
@@ -253,10 +282,44 @@ impl<M> DistributedDataParallel<M> {
         })
     }
 
-    /// The wrapped model (torch's `.module`). It computes with the parameters' copies that DDP
-    /// refreshes before each of its forwards; save the variables (`varmap()`), not the module.
+    /// The wrapped model (torch's `.module`), computing with the variables' current values:
+    /// right after `opt.step(&grads)`, `model.module().forward(&x)` uses the new weights. Save
+    /// the variables (`varmap()`), not the module.
+    ///
+    /// The model holds copies of the parameters (the gradient hooks' outputs, which candle
+    /// cannot make share the variables' storage), and candle's optimizers write the variables
+    /// in place without telling anyone. So each call copies every parameter into the model,
+    /// as each [`forward_t`](Self::forward_t) does: one pass over the model's bytes, small
+    /// beside a forward. Take the reference once per evaluation, not once per batch, when that
+    /// copy matters. (Refreshing after each step instead would need a hook in the optimizer;
+    /// keeping the copies current at each access needs none.)
     pub fn module(&self) -> &M {
+        if let Err(e) = self.refresh_copies() {
+            // Only a device failure can get here (the copies have the variables' shapes and
+            // devices); the module then computes with the values of the last refresh.
+            log::error!(
+                "DistributedDataParallel::module: could not copy the variables into the \
+                 model ({e}); it computes with the values of the last forward"
+            );
+        }
         &self.module
+    }
+
+    /// Copies each parameter's current value into the model's copy of it.
+    fn refresh_copies(&self) -> Result<()> {
+        for e in &self.params {
+            e.held
+                .flatten_all()?
+                .slice_set(&e.var.as_tensor().flatten_all()?, 0, 0)?;
+        }
+        Ok(())
+    }
+
+    /// The names of the parameters that got a gradient on no rank in the last synchronised
+    /// backward (sorted by name); they got none from it, and the optimizer left them as they
+    /// were. Empty before the first backward. See the [module documentation](self).
+    pub fn unused_parameters(&self) -> Vec<String> {
+        self.reducer.unused_names()
     }
 
     /// The `VarMap` holding the variables.
@@ -325,8 +388,13 @@ impl<M> DistributedDataParallel<M> {
 
     /// Averages the gradients of `loss` over the world: runs backward (buckets are all-reduced
     /// as their gradients come in), then waits for the last bucket. The returned `GradStore`
-    /// holds each parameter's averaged gradient (under `no_sync`: this rank's sum so far);
-    /// pass it to the optimizer's `step`. Call it once after each `forward_t`, on every rank.
+    /// holds each parameter's averaged gradient (under `no_sync`: this rank's sum so far),
+    /// except for parameters that got a gradient on no rank, which get none (see
+    /// [`unused_parameters`](Self::unused_parameters)); pass it to the optimizer's `step`.
+    /// Call it once after each `forward_t`, on every rank.
+    ///
+    /// Fails with [`Error::ParametersWithoutGradient`], on every rank, when such parameters
+    /// are not declared frozen and [`DdpConfig::unused_report`] is [`UnusedReport::Error`].
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         let started = Instant::now();
         let mut grads = loss.backward()?;
@@ -358,11 +426,7 @@ impl<M: ModuleT> DistributedDataParallel<M> {
         if train && self.broadcast_buffers {
             self.sync_buffers()?;
         }
-        for e in &self.params {
-            e.held
-                .flatten_all()?
-                .slice_set(&e.var.as_tensor().flatten_all()?, 0, 0)?;
-        }
+        self.refresh_copies()?;
         Ok(self.module.forward_t(xs, train)?)
     }
 }

@@ -10,15 +10,26 @@
 //! averaged gradients. After the first iteration the buckets are rebuilt once from the order in
 //! which gradients actually became ready (rank 0's, broadcast), as torch does.
 //!
+//! A parameter that got no gradient on *any* rank (torch's `local_used_map` with
+//! `find_unused_parameters`) gets none from `finish` either, so that an optimizer leaves it as
+//! it is, as it would in one process: the ranks agree on who got a gradient with one small
+//! all-reduce (a max over a 0/1 map, one entry per parameter). The buckets issued during
+//! autograd differ in number between ranks, so that collective goes at a fixed place: after
+//! every bucket was issued in `finish`, never among them. The parameter still travels in its
+//! bucket (as zeros); it is only left out of the `GradStore`. Such parameters are reported (see
+//! [`UnusedReport`]) unless declared frozen.
+//!
 //! Under [`no_sync`](super::DistributedDataParallel::no_sync) gradients are summed locally
 //! instead, and the next synchronised backward all-reduces the sums.
 
 use super::bucket::{assign_buckets, BucketParam};
+use super::unused::{describe, UnusedReport};
 use crate::distributed::{ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
+use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -57,6 +68,10 @@ pub(crate) struct Setup {
     pub bucket_bytes: usize,
     pub compression: Compression,
     pub rebuild_buckets: bool,
+    /// What to do about parameters with a gradient on no rank.
+    pub unused_report: UnusedReport,
+    /// Per parameter: declared frozen, so never reported.
+    pub frozen: Vec<bool>,
 }
 
 /// Timings of the last synchronised backward (for benchmarks).
@@ -106,6 +121,10 @@ struct State {
     /// Whether the buckets were rebuilt from an observed order yet.
     rebuilt: bool,
     stats: BackwardStats,
+    /// The parameters with a gradient on no rank in the last synchronised backward.
+    unused: Vec<usize>,
+    /// The sets of such parameters reported so far (each once).
+    reported: HashSet<Vec<usize>>,
 }
 
 /// The reducer. Made empty, so that the model's `GradReady` ops can point at it while the
@@ -156,6 +175,8 @@ impl Reducer {
             error: None,
             rebuilt: false,
             stats: BackwardStats::default(),
+            unused: Vec::new(),
+            reported: HashSet::new(),
         });
     }
 
@@ -169,6 +190,22 @@ impl Reducer {
             .iter()
             .map(|b| b.iter().map(|&i| st.setup.params[i].name.clone()).collect())
             .collect()
+    }
+
+    /// The names of the parameters with a gradient on no rank in the last synchronised
+    /// backward, sorted.
+    pub fn unused_names(&self) -> Vec<String> {
+        let guard = lock(&self.state);
+        let Some(st) = guard.as_ref() else {
+            return Vec::new();
+        };
+        let mut names: Vec<String> = st
+            .unused
+            .iter()
+            .map(|&i| st.setup.params[i].name.clone())
+            .collect();
+        names.sort();
+        names
     }
 
     /// Timings of the last synchronised backward.
@@ -324,6 +361,11 @@ impl State {
         }
         let autograd_done = Instant::now();
         let issued_during_autograd = self.next;
+        let n = self.setup.params.len();
+        // A gradient now, or sums from no_sync micro-steps: either counts as one.
+        let used_here: Vec<bool> = (0..n)
+            .map(|i| self.grads[i].is_some() || self.accumulated[i].is_some())
+            .collect();
         // Parameters that got no gradient here contribute zeros (or their no_sync sums).
         for b in 0..self.buckets.len() {
             for k in 0..self.buckets[b].len() {
@@ -340,6 +382,9 @@ impl State {
             }
         }
         self.issue_ready_buckets()?;
+        // After the last bucket, on every rank: which parameters got a gradient anywhere.
+        let used_anywhere = self.agree_on_used(&used_here)?;
+        let mut averaged: Vec<Option<Tensor>> = vec![None; n];
         for b in 0..self.buckets.len() {
             let reduced = match self.works[b].take() {
                 Some(work) => work.wait()?,
@@ -350,8 +395,27 @@ impl State {
                     .collect(),
             };
             for (&i, g) in self.buckets[b].iter().zip(reduced) {
-                let var = &self.setup.params[i].var;
-                grads.insert(var.as_tensor(), g.to_dtype(var.dtype())?);
+                averaged[i] = Some(g);
+            }
+        }
+        let used_anywhere = match used_anywhere {
+            Some(work) => work
+                .wait()?
+                .to_device(&Device::Cpu)?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(|u| u > 0.0)
+                .collect(),
+            None => used_here,
+        };
+        self.unused = Vec::new();
+        for (i, g) in averaged.into_iter().enumerate() {
+            let var = &self.setup.params[i].var;
+            match g {
+                Some(g) if used_anywhere[i] => {
+                    grads.insert(var.as_tensor(), g.to_dtype(var.dtype())?);
+                }
+                _ => self.unused.push(i),
             }
         }
         self.stats = BackwardStats {
@@ -363,9 +427,59 @@ impl State {
         if self.setup.rebuild_buckets && !self.rebuilt {
             self.rebuild()?;
         }
-        let n = self.setup.params.len();
         self.grads = vec![None; n];
-        Ok(())
+        self.report_unused()
+    }
+
+    /// Issues the all-reduce (max) of this rank's 0/1 map of parameters that got a gradient;
+    /// `None` with one rank, whose map is the world's.
+    fn agree_on_used(&self, used_here: &[bool]) -> Result<Option<Work<Tensor>>> {
+        let group = &self.setup.group;
+        let Some(first) = self.setup.params.first() else {
+            return Ok(None);
+        };
+        if group.world_size() == 1 {
+            return Ok(None);
+        }
+        let map: Vec<f32> = used_here.iter().map(|&u| f32::from(u8::from(u))).collect();
+        let map = Tensor::new(map, &Device::Cpu)?.to_device(first.var.device())?;
+        Ok(Some(group.all_reduce_async(&map, ReduceOp::Max)?))
+    }
+
+    /// Tells the user about the parameters with a gradient on no rank that are not declared
+    /// frozen: a warning from rank 0, once per distinct set, or an error on every rank.
+    fn report_unused(&mut self) -> Result<()> {
+        // In index order, as `unused` is.
+        let set: Vec<usize> = self
+            .unused
+            .iter()
+            .copied()
+            .filter(|&i| !self.setup.frozen[i])
+            .collect();
+        if set.is_empty() {
+            return Ok(());
+        }
+        let mut names: Vec<String> = set
+            .iter()
+            .map(|&i| self.setup.params[i].name.clone())
+            .collect();
+        names.sort();
+        match self.setup.unused_report {
+            UnusedReport::Error => Err(Error::ParametersWithoutGradient {
+                summary: describe(&names),
+                names,
+            }),
+            UnusedReport::Warn => {
+                if self.setup.group.rank() == 0 && self.reported.insert(set) {
+                    log::warn!(
+                        "DistributedDataParallel: {}; or set DdpConfig::unused_report to \
+                         UnusedReport::Error to make this an error.",
+                        describe(&names)
+                    );
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Rebuilds the buckets from the order gradients came in on rank 0 (the parameters that

@@ -165,6 +165,8 @@ where
             Ok(()) => 0,
             Err(e) => {
                 record_error(&e);
+                // Not through `log`: this is the process's last word before it exits, what
+                // `main` returning `Err` would print, and it must show without a logger.
                 eprintln!("rank {rank} failed: {e}");
                 1
             }

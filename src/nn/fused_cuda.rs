@@ -183,23 +183,20 @@ fn rope_kernel<T: DeviceRepr + WithDType>(
     let func = dev.get_or_load_func(&kernel_name::<T>(kernel), &kernels::REDUCE)?;
     // SAFETY: every element is written by the kernel.
     let dst = unsafe { dev.alloc::<T>(el)? };
+    // The sizes each kernel takes after its four pointers (all u32).
+    let (bh, td) = ((d0 * d1) as u32, (d2 * d) as u32);
+    let sizes: Vec<u32> = match kernel {
+        "rope_i" => vec![bh, td, stride_b],
+        "rope" => vec![bh, td, d as u32, stride_b],
+        _ => vec![d0 as u32, d1 as u32, d2 as u32, d as u32, stride_b],
+    };
     let mut builder = func.builder();
     builder.arg(&src);
     builder.arg(&cos);
     builder.arg(&sin);
     builder.arg(&dst);
-    match kernel {
-        "rope_i" => candle_core::builder_arg!(builder, (d0 * d1) as u32, (d2 * d) as u32, stride_b),
-        "rope" => candle_core::builder_arg!(
-            builder,
-            (d0 * d1) as u32,
-            (d2 * d) as u32,
-            d as u32,
-            stride_b
-        ),
-        _ => {
-            candle_core::builder_arg!(builder, d0 as u32, d1 as u32, d2 as u32, d as u32, stride_b)
-        }
+    for size in &sizes {
+        builder.arg(size);
     }
     // SAFETY: the arguments match the kernel's signature.
     unsafe { builder.launch(cfg) }.w()?;

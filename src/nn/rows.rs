@@ -95,12 +95,18 @@ pub(super) fn norm_fwd<T: Elem>(
         .for_each(|(row, dst)| {
             if remove_mean {
                 let (mean, inv_std) = stats(row, eps_acc, true);
-                for (j, (d, &s)) in dst.iter_mut().zip(row).enumerate() {
-                    let y = (s.up() - mean) * inv_std * alpha[j].up();
-                    *d = T::down(match beta {
-                        Some(beta) => y + beta[j].up(),
-                        None => y,
-                    });
+                let scaled = dst.iter_mut().zip(row).zip(alpha);
+                match beta {
+                    Some(beta) => {
+                        for (((d, &s), &a), &b) in scaled.zip(beta) {
+                            *d = T::down((s.up() - mean) * inv_std * a.up() + b.up());
+                        }
+                    }
+                    None => {
+                        for ((d, &s), &a) in scaled {
+                            *d = T::down((s.up() - mean) * inv_std * a.up());
+                        }
+                    }
                 }
             } else {
                 // candle divides by the root mean square rounded to the element type.

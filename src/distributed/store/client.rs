@@ -60,8 +60,8 @@ impl Store {
                     let waited = started.elapsed();
                     if waited >= said + progress_every(timeout) {
                         said = waited;
-                        eprintln!(
-                            "candle-parallel: rank {rank} is still waiting for the master's store at {addr}, {} s so far ({why}); the rendezvous timeout is {} s",
+                        log::info!(
+                            "rank {rank} is still waiting for the master's store at {addr}, {} s so far ({why}); the rendezvous timeout is {} s",
                             waited.as_secs(),
                             timeout.as_secs()
                         );
@@ -300,8 +300,8 @@ impl Store {
             if waited >= said + progress_every(timeout) {
                 said = waited;
                 let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
-                eprintln!(
-                    "candle-parallel: rank {me} is still waiting for ranks {} to join, {} s so far; \
+                log::info!(
+                    "rank {me} is still waiting for ranks {} to join, {} s so far; \
                      the rendezvous timeout is {} s{}",
                     list.join(", "),
                     waited.as_secs(),

@@ -1,0 +1,195 @@
+"""candle_parallel::nn's fused layers against PyTorch on the CPU: values and the gradients of
+every input, in f32.
+
+    python3 scripts/torch_layers_check.py            # needs torch (pip install torch)
+    python3 scripts/torch_layers_check.py --keep DIR  # keep the .npz files
+    python3 scripts/torch_layers_check.py --bench [--device cuda] [--dtype bf16]
+
+Writes the inputs (seeded), runs `cargo run --example fused_layers_twin` on them, and compares
+its outputs and gradients with torch.nn.functional's layer_norm, rms_norm and softmax, and with
+rotary embeddings written in torch ops (torch has no rope function; these follow the formulas of
+candle's rope, rope_i and rope_thd). Exits non-zero when a value differs by more than 1e-5
+relative to the largest value of its array (absolute below 1).
+
+--bench instead times PyTorch's layers at the sizes of `cargo bench --bench fused_layers` and
+prints the same columns where torch has them: the forward, and a step (forward and backward of
+sum(y * g)). Medians of --reps runs, in ms.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+EPS = 1e-5
+TOLERANCE = 1e-5
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cases(rng):
+    """(name, dict of f32 arrays) for each case; names start with the layer."""
+    out = []
+
+    def randn(*shape, mean=0.0):
+        return (rng.standard_normal(shape) + mean).astype(np.float32)
+
+    for i, shape in enumerate([(2, 3, 7), (1, 5), (4, 1), (3, 13), (8, 64)]):
+        n = shape[-1]
+        out.append((f"layer_norm-{i}", dict(x=randn(*shape, mean=0.5), w=randn(n, mean=1.0),
+                                            b=randn(n), g=randn(*shape))))
+        out.append((f"rms_norm-{i}", dict(x=randn(*shape, mean=0.5), w=randn(n, mean=1.0),
+                                          g=randn(*shape))))
+        out.append((f"softmax_last_dim-{i}", dict(x=randn(*shape), g=randn(*shape))))
+    for kind in ["rope", "rope_i", "rope_thd"]:
+        for i, (dims, batched) in enumerate([((2, 3, 5, 6), False), ((1, 1, 1, 2), False),
+                                             ((3, 2, 4, 8), True)]):
+            seq = dims[1] if kind == "rope_thd" else dims[2]
+            table = (dims[0], seq, dims[3] // 2) if batched else (seq, dims[3] // 2)
+            angles = randn(*table)
+            out.append((f"{kind}-{i}", dict(x=randn(*dims), cos=np.cos(angles),
+                                            sin=np.sin(angles), g=randn(*dims))))
+    return out
+
+
+def rope(kind, x, cos, sin):
+    """candle's rotary embeddings in torch ops: x (b, h, t, d), or (b, t, h, d) for rope_thd."""
+    half = x.shape[-1] // 2
+    batched = cos.dim() == 3
+    if kind == "rope_thd":
+        shape = (x.shape[0] if batched else 1, x.shape[1], 1, half)
+    else:
+        shape = (x.shape[0] if batched else 1, 1, x.shape[2], half)
+    c, s = cos.reshape(shape), sin.reshape(shape)
+    if kind == "rope_i":
+        pairs = x.reshape(*x.shape[:-1], half, 2)
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).reshape(x.shape)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+
+
+def torch_case(name, arrays):
+    """PyTorch's output and the gradients of every input of sum(y * g)."""
+    layer = name.split("-")[0]
+    names = {"layer_norm": ["x", "w", "b"], "rms_norm": ["x", "w"], "softmax_last_dim": ["x"]}
+    names = names.get(layer, ["x", "cos", "sin"])
+    t = {n: torch.tensor(arrays[n], requires_grad=True) for n in names}
+    x = t["x"]
+    if layer == "layer_norm":
+        y = F.layer_norm(x, (x.shape[-1],), t["w"], t["b"], EPS)
+    elif layer == "rms_norm":
+        y = F.rms_norm(x, (x.shape[-1],), t["w"], EPS)
+    elif layer == "softmax_last_dim":
+        y = F.softmax(x, dim=-1)
+    else:
+        y = rope(layer, x, t["cos"], t["sin"])
+    (y * torch.tensor(arrays["g"])).sum().backward()
+    result = {"y": y.detach().numpy()}
+    result.update({f"d_{n}": t[n].grad.numpy() for n in names})
+    return result
+
+
+def bench(device, dtype, reps):
+    """PyTorch's side of benches/fused_layers.rs: the same layers, sizes and columns."""
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[dtype]
+    dev = torch.device(device)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=dev).to(dtype)
+
+    tokens, dim = 16 * 256, 512
+    b, h, t, d = 16, 8, 256, 64
+    angles = torch.randn(t, d // 2, device=dev)
+    cases = [
+        (f"layer_norm ({tokens}, {dim})", [randn(tokens, dim), randn(dim), randn(dim)],
+         lambda x, w, bias: F.layer_norm(x, (dim,), w, bias, EPS)),
+        (f"rms_norm ({tokens}, {dim})", [randn(tokens, dim), randn(dim)],
+         lambda x, w: F.rms_norm(x, (dim,), w, EPS)),
+        (f"softmax_last_dim ({b * h * t}, {t})", [randn(b * h * t, t)],
+         lambda x: F.softmax(x, dim=-1)),
+        (f"rope ({b}, {h}, {t}, {d})", [randn(b, h, t, d), angles.cos().to(dtype),
+                                         angles.sin().to(dtype)],
+         lambda x, c, s: rope("rope", x, c, s)),
+    ]
+
+    def median_ms(f):
+        for _ in range(3):
+            f()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            f()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[reps // 2]
+
+    print(f"PyTorch {torch.__version__} layers on {device}, {dtype}, medians of {reps} runs (ms)")
+    print(f"{'layer':<34} {'forward':>9} {'step':>9}")
+    for name, inputs, layer in cases:
+        with torch.no_grad():
+            forward = median_ms(lambda: layer(*inputs))
+        leaves = [x.detach().requires_grad_(True) for x in inputs]
+        g = torch.randn_like(layer(*leaves))
+
+        def step():
+            for x in leaves:
+                x.grad = None
+            (layer(*leaves) * g).sum().backward()
+
+        print(f"{name:<34} {forward:>9.3f} {median_ms(step):>9.3f}")
+    print("rope is written in torch ops (torch has no rope function)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--keep", help="a folder to keep the .npz files in")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bench", action="store_true", help="time torch's layers instead")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    if args.bench:
+        torch.set_num_threads(int(os.environ.get("TORCH_THREADS", torch.get_num_threads())))
+        bench(args.device, args.dtype, args.reps)
+        return
+    folder = args.keep or tempfile.mkdtemp(prefix="torch-layers-")
+    os.makedirs(folder, exist_ok=True)
+    all_cases = cases(np.random.default_rng(args.seed))
+    inputs = os.path.join(folder, "inputs.npz")
+    outputs = os.path.join(folder, "ours.npz")
+    np.savez(inputs, **{f"{c}.{n}": a for c, arrays in all_cases for n, a in arrays.items()})
+    subprocess.run(["cargo", "run", "-q", "--example", "fused_layers_twin", "--", inputs,
+                    outputs], cwd=ROOT, check=True)
+    ours = np.load(outputs)
+    worst, failures = 0.0, []
+    print(f"{'case':<22} {'array':<7} {'max |ours - torch|':>19} {'max |torch|':>12}")
+    for name, arrays in all_cases:
+        for what, expected in torch_case(name, arrays).items():
+            got = ours[f"{name}.{what}"]
+            if got.shape != expected.shape:
+                failures.append(f"{name}.{what}: shape {got.shape} against {expected.shape}")
+                continue
+            diff = float(np.abs(got.astype(np.float64) - expected).max()) if got.size else 0.0
+            size = float(np.abs(expected).max()) if expected.size else 0.0
+            worst = max(worst, diff / max(size, 1.0))
+            print(f"{name:<22} {what:<7} {diff:>19.3e} {size:>12.3e}")
+            if diff > TOLERANCE * max(size, 1.0):
+                failures.append(f"{name}.{what}: differs by {diff:.3e} (largest {size:.3e})")
+    print(f"worst difference {worst:.3e} (relative, absolute below 1); tolerance {TOLERANCE}")
+    if failures:
+        print("FAILED:\n  " + "\n  ".join(failures))
+        sys.exit(1)
+    print(f"all {len(all_cases)} cases match PyTorch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main()
