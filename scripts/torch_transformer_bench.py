@@ -17,7 +17,8 @@ candle with the same threads (RAYON_NUM_THREADS), same model flags and batch:
 
     python3 scripts/torch_transformer_bench.py --speed \
         --rust target/release/examples/transformer_ddp [--layers 2 --dim 64 --heads 4]
-    python3 scripts/torch_transformer_bench.py --speed --device cuda   # PyTorch on the GPU
+    python3 scripts/torch_transformer_bench.py --device cuda   # PyTorch on the GPU (--speed is
+                                                               # the default without --parity)
 
 The model (see examples/common/transformer.rs): token and learned position embeddings, pre-norm
 blocks (LayerNorm, causal multi-head attention from one qkv projection, an MLP 4x wide with
@@ -194,14 +195,18 @@ def speed(a):
     print(f"{'threads':>7} {'PyTorch':>10} {'candle':>10} {'candle/PyTorch':>15}")
     for threads in (1, 2) if a.device == "cpu" else (1,):
         t = torch_tokens_per_s(a, threads)
-        c = candle_tokens_per_s(a, threads) if a.rust else float("nan")
-        print(f"{threads:>7} {t:>10.0f} {c:>10.0f} {c / t:>14.2f}x")
+        if a.rust:
+            c = candle_tokens_per_s(a, threads)
+            print(f"{threads:>7} {t:>10.0f} {c:>10.0f} {c / t:>14.2f}x")
+        else:
+            print(f"{threads:>7} {t:>10.0f} {'(--rust)':>10} {'-':>15}")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parity", metavar="FILE", help="check the step transformer_ddp --dump-step wrote")
-    p.add_argument("--speed", action="store_true", help="training tokens/s side by side")
+    p.add_argument("--speed", action="store_true",
+                   help="training tokens/s side by side (the default without --parity)")
     p.add_argument("--rust", metavar="EXE", help="the transformer_ddp binary, for candle's numbers")
     p.add_argument("--device", default="cpu")
     p.add_argument("--layers", type=int, default=2)
@@ -211,8 +216,8 @@ def main():
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=50)
     a = p.parse_args()
-    if not (a.parity or a.speed):
-        p.error("nothing to do: give --parity FILE and/or --speed")
+    if not a.parity:
+        a.speed = True  # the default: what runs without a file from the Rust side
     if a.parity:
         parity(a.parity)
     if a.speed:
