@@ -122,6 +122,8 @@ enum Compress {
 const EVAL_BATCH: usize = 500;
 
 fn main() -> Result<()> {
+    // The library's messages (rendezvous progress, DDP's warnings) go to stderr.
+    candle_parallel::logging::init();
     // Freed tensor memory stays for the next step (see candle_parallel::memory).
     candle_parallel::memory::keep_freed_memory();
     let args = Args::parse();

@@ -74,5 +74,5 @@ for dtype in f32 bf16; do
 done
 # The transformer example on NCCL at world size 1, then PyTorch's same model on the same GPU.
 run transformer_ddp ./transformer_ddp --epochs 2
-run torch_transformer python3 torch_transformer_bench.py --device cuda
+run torch_transformer python3 torch_transformer_bench.py --device cuda --rust ./transformer_ddp
 echo "log: $LOG"
