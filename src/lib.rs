@@ -10,6 +10,9 @@
 //!   rendezvous and collectives, blocking and asynchronous.
 //! - [`nn::SyncBatchNorm`]: batch statistics over every rank's samples, and [`nn::batch_norm`],
 //!   which lets one model definition serve one device and many.
+//! - [`nn::ops`], [`nn::rotary_emb`], [`nn::LayerNorm`], [`nn::RmsNorm`]: candle-nn's fused
+//!   transformer layers with a backward (candle 0.11's have none, candle issue #2168), and
+//!   [`vars_without_gradient`], which names the variables that got no gradient.
 //! - [`sampler::DistributedSampler`]: each rank's share of a dataset.
 //! - [`launch`]: start N ranks (the `candle-run` launcher and its library entry).
 //! - [`logging`]: the library talks through the `log` facade; `logging::init` shows its

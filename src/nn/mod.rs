@@ -1,6 +1,9 @@
 //! Layers for training: [`SyncBatchNorm`]; [`batch_norm`], the constructor that lets one model
-//! definition serve one device and many (torch's `convert_sync_batchnorm`); and [`Conv2d`] and
-//! [`max_pool2d`], candle's with CPU training kernels of our own.
+//! definition serve one device and many (torch's `convert_sync_batchnorm`); [`Conv2d`] and
+//! [`max_pool2d`], candle's with CPU training kernels of our own; and candle-nn's fused
+//! transformer layers with a backward, at candle-nn's paths: [`LayerNorm`], [`RmsNorm`],
+//! [`layer_norm`], [`rms_norm`], [`ops`]`::{layer_norm, rms_norm, softmax_last_dim}` and
+//! [`rotary_emb`]`::{rope, rope_i, rope_thd}` (candle 0.11's have none: see [`ops`]).
 //!
 //! A candle model is its constructor, so instead of converting a built model, the model asks
 //! for its normalisation layers through [`batch_norm`] (a drop-in for `candle_nn::batch_norm`,
