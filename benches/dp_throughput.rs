@@ -100,7 +100,7 @@ fn measure(n: usize, batch: usize, o: &Options) -> Result<f64> {
         momentum: 0.9,
         ..Default::default()
     };
-    let mut opt = Sgd::new(model.vars(), config)?;
+    let mut opt = Sgd::new(model.parameters(), config)?;
     let x = Tensor::randn(0f32, 1.0, (batch, 3, 32, 32), &device)?;
     let labels: Vec<u32> = (0..batch as u32).map(|i| i % 10).collect();
     let y = Tensor::from_vec(labels, batch, &device)?;

@@ -65,7 +65,7 @@ fn main() -> Result<()> {
         &main_device,
     ))?;
     let model = DataParallel::new(&varmap, devices, Net::new)?;
-    let mut opt = Sgd::new(model.vars(), args.train.sgd())?;
+    let mut opt = Sgd::new(model.parameters(), args.train.sgd())?;
 
     let started = Instant::now();
     let epochs = args.train.epochs;
@@ -78,10 +78,10 @@ fn main() -> Result<()> {
     println!("Finished in {:.1}s", started.elapsed().as_secs_f64());
     if let Some(path) = &args.train.save {
         let tensors = model
-            .var_names()
+            .parameter_names()
             .iter()
             .cloned()
-            .zip(model.vars().iter().map(|v| v.as_tensor().clone()))
+            .zip(model.parameters().iter().map(|v| v.as_tensor().clone()))
             .collect();
         checkpoint::save(&tensors, path)
             .with_context(|| format!("saving the model to {}", path.display()))?;

@@ -20,7 +20,7 @@
 //! ```
 
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 use std::collections::HashMap;

@@ -52,20 +52,6 @@ pub enum Error {
         detail: String,
     },
 
-    /// A master variable is not on the device that must hold the master copy.
-    #[error(
-        "master variable `{name}` is on {found}, but DataParallel keeps the master variables on \
-         devices[0] ({expected}); create the model's variables on devices[0] or put that device first"
-    )]
-    MasterNotOnDevice {
-        /// The variable's name in the `VarMap`.
-        name: String,
-        /// Where it is.
-        found: String,
-        /// Where it should be.
-        expected: String,
-    },
-
     /// A replica asked for a variable the master model never created.
     #[error(
         "replica on {device} asked for variable `{name}`, which the master model does not have; \
@@ -108,53 +94,6 @@ pub enum Error {
         what: &'static str,
         /// Why it is invalid and what is allowed.
         detail: String,
-    },
-
-    /// A CIFAR-10 file is missing.
-    #[error(
-        "CIFAR-10 file {path} is missing: the binary version has data_batch_1.bin .. \
-         data_batch_5.bin and test_batch.bin (cifar-10-binary.tar.gz, folder cifar-10-batches-bin)"
-    )]
-    CifarFileMissing {
-        /// The file that was looked for.
-        path: PathBuf,
-    },
-
-    /// Something other than a regular file stands where a CIFAR-10 file should be.
-    #[error(
-        "CIFAR-10 file {path} is {what}, not a regular file: put the binary version's file there \
-         (data_batch_1.bin .. data_batch_5.bin, test_batch.bin)"
-    )]
-    CifarFileNotRegular {
-        /// The path.
-        path: PathBuf,
-        /// What is there.
-        what: String,
-    },
-
-    /// A CIFAR-10 file does not hold a whole number of records.
-    #[error(
-        "CIFAR-10 file {path} has {size} bytes, which is not a whole number of {record}-byte records \
-         (1 label byte + 3072 pixel bytes); the file is truncated or not the binary version"
-    )]
-    CifarFileSize {
-        /// The file.
-        path: PathBuf,
-        /// Its size in bytes.
-        size: u64,
-        /// The record size.
-        record: usize,
-    },
-
-    /// A CIFAR-10 record has a label outside 0..=9.
-    #[error("CIFAR-10 file {path}, record {record}: label {label} is not a class in 0..=9")]
-    CifarLabel {
-        /// The file.
-        path: PathBuf,
-        /// The record's index in the file.
-        record: usize,
-        /// The label byte found.
-        label: u8,
     },
 
     /// An I/O operation on a file failed.
@@ -301,12 +240,15 @@ pub enum Error {
         detail: String,
     },
 
-    /// A variable of a DistributedDataParallel model is not on the device it trains on.
+    /// A model's variable is not on the device the wrapper keeps it on: DataParallel's master
+    /// variables on `devices[0]`, DistributedDataParallel's on its device.
     #[error(
-        "variable `{name}` is on {found}, but DistributedDataParallel trains on {expected}: \
-         create the model's variables on the device passed to DistributedDataParallel::new"
+        "variable `{name}` is on {found}, but {layer} keeps it on {expected}: {}",
+        not_on_device_fix(layer)
     )]
     VariableNotOnDevice {
+        /// The wrapper ("DataParallel's master copy" or "DistributedDataParallel").
+        layer: &'static str,
         /// The variable's name in the `VarMap`.
         name: String,
         /// Where it is.
@@ -343,6 +285,19 @@ pub enum Error {
 /// The crate's result type.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// [`Error::VariableNotOnDevice`]'s layer for DataParallel.
+pub(crate) const DATA_PARALLEL_MASTER: &str = "DataParallel's master copy";
+/// [`Error::VariableNotOnDevice`]'s layer for DistributedDataParallel.
+pub(crate) const DISTRIBUTED_DATA_PARALLEL: &str = "DistributedDataParallel";
+
+/// What to do about a variable on the wrong device, for each wrapper.
+fn not_on_device_fix(layer: &str) -> &'static str {
+    if layer == DATA_PARALLEL_MASTER {
+        "create the model's variables on devices[0], or put that device first"
+    } else {
+        "create the model's variables on the device passed to DistributedDataParallel::new"
+    }
+}
 impl Error {
     /// Wraps this error into candle's error type, for trait methods that must return it.
     /// A [`Error::Candle`] is unwrapped rather than nested.

@@ -19,7 +19,7 @@
 //! ```
 
 use crate::rng::{fnv1a, Rng};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::init::NormalOrUniform;
 use candle_nn::var_builder::SimpleBackend;

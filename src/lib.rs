@@ -25,7 +25,7 @@
 //! # fn main() -> anyhow::Result<()> {
 //! let varmap = VarMap::new();
 //! let model = DataParallel::new(&varmap, vec![Device::Cpu; 2], |vb| linear(4, 3, vb))?;
-//! let mut opt = Sgd::new(model.vars(), SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() })?;
+//! let mut opt = Sgd::new(model.parameters(), SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() })?;
 //! let x = Tensor::randn(0f32, 1., (8, 4), &Device::Cpu)?;
 //! let y = Tensor::new(&[0u32, 1, 2, 0, 1, 2, 0, 1], &Device::Cpu)?;
 //! let loss = loss::cross_entropy(&model.forward(&x)?, &y)?;
@@ -35,10 +35,7 @@
 
 pub mod checkpoint;
 pub mod cifar;
-pub mod comm;
-pub mod data_parallel;
 pub mod ddp;
-pub mod devices;
 pub mod distributed;
 mod error;
 pub mod init;
@@ -48,16 +45,14 @@ pub mod logging;
 pub mod memory;
 pub mod nn;
 pub mod optim;
-mod ordered_copy;
-pub mod parallel_apply;
-mod pass_through;
-pub mod replicate;
+pub mod parallel;
 pub mod rng;
 pub mod sampler;
-mod sync;
+mod util;
 
-pub use data_parallel::{DataParallel, DataParallelConfig};
 pub use ddp::{vars_without_gradient, DdpConfig, DistributedDataParallel};
 /// `torch.distributed`'s short name: the same module as [`distributed`].
 pub use distributed as dist;
 pub use error::{Error, Result};
+pub use parallel::{comm, data_parallel, devices, parallel_apply, replicate};
+pub use parallel::{DataParallel, DataParallelConfig};

@@ -20,7 +20,7 @@ fn the_synthetic_dataset_is_learnt_far_above_chance_in_two_short_epochs() {
         momentum: 0.9,
         ..Default::default()
     };
-    let mut opt = Sgd::new(model.vars(), config).unwrap();
+    let mut opt = Sgd::new(model.parameters(), config).unwrap();
     for epoch in 0..2 {
         for batch in Rng::new(epoch).permutation(data.train.len()).chunks(128) {
             let (x, y) = data.train.batch(batch, &device).unwrap();

@@ -91,7 +91,7 @@ fn twenty_momentum_sgd_steps_through_data_parallel_match_plain_training() {
     let (plain_vars, plain) = plain_net();
     let mut plain_opt = Sgd::new(plain_vars.all_vars(), config).unwrap();
     let dp = dp_net(3);
-    let mut dp_opt = Sgd::new(dp.vars(), config).unwrap();
+    let mut dp_opt = Sgd::new(dp.parameters(), config).unwrap();
     for step in 0..20u64 {
         let (x, y) = (images(10, 100 + step), labels(10, 100 + step));
         let plain_loss = loss::cross_entropy(&plain.forward(&x).unwrap(), &y).unwrap();

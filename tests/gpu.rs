@@ -49,7 +49,7 @@ fn data_parallel_over_two_devices_on_gpu_0_matches_one_device() {
         ..Default::default()
     };
     let mut plain_opt = Sgd::new(plain_vars.all_vars(), config).unwrap();
-    let mut dp_opt = Sgd::new(dp.vars(), config).unwrap();
+    let mut dp_opt = Sgd::new(dp.parameters(), config).unwrap();
     for step in 0..20u32 {
         let x = images(10, &d0); // 5 rows per device
         let labels: Vec<u32> = (0..10).map(|i| (i + step) % 10).collect();
@@ -169,7 +169,7 @@ fn master_variables_on_another_device_are_refused() {
     let err = DataParallel::new(&varmap, vec![d0, d1], Net::new)
         .err()
         .expect("refused");
-    assert!(matches!(err, Error::MasterNotOnDevice { .. }), "{err}");
+    assert!(matches!(err, Error::VariableNotOnDevice { .. }), "{err}");
 }
 
 #[cfg(feature = "nccl")]

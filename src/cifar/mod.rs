@@ -20,10 +20,12 @@
 //! # Ok(()) }
 //! ```
 
+mod error;
 mod net;
 mod reader;
 mod synthetic;
 
+pub use error::Error;
 pub use net::{Net, NetBn};
 pub use reader::{load, read_batch_file, write_batch_file, TEST_FILE, TRAIN_FILES};
 pub use synthetic::synthetic;

@@ -1,7 +1,7 @@
 //! The CIFAR-10 binary format.
 
+use super::error::{Error, Result};
 use super::{Cifar10, Split, IMAGE_BYTES, RECORD_BYTES};
-use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
 
 /// The training files of the binary version, in order.
@@ -47,7 +47,7 @@ pub fn load(dir: impl AsRef<Path>) -> Result<Cifar10> {
 /// Fails unless `path` is a regular file (or a link to one), saying what is there instead:
 /// nothing, a directory, a FIFO (which reading would block on), a link that loops...
 fn check_file(path: &Path) -> Result<()> {
-    let not_regular = |what: &str| Error::CifarFileNotRegular {
+    let not_regular = |what: &str| Error::NotRegular {
         path: path.to_path_buf(),
         what: what.to_string(),
     };
@@ -56,7 +56,7 @@ fn check_file(path: &Path) -> Result<()> {
         Ok(m) => m,
         Err(e) => {
             return Err(match (&link, e.kind()) {
-                (Err(_), _) => Error::CifarFileMissing {
+                (Err(_), _) => Error::Missing {
                     path: path.to_path_buf(),
                 },
                 (Ok(_), std::io::ErrorKind::NotFound) => {
@@ -110,7 +110,7 @@ pub fn read_batch_file(path: impl AsRef<Path>) -> Result<Split> {
     let path = path.as_ref();
     check_file(path)?;
     let bytes = std::fs::read(path).map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => Error::CifarFileMissing {
+        std::io::ErrorKind::NotFound => Error::Missing {
             path: path.to_path_buf(),
         },
         _ => Error::File {
@@ -120,7 +120,7 @@ pub fn read_batch_file(path: impl AsRef<Path>) -> Result<Split> {
         },
     })?;
     if bytes.len() % RECORD_BYTES != 0 {
-        return Err(Error::CifarFileSize {
+        return Err(Error::Size {
             path: path.to_path_buf(),
             size: bytes.len() as u64,
             record: RECORD_BYTES,
@@ -134,7 +134,7 @@ pub fn read_batch_file(path: impl AsRef<Path>) -> Result<Split> {
     for (record, chunk) in bytes.chunks_exact(RECORD_BYTES).enumerate() {
         let label = chunk[0];
         if label > 9 {
-            return Err(Error::CifarLabel {
+            return Err(Error::Label {
                 path: path.to_path_buf(),
                 record,
                 label,
@@ -192,7 +192,8 @@ mod tests {
     }
 
     #[test]
-    fn reads_generated_files_with_any_record_count() -> Result<()> {
+    fn reads_generated_files_with_any_record_count(
+    ) -> std::result::Result<(), Box<dyn std::error::Error>> {
         let dir = temp_dir("ok");
         let want = write_dataset(&dir);
         let got = load(&dir)?;
@@ -220,7 +221,7 @@ mod tests {
         std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
         let err = load(&dir).unwrap_err();
         match &err {
-            Error::CifarFileSize { path: p, size, .. } => {
+            Error::Size { path: p, size, .. } => {
                 assert_eq!(p, &path);
                 assert_eq!(*size as usize, bytes.len() - 100);
             }
@@ -240,7 +241,7 @@ mod tests {
         write_dataset(&dir);
         std::fs::remove_file(dir.join(TEST_FILE)).unwrap();
         let err = load(&dir).unwrap_err();
-        assert!(matches!(&err, Error::CifarFileMissing { path } if path.ends_with(TEST_FILE)));
+        assert!(matches!(&err, Error::Missing { path } if path.ends_with(TEST_FILE)));
         std::fs::remove_dir_all(dir).unwrap();
     }
 
@@ -274,7 +275,7 @@ mod tests {
             // A FIFO would block a read: this must return at once.
             let err = load(&dir).unwrap_err();
             assert!(
-                matches!(&err, Error::CifarFileNotRegular { what: w, .. } if w == what),
+                matches!(&err, Error::NotRegular { what: w, .. } if w == what),
                 "{what}: {err}"
             );
             assert!(err.to_string().contains(TEST_FILE), "{err}");
@@ -293,7 +294,7 @@ mod tests {
         assert!(
             matches!(
                 err,
-                Error::CifarLabel {
+                Error::Label {
                     record: 1,
                     label: 12,
                     ..

@@ -16,7 +16,7 @@
 
 use super::reducer::Reducer;
 use crate::error::{device_name, Error};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarMap};
@@ -35,7 +35,7 @@ impl candle_core::CustomOp1 for GradReady {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        crate::pass_through::cpu(s, l)
+        crate::util::pass_through::cpu(s, l)
     }
 
     #[cfg(feature = "cuda")]
@@ -44,7 +44,7 @@ impl candle_core::CustomOp1 for GradReady {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        crate::pass_through::cuda(s, l)
+        crate::util::pass_through::cuda(s, l)
     }
 
     /// Hands the gradient to the reducer, which from now on owns it: the variable itself gets
@@ -115,6 +115,7 @@ impl Registry {
         }
         if !var.device().same_device(&self.device) {
             return Err(Error::VariableNotOnDevice {
+                layer: crate::error::DISTRIBUTED_DATA_PARALLEL,
                 name: name.to_string(),
                 found: device_name(var.device()),
                 expected: device_name(&self.device),

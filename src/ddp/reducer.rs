@@ -26,7 +26,7 @@ use super::bucket::{assign_buckets, BucketParam};
 use super::unused::{describe, UnusedReport};
 use crate::distributed::{ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use std::collections::HashSet;

@@ -28,7 +28,7 @@ impl candle_core::CustomOp2 for AllReduceGrad {
         result: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        crate::pass_through::cpu(result, layout)
+        crate::util::pass_through::cpu(result, layout)
     }
 
     #[cfg(feature = "cuda")]
@@ -39,7 +39,7 @@ impl candle_core::CustomOp2 for AllReduceGrad {
         result: &candle_core::CudaStorage,
         layout: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        crate::pass_through::cuda(result, layout)
+        crate::util::pass_through::cuda(result, layout)
     }
 
     fn bwd(

@@ -8,7 +8,7 @@ use super::rendezvous::{config, Rendezvous};
 use super::store::{Store, StoreServer};
 use super::work::{Finished, Work, Worker};
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use candle_core::{Device, Tensor};
 use std::any::{Any, TypeId};
 use std::collections::HashMap;

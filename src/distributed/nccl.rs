@@ -36,7 +36,7 @@ use super::tcp::{join_world, Mesh, MeshContext};
 use super::work::{DeviceCompletion, Finished};
 use super::ReduceOp;
 use crate::error::{device_name, Error, Result};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DriverError,
 };

@@ -15,7 +15,7 @@ use super::options::{Backend, InitOptions};
 use super::work::Finished;
 use super::ReduceOp;
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -158,7 +158,7 @@ fn fresh(t: &Tensor, device: &Device) -> Result<Tensor> {
     let moved = if t.device().same_device(device) {
         t.copy()?
     } else {
-        crate::ordered_copy::to_device(t, device)?
+        crate::util::ordered_copy::to_device(t, device)?
     };
     Ok(moved.detach())
 }

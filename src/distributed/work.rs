@@ -23,7 +23,7 @@
 //! ```
 
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};

@@ -103,7 +103,7 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
             "--nproc-per-node" => {
                 let v = value()?;
                 config.nproc_per_node = if v == "gpu" {
-                    match crate::devices::gpu_count() {
+                    match crate::parallel::devices::gpu_count() {
                         0 => return Err(bad(&flag, "`gpu` but no GPU is visible".into())),
                         n => n,
                     }

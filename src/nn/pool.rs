@@ -19,7 +19,7 @@
 //! ```
 
 use super::kernels::{for_each_chunk, ours, own_cpu_kernels, threads};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 use std::sync::Mutex;

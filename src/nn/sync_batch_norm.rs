@@ -3,7 +3,7 @@
 
 use crate::distributed::{ProcessGroup, ReduceOp};
 use crate::error::Error;
-use crate::sync::lock;
+use crate::util::sync::lock;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Tensor, Var};
 use candle_nn::{BatchNormConfig, Init, ModuleT, VarBuilder};
 use std::sync::{Arc, Mutex};
@@ -441,7 +441,7 @@ impl candle_core::CustomOp1 for GlobalStatsGrad {
 
     /// The input is a fresh tensor (a division's result): its storage is exactly its values.
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        crate::pass_through::cpu(s, l)
+        crate::util::pass_through::cpu(s, l)
     }
 
     #[cfg(feature = "cuda")]
@@ -450,7 +450,7 @@ impl candle_core::CustomOp1 for GlobalStatsGrad {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        crate::pass_through::cuda(s, l)
+        crate::util::pass_through::cuda(s, l)
     }
 
     fn bwd(&self, _: &Tensor, x_hat: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {

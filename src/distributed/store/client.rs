@@ -9,7 +9,7 @@ use crate::distributed::wire::{
     self, io_err, read_bytes, read_len, read_string, Hello, NoAnswer, Purpose,
 };
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Mutex;

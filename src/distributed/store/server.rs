@@ -10,7 +10,7 @@ use crate::distributed::wire::{
     HandshakeSlots, Hello, Purpose,
 };
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};

@@ -6,7 +6,7 @@
 use super::MeshState;
 use crate::distributed::wire::{encode_header, FrameKind, Tag};
 use crate::error::Error;
-use crate::sync::lock;
+use crate::util::sync::lock;
 use std::io::Write;
 
 /// Why the mesh broke.

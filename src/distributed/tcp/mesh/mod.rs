@@ -26,7 +26,7 @@ use super::conn::Conn;
 use crate::distributed::algorithms::Links;
 use crate::distributed::wire::{self, encode_header, FrameKind, Tag};
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use socket::{Frame, PeerWriter};
 use std::collections::VecDeque;
 use std::io::Write;

@@ -10,7 +10,7 @@ use {
     crate::distributed::tcp::shm::{futex_wait, futex_wake, Channel, Region},
     crate::distributed::wire::{FrameKind, Tag},
     crate::error::Result,
-    crate::sync::lock,
+    crate::util::sync::lock,
     std::sync::atomic::Ordering,
     std::time::{Duration, Instant},
 };

@@ -7,7 +7,7 @@ use super::{MeshState, State};
 use crate::distributed::tcp::conn::Conn;
 use crate::distributed::wire::{encode_header, Tag};
 use crate::error::{Error, Result};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;

@@ -6,7 +6,7 @@ use super::socket::Frame;
 use super::MeshState;
 use crate::distributed::tcp::conn::Conn;
 use crate::distributed::wire::{encode_header, read_header, FrameKind, Tag};
-use crate::sync::lock;
+use crate::util::sync::lock;
 use std::io::{BufReader, Read, Write};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

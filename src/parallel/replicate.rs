@@ -23,9 +23,9 @@
 //! # Ok(()) }
 //! ```
 
-use crate::comm::move_to;
 use crate::error::{device_name, Error, Result};
-use crate::sync::lock;
+use crate::parallel::comm::move_to;
+use crate::util::sync::lock;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
@@ -35,7 +35,7 @@ use std::sync::{Mutex, MutexGuard};
 /// Builds the master model on `device` from `varmap` (creating missing variables there, as
 /// `VarBuilder::from_varmap` does) and returns it with the sorted names of the variables it uses.
 ///
-/// Fails with [`Error::MasterNotOnDevice`] when one of those variables already existed on
+/// Fails with [`Error::VariableNotOnDevice`] when one of those variables already existed on
 /// another device.
 pub fn build_master<M, F>(
     varmap: &VarMap,
@@ -60,7 +60,8 @@ where
     for name in &names {
         if let Some(var) = vars.get(name) {
             if !var.device().same_device(device) {
-                return Err(Error::MasterNotOnDevice {
+                return Err(Error::VariableNotOnDevice {
+                    layer: crate::error::DATA_PARALLEL_MASTER,
                     name: name.clone(),
                     found: device_name(var.device()),
                     expected: device_name(device),

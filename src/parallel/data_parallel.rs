@@ -2,7 +2,7 @@
 //!
 //! The master variables live in the user's `VarMap` on `devices[0]`. Each forward scatters the
 //! batch along `dim` ([`comm::scatter`]), builds one replica per chunk from the master variables
-//! copied to the chunk's device ([`replicate`](crate::replicate)), runs the replicas on a thread
+//! copied to the chunk's device ([`replicate`](crate::parallel::replicate)), runs the replicas on a thread
 //! each ([`parallel_apply`]) and gathers their outputs on the output device ([`comm::gather`]).
 //! Autograd sums every replica's gradient into the master variables, so any candle optimizer
 //! works unchanged: `opt.backward_step(&loss)`.
@@ -28,10 +28,10 @@
 //! run as there are chunks; with a single chunk the master model runs alone. In training mode
 //! only the master replica's in-place state updates (BatchNorm running statistics) persist.
 
-use crate::comm;
 use crate::error::Result;
-use crate::parallel_apply::parallel_apply;
-use crate::replicate::{build_master, replica_var_builder, vars_by_name};
+use crate::parallel::comm;
+use crate::parallel::parallel_apply::parallel_apply;
+use crate::parallel::replicate::{build_master, replica_var_builder, vars_by_name};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 
@@ -131,15 +131,34 @@ impl<M> DataParallel<M> {
         &self.varmap
     }
 
-    /// The names of the model's variables, sorted: the order every collective uses.
-    pub fn var_names(&self) -> &[String] {
+    /// The names of the model's variables, sorted: the order every collective uses (as
+    /// `DistributedDataParallel::parameter_names`).
+    pub fn parameter_names(&self) -> &[String] {
         &self.var_names
     }
 
-    /// The model's master variables, in [`DataParallel::var_names`] order: pass them to an
-    /// optimizer.
-    pub fn vars(&self) -> Vec<Var> {
+    /// The old name of [`DataParallel::parameter_names`].
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `parameter_names`, as DistributedDataParallel has"
+    )]
+    pub fn var_names(&self) -> &[String] {
+        self.parameter_names()
+    }
+
+    /// The model's master variables, in [`DataParallel::parameter_names`] order: pass them to
+    /// an optimizer (as `DistributedDataParallel::parameters`).
+    pub fn parameters(&self) -> Vec<Var> {
         vars_by_name(&self.varmap, &self.var_names)
+    }
+
+    /// The old name of [`DataParallel::parameters`].
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `parameters`, as DistributedDataParallel has"
+    )]
+    pub fn vars(&self) -> Vec<Var> {
+        self.parameters()
     }
 
     /// Scatter, replicate, apply `f` in parallel, gather.
@@ -246,8 +265,11 @@ mod tests {
             let b = linear(3, 1, vb.pp("a"))?;
             Ok((a, b))
         })?;
-        assert_eq!(dp.var_names(), ["a.bias", "a.weight", "z.bias", "z.weight"]);
-        let dims: Vec<Vec<usize>> = dp.vars().iter().map(|v| v.dims().to_vec()).collect();
+        assert_eq!(
+            dp.parameter_names(),
+            ["a.bias", "a.weight", "z.bias", "z.weight"]
+        );
+        let dims: Vec<Vec<usize>> = dp.parameters().iter().map(|v| v.dims().to_vec()).collect();
         assert_eq!(dims, [vec![1], vec![1, 3], vec![3], vec![3, 2]]);
         Ok(())
     }

@@ -162,7 +162,7 @@ pub(crate) fn move_to(t: &Tensor, device: &Device, is_view: bool) -> Result<Tens
     } else {
         t.clone()
     };
-    Ok(crate::ordered_copy::to_device(&t, device)?)
+    Ok(crate::util::ordered_copy::to_device(&t, device)?)
 }
 
 fn check_dim(t: &Tensor, dim: usize, what: &str) -> Result<()> {

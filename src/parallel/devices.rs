@@ -2,7 +2,7 @@
 //!
 //! candle tells devices apart by instance, not by GPU number: two `Device::new_cuda(0)` calls
 //! are two different devices. [`replica_devices`] creates each device once, each CUDA device
-//! with a stream of its own, so replicas on it run concurrently; [`comm`](crate::comm) orders
+//! with a stream of its own, so replicas on it run concurrently; [`comm`](crate::parallel::comm) orders
 //! every copy between them on both streams. Asking for more replicas than there are GPUs
 //! places several on one GPU, which is how one GPU can exercise the multi-device paths.
 //!

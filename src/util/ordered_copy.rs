@@ -59,7 +59,7 @@ impl candle_core::CustomOp1 for OrderedCopy {
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        crate::pass_through::check(l)?;
+        crate::util::pass_through::check(l)?;
         let Device::Cuda(to) = &self.to else {
             candle_core::bail!("the ordered copy goes to a CUDA device, not {:?}", self.to)
         };
