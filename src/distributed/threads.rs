@@ -158,7 +158,7 @@ fn fresh(t: &Tensor, device: &Device) -> Result<Tensor> {
     let moved = if t.device().same_device(device) {
         t.copy()?
     } else {
-        crate::util::ordered_copy::to_device(t, device)?
+        crate::util::ordered_copy::to_device(t, device, false)?
     };
     Ok(moved.detach())
 }

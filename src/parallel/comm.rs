@@ -33,6 +33,7 @@
 //! `ordered_copy`), which candle's own `to_device` does not do.
 
 use crate::error::{device_name, Error, Result};
+use crate::util::ordered_copy::to_device;
 use candle_core::{Device, Tensor};
 
 /// The sizes of the chunks `torch.chunk` makes of `len` items asked to split into `chunks`.
@@ -81,7 +82,7 @@ pub fn scatter(t: &Tensor, devices: &[Device], dim: usize) -> Result<Vec<Tensor>
         } else {
             t.narrow(dim, start, size)?
         };
-        chunks.push(move_to(&chunk, device, !whole)?);
+        chunks.push(to_device(&chunk, device, !whole)?);
         start += size;
     }
     Ok(chunks)
@@ -111,8 +112,8 @@ pub fn gather(ts: &[Tensor], device: &Device, dim: usize) -> Result<Tensor> {
     }
     let moved = ts
         .iter()
-        .map(|t| move_to(t, device, false))
-        .collect::<Result<Vec<_>>>()?;
+        .map(|t| to_device(t, device, false))
+        .collect::<candle_core::Result<Vec<_>>>()?;
     Ok(Tensor::cat(&moved, dim)?)
 }
 
@@ -123,7 +124,10 @@ pub fn broadcast(t: &Tensor, devices: &[Device]) -> Result<Vec<Tensor>> {
     if devices.is_empty() {
         return Err(Error::NoDevices);
     }
-    devices.iter().map(|d| move_to(t, d, false)).collect()
+    Ok(devices
+        .iter()
+        .map(|d| to_device(t, d, false))
+        .collect::<candle_core::Result<_>>()?)
 }
 
 /// Sums tensors of one shape and dtype, wherever they are, into one tensor on `device`.
@@ -143,26 +147,11 @@ pub fn reduce_add(ts: &[Tensor], device: &Device) -> Result<Tensor> {
             });
         }
     }
-    let mut sum = move_to(first, device, false)?;
+    let mut sum = to_device(first, device, false)?;
     for t in &ts[1..] {
-        sum = (sum + move_to(t, device, false)?)?;
+        sum = (sum + to_device(t, device, false)?)?;
     }
     Ok(sum)
-}
-
-/// Moves `t` to `device`, differentiably. On the same device this is `t` itself. Across devices,
-/// a view is compacted first (always when `is_view`, whose storage may be larger than it even
-/// where it looks compact) so that only its own elements travel.
-pub(crate) fn move_to(t: &Tensor, device: &Device, is_view: bool) -> Result<Tensor> {
-    if t.device().same_device(device) {
-        return Ok(t.clone());
-    }
-    let t = if is_view {
-        t.force_contiguous()?
-    } else {
-        t.clone()
-    };
-    Ok(crate::util::ordered_copy::to_device(&t, device)?)
 }
 
 fn check_dim(t: &Tensor, dim: usize, what: &str) -> Result<()> {

@@ -24,7 +24,7 @@
 //! ```
 
 use crate::error::{device_name, Error, Result};
-use crate::parallel::comm::move_to;
+use crate::util::ordered_copy::to_device;
 use crate::util::sync::lock;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
@@ -140,7 +140,7 @@ impl Replica {
             // A new tensor id over the same storage; its gradient flows into the master.
             t.reshape(t.shape())
         } else {
-            move_to(t, dev, false).map_err(Error::into_candle)
+            to_device(t, dev, false)
         }
     }
 }

@@ -23,12 +23,13 @@ use candle_core::{Device, Result, Tensor};
 /// `t` on `device`, differentiably: `t` itself on its own device; across devices, a view is
 /// made compact first (candle would move its whole storage), then moved by an `OrderedCopy`
 /// between two CUDA devices and by candle's `to_device` otherwise (copies through the host,
-/// which wait for the source's stream).
-pub(crate) fn to_device(t: &Tensor, device: &Device) -> Result<Tensor> {
+/// which wait for the source's stream). `is_view` says that `t` is a part of a larger storage
+/// even where it looks compact (the first chunk of a narrow), so that it is compacted too.
+pub(crate) fn to_device(t: &Tensor, device: &Device, is_view: bool) -> Result<Tensor> {
     if t.device().same_device(device) {
         return Ok(t.clone());
     }
-    let t = if t.is_contiguous() && t.layout().start_offset() == 0 {
+    let t = if !is_view && t.is_contiguous() && t.layout().start_offset() == 0 {
         t.clone()
     } else {
         t.force_contiguous()?
