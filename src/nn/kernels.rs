@@ -2,7 +2,6 @@
 //! (`col2im`), matrix products on slices (the `gemm` crate, as candle uses), and the batch split
 //! over candle's thread pool (rayon's, sized by `RAYON_NUM_THREADS`).
 
-use super::conv::Window;
 use gemm::Parallelism;
 use rayon::prelude::*;
 use std::ops::Range;
@@ -33,6 +32,37 @@ pub(super) fn ours(ts: &[&candle_core::Tensor]) -> bool {
         && ts
             .iter()
             .all(|t| t.device().is_cpu() && t.dtype() == candle_core::DType::F32)
+}
+
+/// What `im2col` and `col2im` need of a convolution's geometry.
+pub(super) trait Window {
+    fn input(&self) -> (usize, usize);
+    fn kernel(&self) -> (usize, usize);
+    fn output(&self) -> (usize, usize);
+    fn padding(&self) -> usize;
+    fn stride(&self) -> usize;
+    fn dilation(&self) -> usize;
+}
+
+/// Block `i` of `len` values in `data` (an image of a batch, a group of channels or weights).
+pub(super) fn block(data: &[f32], i: usize, len: usize) -> &[f32] {
+    &data[i * len..(i + 1) * len]
+}
+
+/// Block `i` of `len` values in `data`, to write.
+pub(super) fn block_mut(data: &mut [f32], i: usize, len: usize) -> &mut [f32] {
+    &mut data[i * len..(i + 1) * len]
+}
+
+/// The element-wise sum of `partials`, each of `len` values (per-thread partial sums).
+pub(super) fn sum_partials(partials: Vec<Vec<f32>>, len: usize) -> Vec<f32> {
+    let mut total = vec![0f32; len];
+    for p in partials {
+        for (t, v) in total.iter_mut().zip(p) {
+            *t += v;
+        }
+    }
+    total
 }
 
 /// A matrix view of a slice: `rows x cols`, element `(i, j)` at `i * rs + j * cs`.

@@ -39,6 +39,7 @@
 //! ```
 
 mod conv;
+mod conv_kernel;
 #[cfg(feature = "cuda")]
 mod fused_cuda;
 mod kernels;
