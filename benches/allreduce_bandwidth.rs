@@ -5,7 +5,7 @@
 //!
 //! First measures loopback TCP (one stream, and two streams in opposite directions at once, the
 //! pattern of a two-rank ring). Then, twice, starts `--world` ranks (default 2) on 127.0.0.1
-//! with `launch::spawn_with`: once as they run by default (Unix-domain sockets between ranks of
+//! with `launch::spawn_with_config`: once as they run by default (Unix-domain sockets between ranks of
 //! one machine) and once with TCP only (`CANDLE_PARALLEL_UNIX_SOCKETS=0`). Each job times f32
 //! `all_reduce(sum)` of CPU tensors from 4 KiB to `--max-mib` MiB and prints algorithm and bus
 //! bandwidth (nccl-tests' definitions: bus = algorithm × 2(n-1)/n). Reports; asserts nothing.
@@ -181,7 +181,7 @@ fn main() -> Result<()> {
             env: vec![("CANDLE_PARALLEL_UNIX_SOCKETS".into(), unix.into())],
             ..LaunchConfig::default()
         };
-        launch::spawn_with(&config, |_rank| rank_main(&o))?;
+        launch::spawn_with_config(&config, |_rank| rank_main(&o))?;
     }
     Ok(())
 }

@@ -221,6 +221,6 @@ fn main() -> Result<()> {
         env,
         ..LaunchConfig::default()
     };
-    launch::spawn_with(&config, |_rank| rank_main(&o))?;
+    launch::spawn_with_config(&config, |_rank| rank_main(&o))?;
     Ok(())
 }

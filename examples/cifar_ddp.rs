@@ -20,7 +20,7 @@ use candle_parallel::distributed::{ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::launch::{self, LaunchConfig};
 use candle_parallel::optim::Sgd;
-use candle_parallel::sampler::{DistributedSampler, SamplerOptions};
+use candle_parallel::sampler::{DistributedSampler, SamplerConfig};
 use candle_parallel::{checkpoint, DistributedDataParallel};
 use clap::Parser;
 use std::time::Instant;
@@ -67,7 +67,7 @@ fn main() -> Result<()> {
         prefix_output: false,
         ..LaunchConfig::default()
     };
-    launch::spawn_with(&config, |_rank| rank_main(&args))?;
+    launch::spawn_with_config(&config, |_rank| rank_main(&args))?;
     Ok(())
 }
 
@@ -118,9 +118,9 @@ fn train<M: ModuleT>(
     };
     let model = DistributedDataParallel::with_config(&varmap, pg, device, config, build)?;
     let mut opt = Sgd::new(model.parameters(), args.train.sgd())?;
-    let options = SamplerOptions {
+    let options = SamplerConfig {
         seed: args.train.seed,
-        ..SamplerOptions::default()
+        ..SamplerConfig::default()
     };
     let mut sampler = DistributedSampler::for_group(data.train.len(), pg, options)?;
 

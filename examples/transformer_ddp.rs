@@ -31,7 +31,7 @@ use candle_parallel::devices::gpu_count;
 use candle_parallel::distributed::{ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::launch::{self, LaunchConfig};
-use candle_parallel::sampler::{DistributedSampler, SamplerOptions};
+use candle_parallel::sampler::{DistributedSampler, SamplerConfig};
 use candle_parallel::{checkpoint, DistributedDataParallel};
 use clap::{Parser, ValueEnum};
 use std::collections::HashMap;
@@ -145,7 +145,7 @@ fn main() -> Result<()> {
         prefix_output: false,
         ..LaunchConfig::default()
     };
-    launch::spawn_with(&config, |_rank| rank_main(&args))?;
+    launch::spawn_with_config(&config, |_rank| rank_main(&args))?;
     Ok(())
 }
 
@@ -238,9 +238,9 @@ fn rank_main(args: &Args) -> Result<()> {
     };
     let model = DistributedDataParallel::with_config(&varmap, &pg, &device, ddp_config, build)?;
     let mut opt = AdamW::new(model.parameters(), args.adamw())?;
-    let options = SamplerOptions {
+    let options = SamplerConfig {
         seed: args.seed,
-        ..SamplerOptions::default()
+        ..SamplerConfig::default()
     };
     let mut sampler = DistributedSampler::for_group(train.size(), &pg, options)?;
     if let Some(path) = &args.dump_step {

@@ -8,9 +8,9 @@
 //! but not the same permutation as PyTorch's.
 //!
 //! ```rust
-//! use candle_parallel::sampler::{DistributedSampler, SamplerOptions};
+//! use candle_parallel::sampler::{DistributedSampler, SamplerConfig};
 //! # fn main() -> candle_parallel::Result<()> {
-//! let in_order = SamplerOptions { shuffle: false, ..Default::default() };
+//! let in_order = SamplerConfig { shuffle: false, ..Default::default() };
 //! let shares: Vec<Vec<usize>> = (0..3)
 //!     .map(|rank| Ok(DistributedSampler::new(10, 3, rank, in_order)?.indices()))
 //!     .collect::<candle_parallel::Result<_>>()?;
@@ -24,7 +24,7 @@ use crate::rng::Rng;
 
 /// Options of [`DistributedSampler`]; `Default` gives PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SamplerOptions {
+pub struct SamplerConfig {
     /// Shuffle the indices (default true).
     pub shuffle: bool,
     /// The seed, the same on every rank (default 0).
@@ -34,7 +34,14 @@ pub struct SamplerOptions {
     pub drop_last: bool,
 }
 
-impl Default for SamplerOptions {
+/// The old name of [`SamplerConfig`].
+#[deprecated(
+    since = "0.1.0",
+    note = "use `SamplerConfig`: the crate's options are `*Config`"
+)]
+pub type SamplerOptions = SamplerConfig;
+
+impl Default for SamplerConfig {
     fn default() -> Self {
         Self {
             shuffle: true,
@@ -50,7 +57,7 @@ pub struct DistributedSampler {
     dataset_len: usize,
     num_replicas: usize,
     rank: usize,
-    options: SamplerOptions,
+    options: SamplerConfig,
     epoch: u64,
     num_samples: usize,
 }
@@ -61,7 +68,7 @@ impl DistributedSampler {
         len: usize,
         num_replicas: usize,
         rank: usize,
-        options: SamplerOptions,
+        options: SamplerConfig,
     ) -> Result<Self> {
         let invalid = |detail: String| {
             Err(Error::InvalidArgument {
@@ -103,7 +110,7 @@ impl DistributedSampler {
     }
 
     /// This rank's share, with the group's rank and world size.
-    pub fn for_group(len: usize, group: &ProcessGroup, options: SamplerOptions) -> Result<Self> {
+    pub fn for_group(len: usize, group: &ProcessGroup, options: SamplerConfig) -> Result<Self> {
         Self::new(len, group.world_size(), group.rank(), options)
     }
 
@@ -173,7 +180,7 @@ impl IntoIterator for &DistributedSampler {
 mod tests {
     use super::*;
 
-    fn shares(len: usize, replicas: usize, options: SamplerOptions) -> Vec<Vec<usize>> {
+    fn shares(len: usize, replicas: usize, options: SamplerConfig) -> Vec<Vec<usize>> {
         (0..replicas)
             .map(|r| {
                 DistributedSampler::new(len, replicas, r, options)
@@ -183,7 +190,7 @@ mod tests {
             .collect()
     }
 
-    const IN_ORDER: SamplerOptions = SamplerOptions {
+    const IN_ORDER: SamplerConfig = SamplerConfig {
         shuffle: false,
         seed: 0,
         drop_last: false,
@@ -195,7 +202,7 @@ mod tests {
             shares(10, 3, IN_ORDER),
             [vec![0, 3, 6, 9], vec![1, 4, 7, 0], vec![2, 5, 8, 1]]
         );
-        let drop = SamplerOptions {
+        let drop = SamplerConfig {
             drop_last: true,
             ..IN_ORDER
         };
@@ -217,7 +224,7 @@ mod tests {
     #[test]
     fn shuffled_shares_partition_the_dataset_and_agree_across_ranks() {
         for (len, replicas) in [(10, 3), (64, 4), (7, 8), (100, 7)] {
-            let s = shares(len, replicas, SamplerOptions::default());
+            let s = shares(len, replicas, SamplerConfig::default());
             let per = len.div_ceil(replicas);
             assert!(s.iter().all(|share| share.len() == per));
             let mut all: Vec<usize> = s.concat();
@@ -235,9 +242,9 @@ mod tests {
                 "only padding repeats"
             );
             // Every rank would compute the same permutation: a fresh sampler agrees.
-            assert_eq!(s, shares(len, replicas, SamplerOptions::default()));
+            assert_eq!(s, shares(len, replicas, SamplerConfig::default()));
         }
-        let drop = SamplerOptions {
+        let drop = SamplerConfig {
             drop_last: true,
             ..Default::default()
         };
@@ -251,22 +258,21 @@ mod tests {
 
     #[test]
     fn epochs_and_seeds_shuffle_differently_and_reproducibly() {
-        let mut a = DistributedSampler::new(50, 2, 1, SamplerOptions::default()).unwrap();
+        let mut a = DistributedSampler::new(50, 2, 1, SamplerConfig::default()).unwrap();
         let e0 = a.indices();
         a.set_epoch(1);
         let e1 = a.indices();
         assert_ne!(e0, e1);
         a.set_epoch(0);
         assert_eq!(a.indices(), e0);
-        let seeded = SamplerOptions {
+        let seeded = SamplerConfig {
             seed: 7,
             ..Default::default()
         };
         let b = DistributedSampler::new(50, 2, 1, seeded).unwrap();
         assert_ne!(b.indices(), e0);
         // seed + epoch: seed 6 at epoch 1 shuffles as seed 7 at epoch 0.
-        let mut c =
-            DistributedSampler::new(50, 2, 1, SamplerOptions { seed: 6, ..seeded }).unwrap();
+        let mut c = DistributedSampler::new(50, 2, 1, SamplerConfig { seed: 6, ..seeded }).unwrap();
         c.set_epoch(1);
         assert_eq!(c.indices(), b.indices());
     }
@@ -281,7 +287,7 @@ mod tests {
         assert!(err(10, 3, 3, IN_ORDER).contains("rank 3 is not below num_replicas 3"));
         assert!(err(10, 0, 0, IN_ORDER).contains("num_replicas is 0"));
         assert!(err(0, 2, 0, IN_ORDER).contains("empty"));
-        let drop = SamplerOptions {
+        let drop = SamplerConfig {
             drop_last: true,
             ..IN_ORDER
         };

@@ -146,11 +146,24 @@ where
         nproc_per_node: nprocs,
         ..LaunchConfig::default()
     };
-    spawn_with(&config, f)
+    spawn_with_config(&config, f)
+}
+
+/// The old name of [`spawn_with_config`].
+#[deprecated(
+    since = "0.1.0",
+    note = "use `spawn_with_config`, as the crate's `with_config`s"
+)]
+pub fn spawn_with<F, E>(config: &LaunchConfig, f: F) -> Result<()>
+where
+    F: FnOnce(usize) -> std::result::Result<(), E>,
+    E: std::fmt::Display,
+{
+    spawn_with_config(config, f)
 }
 
 /// As [`spawn`], with the launcher's options (`config.nproc_per_node` ranks).
-pub fn spawn_with<F, E>(config: &LaunchConfig, f: F) -> Result<()>
+pub fn spawn_with_config<F, E>(config: &LaunchConfig, f: F) -> Result<()>
 where
     F: FnOnce(usize) -> std::result::Result<(), E>,
     E: std::fmt::Display,
