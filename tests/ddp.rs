@@ -13,7 +13,7 @@ use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::rng::Rng;
 use candle_parallel::{DistributedDataParallel, Error};
-use common::{is_child, join_child, max_abs_diff, Ranks, DONE};
+use common::{done, is_child, join_child, max_abs_diff, Ranks};
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -189,7 +189,7 @@ fn ddp_over_1_2_and_3_processes_equals_one_process_on_the_whole_batch() {
     let test = "ddp_over_1_2_and_3_processes_equals_one_process_on_the_whole_batch";
     if is_child() {
         parity(&join_child());
-        println!("{DONE}");
+        done();
         return;
     }
     for world in 1..=3 {
@@ -501,7 +501,7 @@ fn a_rank_killed_during_backward_is_named_by_the_others_backward() {
         println!("backward");
         let err = model.backward(&l).unwrap_err();
         assert!(matches!(err, Error::PeerLost { rank: 2, .. }), "{err}");
-        println!("{DONE}");
+        done();
         return;
     }
     Ranks::kill_rank_2_during(

@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use candle_parallel::distributed::store::Store;
 use candle_parallel::distributed::{InitOptions, ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::Error;
-use common::{child_options, is_child, join_child, rank_env, Ranks, DONE};
+use common::{child_options, done, is_child, join_child, rank_env, Ranks, DONE};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -40,7 +40,7 @@ fn a_group_recreated_twenty_times_on_one_port_never_fails() {
                 [round as f32 * pg.world_size() as f32]
             );
         }
-        println!("{DONE}");
+        done();
         return;
     }
     for world in [2, 3] {
@@ -70,7 +70,7 @@ fn strangers_on_the_store_port_hold_no_more_than_a_few_descriptors_and_the_job_g
         assert_eq!(y.to_vec1::<f32>().unwrap(), [2.0]);
         // Stay up while the test counts descriptors.
         pg.store().unwrap().get("counted", LIMIT).unwrap();
-        println!("{DONE}");
+        done();
         return;
     }
     let port = common::free_port();
@@ -168,6 +168,7 @@ fn a_stranger_trickling_its_hello_is_dropped_after_one_deadline() {
 
 #[test]
 fn a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed() {
+    // Also: an idle rank is kept alive by heartbeats past the peer timeout.
     let test = "a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed";
     if is_child() {
         let o = InitOptions {
@@ -178,25 +179,36 @@ fn a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed
         println!("joined");
         if pg.rank() == 1 {
             // Stopped here by the test, then resumed.
-            std::thread::sleep(Duration::from_secs(8));
+            std::thread::sleep(Duration::from_secs(12));
             let err = pg.barrier().unwrap_err();
             println!("resumed rank: {err}");
             assert!(
                 !matches!(err, Error::PeerLost { rank: 0, .. }),
                 "the frozen rank blames rank 0: {err}"
             );
-            println!("{DONE}");
+            done();
             return;
         }
+        // Idle first, longer than the peer timeout: heartbeats must keep rank 1 alive.
+        std::thread::sleep(Duration::from_secs(4));
+        println!("waiting");
+        let started = Instant::now();
         let err = pg.barrier().unwrap_err();
         println!("lost at {}", now_ms());
         assert!(matches!(err, Error::PeerLost { rank: 1, .. }), "{err}");
-        println!("{DONE}");
+        assert!(err.to_string().contains("no message or heartbeat"), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        done();
         return;
     }
     let ranks = Ranks::world(test, 2);
     ranks.wait_for(0, "joined", LIMIT);
     ranks.wait_for(1, "joined", LIMIT);
+    ranks.wait_for(0, "waiting", LIMIT);
     std::thread::sleep(Duration::from_millis(500));
     let pid = ranks.pid(1).to_string();
     let stopped_at = now_ms();
@@ -323,7 +335,7 @@ fn a_rank_with_another_world_size_fails_the_others_at_once_with_its_reason() {
             "{:?}",
             started.elapsed()
         );
-        println!("{DONE}");
+        done();
         return;
     }
     let port = common::free_port();
@@ -365,7 +377,7 @@ fn a_rank_killed_during_the_rendezvous_is_named_by_the_others_at_once() {
             "{:?}",
             started.elapsed()
         );
-        println!("{DONE}");
+        done();
         return;
     }
     let mut ranks = Ranks::world(test, 3);
@@ -391,7 +403,7 @@ fn a_rank_waiting_for_an_unreachable_master_says_so_and_the_wait_is_set_from_the
             took >= Duration::from_secs(4) && took < Duration::from_secs(15),
             "{took:?}"
         );
-        println!("{DONE}");
+        done();
         return;
     }
     let port = common::free_port();
@@ -409,25 +421,27 @@ fn a_rank_waiting_for_an_unreachable_master_says_so_and_the_wait_is_set_from_the
 }
 
 #[test]
-fn a_rank_with_the_wrong_token_is_mentioned_by_the_rank_that_waited_for_it() {
-    let test = "a_rank_with_the_wrong_token_is_mentioned_by_the_rank_that_waited_for_it";
+fn a_rank_with_the_wrong_token_is_refused_and_named_by_the_rank_that_waited_for_it() {
+    let test = "a_rank_with_the_wrong_token_is_refused_and_named_by_the_rank_that_waited_for_it";
     if is_child() {
         let o = InitOptions {
             rendezvous_timeout: Duration::from_secs(3),
             ..child_options()
         };
         let r = Rendezvous::from_env().unwrap();
-        let err = ProcessGroup::new(&r, &Device::Cpu, o)
-            .unwrap_err()
-            .to_string();
-        if r.rank == 0 {
-            assert!(err.contains("missing ranks 1"), "{err}");
+        let err = ProcessGroup::new(&r, &Device::Cpu, o).unwrap_err();
+        let text = err.to_string();
+        if r.rank == 1 {
+            assert!(matches!(err, Error::Refused { .. }), "{err}");
+            assert!(text.contains("wrong job token"), "{err}");
+        } else {
+            assert!(text.contains("missing ranks 1"), "{err}");
             assert!(
-                err.contains("refused a connection as rank 1") && err.contains("wrong job token"),
+                text.contains("refused a connection as rank 1") && text.contains("wrong job token"),
                 "{err}"
             );
         }
-        println!("{DONE}");
+        done();
         return;
     }
     let port = common::free_port();

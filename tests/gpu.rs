@@ -12,7 +12,7 @@ use candle_parallel::distributed::{Backend, InitOptions, ProcessGroup, ReduceOp,
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::{comm, distributed, DataParallel, Error};
-use common::{is_child, max_abs, max_abs_diff, solo_rendezvous, Ranks, DONE};
+use common::{done, is_child, max_abs, max_abs_diff, solo_rendezvous, Ranks};
 use std::time::Duration;
 
 fn have_gpu() -> bool {
@@ -241,7 +241,7 @@ fn the_tcp_backend_carries_cuda_tensors_between_two_processes() {
         let y = pg.all_reduce(&x, ReduceOp::Sum).unwrap();
         assert!(y.device().same_device(&device));
         assert_eq!(y.to_vec1::<f32>().unwrap(), [3.0, 20.0]);
-        println!("{DONE}");
+        done();
         return;
     }
     if !have_gpu() {
@@ -422,7 +422,7 @@ fn ddp_and_sync_batch_norm_over_tcp_with_cuda_tensors_on_two_processes_equal_one
             d <= 1e-4,
             "DDP with SyncBatchNorm differs from one process by {d}"
         );
-        println!("{DONE}");
+        done();
         return;
     }
     if !have_gpu() {

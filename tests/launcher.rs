@@ -4,7 +4,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use candle_parallel::distributed::{ProcessGroup, ReduceOp};
-use common::{is_child, Ranks, DONE};
+use common::{done, is_child, Ranks, DONE};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -105,7 +105,7 @@ fn ranks_started_by_candle_run_form_a_group_and_free_the_port_after() {
         let y = pg.all_reduce(&x, ReduceOp::Sum).unwrap();
         assert_eq!(y.to_vec1::<f32>().unwrap(), [6.0]);
         println!("port {}", std::env::var("MASTER_PORT").unwrap());
-        println!("{DONE}");
+        done();
         return;
     }
     let exe = std::env::current_exe().unwrap();

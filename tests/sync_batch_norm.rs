@@ -11,7 +11,7 @@ use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::rng::Rng;
 use candle_parallel::{checkpoint, nn, DistributedDataParallel};
-use common::{is_child, join_child, max_abs, Ranks, DONE};
+use common::{done, is_child, join_child, max_abs, Ranks};
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -188,7 +188,7 @@ fn sync_batch_norm_over_processes_equals_batch_norm_on_the_whole_batch() {
     let test = "sync_batch_norm_over_processes_equals_batch_norm_on_the_whole_batch";
     if is_child() {
         all_parity(&join_child());
-        println!("{DONE}");
+        done();
         return;
     }
     for world in [2, 3] {

@@ -15,7 +15,7 @@ use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::rng::Rng;
 use candle_parallel::{vars_without_gradient, DistributedDataParallel, Error};
-use common::{free_port, is_child, join_child, max_abs_diff, rank_env, Ranks, DONE};
+use common::{done, free_port, is_child, join_child, max_abs_diff, rank_env, Ranks};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -141,7 +141,7 @@ fn candle_nns_layer_norm_freezes_the_layer_below_and_rank_0_names_it_once() {
         }
         assert_eq!(max_abs_diff(&var(&varmap, "l1.weight"), &w1), 0.0);
         assert!(max_abs_diff(&var(&varmap, "l2.weight"), &w2) > 0.0);
-        println!("{DONE}");
+        done();
         return;
     }
     let out = ranks_with_logger(test, 2).assert_all_pass(LIMIT);
@@ -190,7 +190,7 @@ fn with_candle_parallels_layer_norm_every_parameter_trains_and_nothing_is_report
                 "{name} did not move"
             );
         }
-        println!("{DONE}");
+        done();
         return;
     }
     let out = ranks_with_logger(test, 2).assert_all_pass(LIMIT);
@@ -273,7 +273,7 @@ fn a_branch_taken_on_one_rank_only_is_not_reported_and_gets_the_average() {
                 assert!(common::max_abs(got) > 0.0, "{name} got zeros");
             }
         }
-        println!("{DONE}");
+        done();
         return;
     }
     let out = ranks_with_logger(test, 2).assert_all_pass(LIMIT);
@@ -353,7 +353,7 @@ fn with_adamw_and_weight_decay_ddp_over_a_never_used_parameter_equals_one_proces
             let d = max_abs_diff(&var(&varmap, name), v.as_tensor());
             assert!(d <= 1e-5, "{name} differs from one process by {d}");
         }
-        println!("{DONE}");
+        done();
         return;
     }
     Ranks::world(test, 2).assert_all_pass(LIMIT);
@@ -425,7 +425,7 @@ fn parameters_declared_frozen_are_not_reported_but_still_listed() {
             candle_nn_stack,
         );
         assert_eq!(model.unused_parameters(), BELOW_LAYER_NORM);
-        println!("{DONE}");
+        done();
         return;
     }
     let out = ranks_with_logger(test, 2).assert_all_pass(LIMIT);

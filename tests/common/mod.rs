@@ -372,6 +372,13 @@ impl Ranks {
 /// What a child prints when its part of the test passed.
 pub const DONE: &str = "CHILD-DONE";
 
+/// Says, on a child's stdout, that it got to the end of its part ([`DONE`]).
+pub fn done() {
+    use std::io::Write;
+    println!("{DONE}");
+    let _ = std::io::stdout().flush();
+}
+
 impl Drop for Ranks {
     fn drop(&mut self) {
         for c in self.children.iter_mut().flatten() {
