@@ -1,22 +1,33 @@
 #![warn(missing_docs)]
 //! candle-parallel: PyTorch-style multi-device training for candle.
 //!
-//! - [`comm`]: scatter, gather, broadcast and reduce_add across candle devices, differentiable.
-//! - [`DataParallel`]: one process, one model, every device (`torch.nn.DataParallel`).
-//! - [`DistributedDataParallel`]: one process per device, gradients averaged over the world in
-//!   buckets while backward runs (`torch.nn.parallel.DistributedDataParallel`).
-//! - [`replicate`] and [`parallel_apply`]: the pieces `DataParallel` is made of.
-//! - [`distributed`] (also reachable as `dist`): process groups (TCP, in-process, NCCL),
-//!   rendezvous and collectives, blocking and asynchronous.
-//! - [`nn::SyncBatchNorm`]: batch statistics over every rank's samples, and [`nn::batch_norm`],
-//!   which lets one model definition serve one device and many.
-//! - [`nn::ops`], [`nn::rotary_emb`], [`nn::LayerNorm`], [`nn::RmsNorm`]: candle-nn's fused
-//!   transformer layers with a backward (candle 0.11's have none, candle issue #2168), and
+//! The two wrappers, and the pieces under them:
+//! - [`DataParallel`]: one process, one model, every device (`torch.nn.DataParallel`). Its
+//!   pieces live in [`parallel`], as torch keeps `torch.nn.parallel`: [`comm`] (scatter, gather,
+//!   broadcast, reduce_add across devices, differentiable), [`replicate`], [`parallel_apply`],
+//!   [`data_parallel`] and [`devices`] (which devices to use), each also reachable from here.
+//! - [`DistributedDataParallel`] ([`ddp`]): one process per device, gradients averaged over the
+//!   world in buckets while backward runs (`torch.nn.parallel.DistributedDataParallel`), and
 //!   [`vars_without_gradient`], which names the variables that got no gradient.
-//! - [`sampler::DistributedSampler`]: each rank's share of a dataset.
+//! - [`distributed`] (also `dist`): process groups (TCP with shared memory, in-process, NCCL),
+//!   their rendezvous and collectives, blocking and asynchronous (`torch.distributed`).
 //! - [`launch`]: start N ranks (the `candle-run` launcher and its library entry).
-//! - [`logging`]: the library talks through the `log` facade; `logging::init` shows its
+//!
+//! Layers and training:
+//! - [`nn`]: layers for training: `SyncBatchNorm` and `batch_norm`; candle-nn's fused
+//!   transformer layers with a backward ([`nn::ops`], [`nn::rotary_emb`], [`nn::LayerNorm`],
+//!   [`nn::RmsNorm`]; candle 0.11's have none, candle issue #2168); `Conv2d` and `max_pool2d`
+//!   with CPU training kernels of our own.
+//! - [`optim`]: SGD with PyTorch's semantics (momentum, dampening, weight decay, Nesterov).
+//! - [`sampler`]: `DistributedSampler`, each rank's share of a dataset.
+//! - [`init`]: seeded, reproducible variable initialisation.
+//! - [`rng`]: a small seeded random generator that gives the same numbers everywhere.
+//! - [`checkpoint`]: saving variables as safetensors, atomically.
+//! - [`memory`]: the C allocator tuned for training loops.
+//! - [`logging`]: the library talks through the `log` facade; [`logging::init`] shows its
 //!   messages on stderr.
+//!
+//! Example support: [`cifar`], the CIFAR-10 reader, a synthetic stand-in and the tutorial's Net.
 //!
 //! ```rust
 //! use candle_core::{DType, Device, Module, Tensor};
