@@ -62,6 +62,7 @@ pub mod unused;
 
 mod agreement;
 mod hook;
+mod integers;
 mod reducer;
 
 pub use reducer::{BackwardStats, Compression};

@@ -23,12 +23,13 @@
 //! instead, and the next synchronised backward all-reduces the sums.
 
 use super::bucket::{assign_buckets, BucketParam};
+use super::integers;
 use super::unused::{describe, UnusedReport};
 use crate::distributed::{ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -398,13 +399,10 @@ impl State {
                 averaged[i] = Some(g);
             }
         }
-        let used_anywhere = match used_anywhere {
-            Some(work) => work
-                .wait()?
-                .to_device(&Device::Cpu)?
-                .to_vec1::<f32>()?
+        let used_anywhere: Vec<bool> = match used_anywhere {
+            Some(work) => integers::from_tensor(&work.wait()?)?
                 .into_iter()
-                .map(|u| u > 0.0)
+                .map(|u| u > 0)
                 .collect(),
             None => used_here,
         };
@@ -441,8 +439,10 @@ impl State {
         if group.world_size() == 1 {
             return Ok(None);
         }
-        let map: Vec<f32> = used_here.iter().map(|&u| f32::from(u8::from(u))).collect();
-        let map = Tensor::new(map, &Device::Cpu)?.to_device(first.var.device())?;
+        let map = integers::to_tensor(
+            used_here.iter().map(|&u| usize::from(u)),
+            first.var.device(),
+        )?;
         Ok(Some(group.all_reduce_async(&map, ReduceOp::Max)?))
     }
 
@@ -503,17 +503,8 @@ impl State {
             .params
             .first()
             .map_or(Device::Cpu, |p| p.var.device().clone());
-        let as_f64: Vec<f64> = order.iter().map(|&i| i as f64).collect();
-        let mine = Tensor::from_vec(as_f64, Shape::from(n), &Device::Cpu)?
-            .to_dtype(DType::F64)?
-            .to_device(&device)?;
-        let agreed = self.setup.group.broadcast(&mine, 0)?;
-        let agreed: Vec<usize> = agreed
-            .to_device(&Device::Cpu)?
-            .to_vec1::<f64>()?
-            .into_iter()
-            .map(|x| x as usize)
-            .collect();
+        let mine = integers::to_tensor(order, &device)?;
+        let agreed = integers::from_tensor(&self.setup.group.broadcast(&mine, 0)?)?;
         let (buckets, bucket_of) = layout(&self.setup, &agreed);
         self.buckets = buckets;
         self.bucket_of = bucket_of;
