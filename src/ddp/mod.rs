@@ -61,11 +61,13 @@ pub mod bucket;
 pub mod unused;
 
 mod agreement;
+mod compression;
 mod hook;
 mod integers;
 mod reducer;
 
-pub use reducer::{BackwardStats, Compression};
+pub use compression::Compression;
+pub use reducer::BackwardStats;
 pub use unused::{named_vars_without_gradient, vars_without_gradient, UnusedReport};
 
 use crate::distributed::ProcessGroup;

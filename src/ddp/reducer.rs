@@ -23,29 +23,17 @@
 //! instead, and the next synchronised backward all-reduces the sums.
 
 use super::bucket::{assign_buckets, BucketParam};
+use super::compression::Compression;
 use super::integers;
 use super::unused::{describe, UnusedReport};
 use crate::distributed::{ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-/// How gradients travel (torch's communication hooks `fp16_compress_hook` and
-/// `bf16_compress_hook`): divided by the world size, converted, summed, converted back.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Compression {
-    /// Gradients travel in their own dtype (default).
-    #[default]
-    None,
-    /// Gradients travel as bf16: half the bytes, f32's range.
-    Bf16,
-    /// Gradients travel as f16: half the bytes, more precision than bf16, less range.
-    F16,
-}
 
 /// One parameter, as the reducer needs it.
 pub(crate) struct Param {
@@ -308,8 +296,7 @@ impl State {
     }
 
     /// Issues every bucket whose gradients are all in, strictly in bucket order: one
-    /// all-reduce of the bucket's gradients (coalesced by the backend, on its own thread, so
-    /// backward is not held up copying them). With one rank the average is the gradient itself:
+    /// all-reduce of the bucket's gradients, so that backward is not held up copying them. With one rank the average is the gradient itself:
     /// nothing is sent.
     fn issue_ready_buckets(&mut self) -> Result<()> {
         let group = &self.setup.group;
@@ -323,20 +310,7 @@ impl State {
                 .iter()
                 .map(|&i| self.grads[i].clone().expect("the bucket is complete"))
                 .collect();
-            let world = group.world_size() as f64;
-            let compressed = |dtype: DType| -> candle_core::Result<Vec<Tensor>> {
-                grads.iter().map(|g| (g / world)?.to_dtype(dtype)).collect()
-            };
-            let work = match self.setup.compression {
-                Compression::None => group.all_reduce_many_async(&grads, ReduceOp::Avg)?,
-                Compression::Bf16 => {
-                    group.all_reduce_many_async(&compressed(DType::BF16)?, ReduceOp::Sum)?
-                }
-                Compression::F16 => {
-                    group.all_reduce_many_async(&compressed(DType::F16)?, ReduceOp::Sum)?
-                }
-            };
-            self.works[b] = Some(work);
+            self.works[b] = Some(self.setup.compression.all_reduce_async(group, &grads)?);
         }
         Ok(())
     }
