@@ -211,14 +211,9 @@ impl Reducer {
         let mut guard = lock(&self.state);
         let st = guard.as_mut().expect("configured at construction");
         if st.phase == Phase::Collecting && !st.ready_order.is_empty() {
-            let first = &st.setup.params[st.ready_order[0]].name;
-            let detail = format!(
-                "gradients of the last iteration (the first for `{first}`) came in but were \
-                 never reduced; call DistributedDataParallel::backward(&loss), not \
-                 loss.backward(), once after each forward"
-            );
+            let parameter = st.setup.params[st.ready_order[0]].name.clone();
             st.reset();
-            return Err(Error::UnfinishedReduction { detail });
+            return Err(Error::UnfinishedReduction { parameter });
         }
         st.reset();
         st.sync = sync;
@@ -264,21 +259,15 @@ impl State {
     }
 
     fn ready(&mut self, index: usize, grad: &Tensor) -> Result<()> {
-        let name = &self.setup.params[index].name;
+        let parameter = || self.setup.params[index].name.clone();
         if self.phase != Phase::Collecting {
-            return Err(Error::UnfinishedReduction {
-                detail: format!(
-                    "the gradient of `{name}` came in outside an iteration: run \
-                     DistributedDataParallel::forward_t before each backward"
-                ),
+            return Err(Error::GradientOutsideIteration {
+                parameter: parameter(),
             });
         }
         if self.grads[index].is_some() {
-            return Err(Error::UnfinishedReduction {
-                detail: format!(
-                    "the gradient of `{name}` came in twice in one iteration: run forward_t \
-                     once before each DistributedDataParallel::backward"
-                ),
+            return Err(Error::GradientTwice {
+                parameter: parameter(),
             });
         }
         let grad = match self.accumulated[index].take() {
@@ -317,11 +306,7 @@ impl State {
 
     fn finish(&mut self, grads: &mut GradStore, started: Instant) -> Result<()> {
         if self.phase != Phase::Collecting {
-            return Err(Error::UnfinishedReduction {
-                detail: "backward was called without a forward before it: run \
-                         DistributedDataParallel::forward_t before each backward"
-                    .into(),
-            });
+            return Err(Error::BackwardWithoutForward);
         }
         if let Some(e) = self.error.take() {
             return Err(e);
