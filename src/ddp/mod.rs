@@ -64,6 +64,7 @@ mod agreement;
 mod compression;
 mod hook;
 mod integers;
+mod iteration;
 mod reducer;
 
 pub use compression::Compression;
@@ -404,7 +405,7 @@ impl<M> DistributedDataParallel<M> {
         for group in &self.sync_groups {
             nn::finish_backward(group)?;
         }
-        self.reducer.finish(&mut grads, started)?;
+        self.reducer.finalize_backward(&mut grads, started)?;
         Ok(grads)
     }
 }
@@ -425,7 +426,7 @@ impl<M: ModuleT> DistributedDataParallel<M> {
     /// the reducer.
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
         self.reducer
-            .prepare(self.no_sync.load(Ordering::SeqCst) == 0)?;
+            .prepare_for_backward(self.no_sync.load(Ordering::SeqCst) == 0)?;
         if train && self.broadcast_buffers {
             self.sync_buffers()?;
         }
