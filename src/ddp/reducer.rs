@@ -450,3 +450,86 @@ impl State {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::distributed::spawn_threads;
+    use candle_core::DType;
+
+    /// A reducer of one parameter `w`, as DistributedDataParallel configures it.
+    fn reducer(group: ProcessGroup, w: &Var) -> Reducer {
+        let reducer = Reducer::default();
+        reducer.configure(Setup {
+            group,
+            params: vec![Param {
+                name: "w".into(),
+                var: w.clone(),
+            }],
+            expected_order: vec![0],
+            first_bucket_bytes: 1 << 20,
+            bucket_bytes: 25 << 20,
+            compression: Compression::None,
+            rebuild_buckets: true,
+            unused_report: UnusedReport::Warn,
+            frozen: vec![false],
+        });
+        reducer
+    }
+
+    #[test]
+    fn each_misuse_is_an_error_that_names_it_and_the_next_iteration_works() {
+        spawn_threads(1, |pg| {
+            let w = Var::ones(2, DType::F32, &Device::Cpu)?;
+            let r = reducer(pg, &w);
+            let mut grads = w.as_tensor().sum_all()?.backward()?;
+            let g = Tensor::new(&[2f32, 3.], &Device::Cpu)?;
+            let named_w = |e: &Error| e.to_string().contains("`w`");
+
+            let err = r.finalize_backward(&mut grads, Instant::now()).unwrap_err();
+            assert!(matches!(err, Error::BackwardWithoutForward), "{err}");
+
+            let outside = lock(&r.state).as_mut().unwrap().mark_ready(0, &g);
+            let err = outside.unwrap_err();
+            assert!(matches!(err, Error::GradientOutsideIteration { .. }) && named_w(&err));
+
+            r.prepare_for_backward(true)?;
+            r.mark_ready(0, &g);
+            r.mark_ready(0, &g);
+            let err = r.finalize_backward(&mut grads, Instant::now()).unwrap_err();
+            assert!(matches!(err, Error::GradientTwice { .. }) && named_w(&err));
+
+            r.prepare_for_backward(true)?;
+            r.mark_ready(0, &g);
+            let err = r.prepare_for_backward(true).unwrap_err();
+            assert!(matches!(err, Error::UnfinishedReduction { .. }) && named_w(&err));
+
+            r.prepare_for_backward(true)?;
+            r.mark_ready(0, &g);
+            r.finalize_backward(&mut grads, Instant::now())?;
+            assert_eq!(grads.get(&w).unwrap().to_vec1::<f32>()?, [2., 3.]);
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn under_no_sync_gradients_are_summed_until_the_next_synchronised_backward() {
+        spawn_threads(1, |pg| {
+            let w = Var::ones(2, DType::F32, &Device::Cpu)?;
+            let r = reducer(pg, &w);
+            let mut grads = w.as_tensor().sum_all()?.backward()?;
+            let g = Tensor::new(&[2f32, 3.], &Device::Cpu)?;
+            r.prepare_for_backward(false)?;
+            r.mark_ready(0, &g);
+            r.finalize_backward(&mut grads, Instant::now())?;
+            assert_eq!(grads.get(&w).unwrap().to_vec1::<f32>()?, [2., 3.]);
+            r.prepare_for_backward(true)?;
+            r.mark_ready(0, &g);
+            r.finalize_backward(&mut grads, Instant::now())?;
+            assert_eq!(grads.get(&w).unwrap().to_vec1::<f32>()?, [4., 6.]);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
