@@ -257,12 +257,46 @@ pub enum Error {
         expected: String,
     },
 
-    /// DistributedDataParallel's forward and backward passes were not paired.
-    #[error("DistributedDataParallel: {detail}")]
+    /// A DistributedDataParallel forward found the previous iteration's gradients computed but
+    /// never reduced: `loss.backward()` ran instead of `DistributedDataParallel::backward`.
+    #[error(
+        "DistributedDataParallel: gradients of the last iteration (the first for `{parameter}`) \
+         came in but were never reduced; call DistributedDataParallel::backward(&loss), not \
+         loss.backward(), once after each forward"
+    )]
     UnfinishedReduction {
-        /// What happened and what to call instead.
-        detail: String,
+        /// The parameter whose gradient came in first.
+        parameter: String,
     },
+
+    /// A parameter's gradient came in between a finished DistributedDataParallel backward and
+    /// the next forward: a backward through a graph built before the last one was reduced.
+    #[error(
+        "DistributedDataParallel: the gradient of `{parameter}` came in outside an iteration: \
+         run DistributedDataParallel::forward_t before each backward"
+    )]
+    GradientOutsideIteration {
+        /// The parameter.
+        parameter: String,
+    },
+
+    /// A parameter's gradient came in twice after one DistributedDataParallel forward: two
+    /// backwards through one forward's graph.
+    #[error(
+        "DistributedDataParallel: the gradient of `{parameter}` came in twice in one iteration: \
+         run forward_t once before each DistributedDataParallel::backward"
+    )]
+    GradientTwice {
+        /// The parameter.
+        parameter: String,
+    },
+
+    /// `DistributedDataParallel::backward` ran with no forward since the last one.
+    #[error(
+        "DistributedDataParallel: backward was called without a forward before it: run \
+         DistributedDataParallel::forward_t before each backward"
+    )]
+    BackwardWithoutForward,
 
     /// A synchronised DistributedDataParallel backward left parameters without a gradient on
     /// every rank, and `DdpConfig::unused_report` asks for an error.

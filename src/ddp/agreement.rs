@@ -4,6 +4,7 @@
 
 use super::bucket::{assign_buckets, BucketParam};
 use super::hook::{Entry, Kind};
+use super::integers;
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -22,25 +23,29 @@ fn describe(e: &Entry) -> String {
     )
 }
 
-/// Every rank's `bytes`, in rank order (torch's `all_gather_object`, for bytes). Bytes travel
-/// as f32 values, which hold them exactly.
+/// Every rank's `bytes`, in rank order (torch's `all_gather_object`, for bytes): first the
+/// lengths, then the bytes padded to the longest, both as [`integers`].
 fn all_gather_bytes(group: &ProcessGroup, bytes: &[u8], device: &Device) -> Result<Vec<Vec<u8>>> {
-    let len = Tensor::new(&[bytes.len() as f64], device)?;
+    let len = integers::to_tensor([bytes.len()], device)?;
     let lens: Vec<usize> = group
         .all_gather(&len)?
         .iter()
-        .map(|t| Ok(t.to_device(&Device::Cpu)?.to_vec1::<f64>()?[0] as usize))
+        .map(|t| Ok(integers::from_tensor(t)?.first().copied().unwrap_or(0)))
         .collect::<Result<_>>()?;
     let longest = lens.iter().copied().max().unwrap_or(0);
-    let mut padded: Vec<f32> = bytes.iter().map(|&b| f32::from(b)).collect();
-    padded.resize(longest, 0.0);
-    let mine = Tensor::from_vec(padded, longest, &Device::Cpu)?.to_device(device)?;
+    let padded = bytes
+        .iter()
+        .map(|&b| usize::from(b))
+        .chain(std::iter::repeat(0))
+        .take(longest);
+    let mine = integers::to_tensor(padded, device)?;
     group
         .all_gather(&mine)?
         .iter()
         .zip(&lens)
         .map(|(t, &n)| {
-            let values = t.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+            let values = integers::from_tensor(t)?;
+            // Only this function's bytes travel here, each below 256.
             Ok(values[..n].iter().map(|&v| v as u8).collect())
         })
         .collect()

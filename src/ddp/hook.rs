@@ -50,7 +50,7 @@ impl candle_core::CustomOp1 for GradReady {
     /// Hands the gradient to the reducer, which from now on owns it: the variable itself gets
     /// its gradient from `DistributedDataParallel::backward`, averaged over the world.
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        self.reducer.ready(self.index, grad);
+        self.reducer.mark_ready(self.index, grad);
         Ok(None)
     }
 }

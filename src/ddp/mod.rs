@@ -61,10 +61,14 @@ pub mod bucket;
 pub mod unused;
 
 mod agreement;
+mod compression;
 mod hook;
+mod integers;
+mod iteration;
 mod reducer;
 
-pub use reducer::{BackwardStats, Compression};
+pub use compression::Compression;
+pub use reducer::BackwardStats;
 pub use unused::{named_vars_without_gradient, vars_without_gradient, UnusedReport};
 
 use crate::distributed::ProcessGroup;
@@ -394,14 +398,17 @@ impl<M> DistributedDataParallel<M> {
     /// Call it once after each `forward_t`, on every rank.
     ///
     /// Fails with [`Error::ParametersWithoutGradient`], on every rank, when such parameters
-    /// are not declared frozen and [`DdpConfig::unused_report`] is [`UnusedReport::Error`].
+    /// are not declared frozen and [`DdpConfig::unused_report`] is [`UnusedReport::Error`];
+    /// with [`Error::BackwardWithoutForward`] when no forward came since the last backward, and
+    /// with [`Error::GradientTwice`] when `loss` reaches a parameter's hook twice (a second
+    /// backward through one forward's graph).
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         let started = Instant::now();
         let mut grads = loss.backward()?;
         for group in &self.sync_groups {
             nn::finish_backward(group)?;
         }
-        self.reducer.finish(&mut grads, started)?;
+        self.reducer.finalize_backward(&mut grads, started)?;
         Ok(grads)
     }
 }
@@ -420,9 +427,12 @@ impl<M: ModuleT> DistributedDataParallel<M> {
     /// first takes rank 0's buffers (unless `broadcast_buffers` is off); in every mode it
     /// refreshes the model's parameter copies from the variables and starts an iteration of
     /// the reducer.
+    ///
+    /// Fails with [`Error::UnfinishedReduction`] when the last forward's gradients were
+    /// computed (`loss.backward()`) but never reduced by [`backward`](Self::backward).
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
         self.reducer
-            .prepare(self.no_sync.load(Ordering::SeqCst) == 0)?;
+            .prepare_for_backward(self.no_sync.load(Ordering::SeqCst) == 0)?;
         if train && self.broadcast_buffers {
             self.sync_buffers()?;
         }

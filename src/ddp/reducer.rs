@@ -1,50 +1,43 @@
 //! The cross-device gradient reducer (torch's `Reducer`): gradients averaged over the world in
 //! buckets, each all-reduced as soon as its gradients are ready, while backward goes on.
 //!
-//! Each parameter's [`GradReady`](super::hook::GradReady) reports its gradient as backward
-//! completes it. When every gradient of the next bucket is in, the bucket is flattened and its
-//! asynchronous all-reduce issued on DDP's own group; buckets go strictly in bucket order, so
-//! every rank issues the same collectives in the same order. When autograd is done,
-//! [`Reducer::finish`] fills the gradients of parameters that got none (zeros: a branch not
-//! taken on this rank), issues what is left, waits for every bucket in order and hands out the
-//! averaged gradients. After the first iteration the buckets are rebuilt once from the order in
-//! which gradients actually became ready (rank 0's, broadcast), as torch does.
+//! The names follow c10d's `reducer.cpp`, so that the two read side by side. Each forward
+//! starts an iteration ([`Reducer::prepare_for_backward`]). Each parameter's
+//! [`GradReady`](super::hook::GradReady) reports its gradient as backward completes it
+//! ([`Reducer::mark_ready`]). When every gradient of the next bucket is in, the bucket's
+//! asynchronous all-reduce is issued on DDP's own group; buckets go strictly in bucket order,
+//! so every rank issues the same collectives in the same order. When autograd is done,
+//! [`Reducer::finalize_backward`] fills the gradients of parameters that got none (zeros: a
+//! branch not taken on this rank), issues what is left, waits for every bucket in order and
+//! hands out the averaged gradients. After the first iteration the buckets are rebuilt once
+//! from the order in which gradients actually became ready (rank 0's, broadcast), as torch
+//! does.
 //!
 //! A parameter that got no gradient on *any* rank (torch's `local_used_map` with
-//! `find_unused_parameters`) gets none from `finish` either, so that an optimizer leaves it as
-//! it is, as it would in one process: the ranks agree on who got a gradient with one small
-//! all-reduce (a max over a 0/1 map, one entry per parameter). The buckets issued during
-//! autograd differ in number between ranks, so that collective goes at a fixed place: after
-//! every bucket was issued in `finish`, never among them. The parameter still travels in its
-//! bucket (as zeros); it is only left out of the `GradStore`. Such parameters are reported (see
-//! [`UnusedReport`]) unless declared frozen.
+//! `find_unused_parameters`) gets none from `finalize_backward` either, so that an optimizer
+//! leaves it as it is, as it would in one process: the ranks agree on who got a gradient with
+//! one small all-reduce (a max over a 0/1 map, one entry per parameter). The buckets issued
+//! during autograd differ in number between ranks, so that collective goes at a fixed place:
+//! after every bucket was issued in `finalize_backward`, never among them. The parameter still
+//! travels in its bucket (as zeros); it is only left out of the `GradStore`. Such parameters
+//! are reported (see [`UnusedReport`]) unless declared frozen.
 //!
 //! Under [`no_sync`](super::DistributedDataParallel::no_sync) gradients are summed locally
 //! instead, and the next synchronised backward all-reduces the sums.
 
 use super::bucket::{assign_buckets, BucketParam};
+use super::compression::Compression;
+use super::integers;
+use super::iteration::{Iteration, Phase};
 use super::unused::{describe, UnusedReport};
 use crate::distributed::{ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-/// How gradients travel (torch's communication hooks `fp16_compress_hook` and
-/// `bf16_compress_hook`): divided by the world size, converted, summed, converted back.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Compression {
-    /// Gradients travel in their own dtype (default).
-    #[default]
-    None,
-    /// Gradients travel as bf16: half the bytes, f32's range.
-    Bf16,
-    /// Gradients travel as f16: half the bytes, more precision than bf16, less range.
-    F16,
-}
 
 /// One parameter, as the reducer needs it.
 pub(crate) struct Param {
@@ -89,35 +82,45 @@ pub struct BackwardStats {
     pub issued_during_autograd: usize,
 }
 
-/// Where the current iteration stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Phase {
-    /// Between a finished backward and the next forward.
-    Idle,
-    /// After a forward: gradients may come in.
-    Collecting,
+/// Which parameters travel in which bucket: what `assign_buckets` gives, and each parameter's
+/// bucket. Made from the expected order at construction, rebuilt once from the observed one.
+struct Layout {
+    /// Per bucket, its parameters, in the order they travel.
+    buckets: Vec<Vec<usize>>,
+    /// Per parameter, its bucket.
+    bucket_of: Vec<usize>,
 }
 
+impl Layout {
+    /// The buckets of `setup`'s parameters, taken in `order`.
+    fn new(setup: &Setup, order: &[usize]) -> Self {
+        let params: Vec<BucketParam> = order
+            .iter()
+            .map(|&i| BucketParam {
+                index: i,
+                bytes: setup.params[i].bytes(),
+                dtype: setup.params[i].var.dtype(),
+            })
+            .collect();
+        let buckets = assign_buckets(&params, setup.first_bucket_bytes, setup.bucket_bytes);
+        let mut bucket_of = vec![0; setup.params.len()];
+        for (b, members) in buckets.iter().enumerate() {
+            for &i in members {
+                bucket_of[i] = b;
+            }
+        }
+        Self { buckets, bucket_of }
+    }
+}
+
+/// What the reducer knows: its setup, the buckets, the current iteration, and what outlives an
+/// iteration (no_sync sums, the last backward's timings and unused parameters).
 struct State {
     setup: Setup,
-    buckets: Vec<Vec<usize>>,
-    bucket_of: Vec<usize>,
-    phase: Phase,
-    /// Whether this iteration's gradients are all-reduced (false under no_sync).
-    sync: bool,
-    /// This iteration's gradients, per parameter (with any no_sync sums added).
-    grads: Vec<Option<Tensor>>,
+    layout: Layout,
+    iteration: Iteration,
     /// Sums of gradients from no_sync backwards, waiting for the next synchronised one.
     accumulated: Vec<Option<Tensor>>,
-    /// Per bucket: gradients still missing.
-    missing: Vec<usize>,
-    /// The next bucket to issue.
-    next: usize,
-    works: Vec<Option<Work<Vec<Tensor>>>>,
-    /// Parameters in the order their gradients came in, this iteration.
-    ready_order: Vec<usize>,
-    /// The first failure of this iteration, reported by `finish`.
-    error: Option<Error>,
     /// Whether the buckets were rebuilt from an observed order yet.
     rebuilt: bool,
     stats: BackwardStats,
@@ -134,45 +137,16 @@ pub(crate) struct Reducer {
     state: Mutex<Option<State>>,
 }
 
-/// The parameters' buckets from `order`: what `assign_buckets` gives, and each parameter's
-/// bucket.
-fn layout(setup: &Setup, order: &[usize]) -> (Vec<Vec<usize>>, Vec<usize>) {
-    let params: Vec<BucketParam> = order
-        .iter()
-        .map(|&i| BucketParam {
-            index: i,
-            bytes: setup.params[i].bytes(),
-            dtype: setup.params[i].var.dtype(),
-        })
-        .collect();
-    let buckets = assign_buckets(&params, setup.first_bucket_bytes, setup.bucket_bytes);
-    let mut bucket_of = vec![0; setup.params.len()];
-    for (b, members) in buckets.iter().enumerate() {
-        for &i in members {
-            bucket_of[i] = b;
-        }
-    }
-    (buckets, bucket_of)
-}
-
 impl Reducer {
     /// Gives the reducer its parameters and their initial buckets.
     pub fn configure(&self, setup: Setup) {
-        let (buckets, bucket_of) = layout(&setup, &setup.expected_order);
+        let layout = Layout::new(&setup, &setup.expected_order);
         let n = setup.params.len();
         *lock(&self.state) = Some(State {
             setup,
-            buckets,
-            bucket_of,
-            phase: Phase::Idle,
-            sync: true,
-            grads: vec![None; n],
+            layout,
+            iteration: Iteration::default(),
             accumulated: vec![None; n],
-            missing: Vec::new(),
-            next: 0,
-            works: Vec::new(),
-            ready_order: Vec::new(),
-            error: None,
             rebuilt: false,
             stats: BackwardStats::default(),
             unused: Vec::new(),
@@ -186,7 +160,8 @@ impl Reducer {
         let Some(st) = guard.as_ref() else {
             return Vec::new();
         };
-        st.buckets
+        st.layout
+            .buckets
             .iter()
             .map(|b| b.iter().map(|&i| st.setup.params[i].name.clone()).collect())
             .collect()
@@ -217,141 +192,128 @@ impl Reducer {
     }
 
     /// Starts an iteration (at each forward): gradients may come in, all-reduced when `sync`.
-    /// Fails when the previous iteration's gradients came in but were never reduced.
-    pub fn prepare(&self, sync: bool) -> Result<()> {
+    /// Fails when the previous iteration's gradients came in but were never reduced (torch's
+    /// check that the prior reduction finished).
+    pub fn prepare_for_backward(&self, sync: bool) -> Result<()> {
         let mut guard = lock(&self.state);
         let st = guard.as_mut().expect("configured at construction");
-        if st.phase == Phase::Collecting && !st.ready_order.is_empty() {
-            let first = &st.setup.params[st.ready_order[0]].name;
-            let detail = format!(
-                "gradients of the last iteration (the first for `{first}`) came in but were \
-                 never reduced; call DistributedDataParallel::backward(&loss), not \
-                 loss.backward(), once after each forward"
-            );
-            st.reset();
-            return Err(Error::UnfinishedReduction { detail });
+        let unfinished = st.iteration.phase != Phase::Idle;
+        if let Some(&first) = st.iteration.ready_order.first().filter(|_| unfinished) {
+            let parameter = st.setup.params[first].name.clone();
+            st.iteration = Iteration::default();
+            return Err(Error::UnfinishedReduction { parameter });
         }
-        st.reset();
-        st.sync = sync;
-        st.phase = Phase::Collecting;
+        let phase = if sync {
+            Phase::Reducing
+        } else {
+            Phase::Accumulating
+        };
+        st.iteration = Iteration::start(phase, &st.layout.buckets, st.setup.params.len());
         Ok(())
     }
 
     /// Parameter `index`'s gradient is complete (called from backward). Errors are kept for
-    /// [`Reducer::finish`], which is where the caller can act on them.
-    pub fn ready(&self, index: usize, grad: &Tensor) {
+    /// [`Reducer::finalize_backward`], which is where the caller can act on them.
+    pub fn mark_ready(&self, index: usize, grad: &Tensor) {
         let mut guard = lock(&self.state);
         let Some(st) = guard.as_mut() else { return };
-        if let Err(e) = st.ready(index, grad) {
-            st.error.get_or_insert(e);
+        if let Err(e) = st.mark_ready(index, grad) {
+            st.iteration.error.get_or_insert(e);
         }
     }
 
     /// Ends the iteration after autograd: hands out, in `grads`, each parameter's gradient
     /// averaged over the world (or, under no_sync, this rank's sum so far).
-    pub fn finish(&self, grads: &mut GradStore, started: Instant) -> Result<()> {
+    pub fn finalize_backward(&self, grads: &mut GradStore, started: Instant) -> Result<()> {
         let mut guard = lock(&self.state);
         let st = guard.as_mut().expect("configured at construction");
-        let result = st.finish(grads, started);
-        st.phase = Phase::Idle;
-        if result.is_err() {
-            st.reset();
-        }
+        let result = st.finalize_backward(grads, started);
+        // Issued collectives still run to the end, in their place.
+        st.iteration = Iteration::default();
         result
     }
 }
 
 impl State {
-    /// Forgets this iteration (issued collectives still run to the end, in their place).
-    fn reset(&mut self) {
-        let n = self.setup.params.len();
-        self.grads = vec![None; n];
-        self.missing = self.buckets.iter().map(Vec::len).collect();
-        self.next = 0;
-        self.works = (0..self.buckets.len()).map(|_| None).collect();
-        self.ready_order.clear();
-        self.error = None;
-        self.phase = Phase::Idle;
-    }
-
-    fn ready(&mut self, index: usize, grad: &Tensor) -> Result<()> {
-        let name = &self.setup.params[index].name;
-        if self.phase != Phase::Collecting {
-            return Err(Error::UnfinishedReduction {
-                detail: format!(
-                    "the gradient of `{name}` came in outside an iteration: run \
-                     DistributedDataParallel::forward_t before each backward"
-                ),
+    /// Takes parameter `index`'s gradient: into its bucket, issuing the buckets it completes,
+    /// or under no_sync into this rank's sum (torch's `mark_variable_ready`).
+    fn mark_ready(&mut self, index: usize, grad: &Tensor) -> Result<()> {
+        let it = &mut self.iteration;
+        let parameter = || self.setup.params[index].name.clone();
+        if it.phase == Phase::Idle {
+            return Err(Error::GradientOutsideIteration {
+                parameter: parameter(),
             });
         }
-        if self.grads[index].is_some() {
-            return Err(Error::UnfinishedReduction {
-                detail: format!(
-                    "the gradient of `{name}` came in twice in one iteration: run forward_t \
-                     once before each DistributedDataParallel::backward"
-                ),
+        if it.grads[index].is_some() {
+            return Err(Error::GradientTwice {
+                parameter: parameter(),
             });
         }
         let grad = match self.accumulated[index].take() {
             Some(sum) => (sum + grad)?,
             None => grad.clone(),
         };
-        if !self.sync {
+        if it.phase == Phase::Accumulating {
             self.accumulated[index] = Some(grad);
             return Ok(());
         }
-        self.grads[index] = Some(grad);
-        self.ready_order.push(index);
-        self.missing[self.bucket_of[index]] -= 1;
+        it.grads[index] = Some(grad);
+        it.ready_order.push(index);
+        it.buckets[self.layout.bucket_of[index]].pending -= 1;
         self.issue_ready_buckets()
     }
 
-    /// Issues every bucket whose gradients are all in, strictly in bucket order: one
-    /// all-reduce of the bucket's gradients (coalesced by the backend, on its own thread, so
-    /// backward is not held up copying them). With one rank the average is the gradient itself:
-    /// nothing is sent.
+    /// Issues every bucket whose gradients are all in, strictly in bucket order (torch's
+    /// `mark_bucket_ready`): one all-reduce of the bucket's gradients, so that backward is not
+    /// held up copying them. With one rank the average is the gradient itself: nothing is sent.
     fn issue_ready_buckets(&mut self) -> Result<()> {
         let group = &self.setup.group;
-        while self.next < self.buckets.len() && self.missing[self.next] == 0 {
-            let b = self.next;
-            self.next += 1;
+        let it = &mut self.iteration;
+        while let Some(bucket) = it.buckets.get_mut(it.next).filter(|b| b.pending == 0) {
+            it.next += 1;
             if group.world_size() == 1 {
                 continue;
             }
-            let grads: Vec<Tensor> = self.buckets[b]
+            let grads: Vec<Tensor> = bucket
+                .params
                 .iter()
-                .map(|&i| self.grads[i].clone().expect("the bucket is complete"))
+                .map(|&i| it.grads[i].clone().expect("the bucket is complete"))
                 .collect();
-            let world = group.world_size() as f64;
-            let compressed = |dtype: DType| -> candle_core::Result<Vec<Tensor>> {
-                grads.iter().map(|g| (g / world)?.to_dtype(dtype)).collect()
-            };
-            let work = match self.setup.compression {
-                Compression::None => group.all_reduce_many_async(&grads, ReduceOp::Avg)?,
-                Compression::Bf16 => {
-                    group.all_reduce_many_async(&compressed(DType::BF16)?, ReduceOp::Sum)?
-                }
-                Compression::F16 => {
-                    group.all_reduce_many_async(&compressed(DType::F16)?, ReduceOp::Sum)?
-                }
-            };
-            self.works[b] = Some(work);
+            bucket.work = Some(self.setup.compression.all_reduce_async(group, &grads)?);
         }
         Ok(())
     }
 
-    fn finish(&mut self, grads: &mut GradStore, started: Instant) -> Result<()> {
-        if self.phase != Phase::Collecting {
-            return Err(Error::UnfinishedReduction {
-                detail: "backward was called without a forward before it: run \
-                         DistributedDataParallel::forward_t before each backward"
-                    .into(),
-            });
+    /// Completes every bucket: a parameter that got no gradient on this rank (a branch not
+    /// taken here) contributes its no_sync sums, or zeros.
+    fn fill_missing_gradients(&mut self) -> Result<()> {
+        let it = &mut self.iteration;
+        for bucket in &mut it.buckets {
+            for &i in &bucket.params {
+                if it.grads[i].is_none() {
+                    let g = match self.accumulated[i].take() {
+                        Some(sum) => sum,
+                        None => self.setup.params[i].var.zeros_like()?,
+                    };
+                    it.grads[i] = Some(g);
+                    bucket.pending -= 1;
+                }
+            }
         }
-        if let Some(e) = self.error.take() {
+        Ok(())
+    }
+
+    /// Completes and issues every bucket, agrees with the other ranks on which parameters got
+    /// a gradient anywhere, waits for the buckets in order and puts the averages in `grads`.
+    fn finalize_backward(&mut self, grads: &mut GradStore, started: Instant) -> Result<()> {
+        if self.iteration.phase == Phase::Idle {
+            return Err(Error::BackwardWithoutForward);
+        }
+        if let Some(e) = self.iteration.error.take() {
             return Err(e);
         }
-        if !self.sync {
+        if self.iteration.phase == Phase::Accumulating {
             for (p, sum) in self.setup.params.iter().zip(&self.accumulated) {
                 if let Some(sum) = sum {
                     grads.insert(p.var.as_tensor(), sum.clone());
@@ -360,51 +322,28 @@ impl State {
             return Ok(());
         }
         let autograd_done = Instant::now();
-        let issued_during_autograd = self.next;
+        let issued_during_autograd = self.iteration.next;
         let n = self.setup.params.len();
         // A gradient now, or sums from no_sync micro-steps: either counts as one.
         let used_here: Vec<bool> = (0..n)
-            .map(|i| self.grads[i].is_some() || self.accumulated[i].is_some())
+            .map(|i| self.iteration.grads[i].is_some() || self.accumulated[i].is_some())
             .collect();
-        // Parameters that got no gradient here contribute zeros (or their no_sync sums).
-        for b in 0..self.buckets.len() {
-            for k in 0..self.buckets[b].len() {
-                let i = self.buckets[b][k];
-                if self.grads[i].is_none() {
-                    let var = &self.setup.params[i].var;
-                    let g = match self.accumulated[i].take() {
-                        Some(sum) => sum,
-                        None => var.zeros_like()?,
-                    };
-                    self.grads[i] = Some(g);
-                    self.missing[b] -= 1;
-                }
-            }
-        }
+        self.fill_missing_gradients()?;
         self.issue_ready_buckets()?;
         // After the last bucket, on every rank: which parameters got a gradient anywhere.
-        let used_anywhere = self.agree_on_used(&used_here)?;
+        let used_anywhere = self.all_reduce_local_used_map(&used_here)?;
         let mut averaged: Vec<Option<Tensor>> = vec![None; n];
-        for b in 0..self.buckets.len() {
-            let reduced = match self.works[b].take() {
-                Some(work) => work.wait()?,
-                // One rank: the gradients are their own average.
-                None => self.buckets[b]
-                    .iter()
-                    .map(|&i| self.grads[i].take().expect("every gradient is in"))
-                    .collect(),
-            };
-            for (&i, g) in self.buckets[b].iter().zip(reduced) {
+        let it = &mut self.iteration;
+        for bucket in &mut it.buckets {
+            let reduced = bucket.wait(&mut it.grads)?;
+            for (&i, g) in bucket.params.iter().zip(reduced) {
                 averaged[i] = Some(g);
             }
         }
-        let used_anywhere = match used_anywhere {
-            Some(work) => work
-                .wait()?
-                .to_device(&Device::Cpu)?
-                .to_vec1::<f32>()?
+        let used_anywhere: Vec<bool> = match used_anywhere {
+            Some(work) => integers::from_tensor(&work.wait()?)?
                 .into_iter()
-                .map(|u| u > 0.0)
+                .map(|u| u > 0)
                 .collect(),
             None => used_here,
         };
@@ -421,19 +360,18 @@ impl State {
         self.stats = BackwardStats {
             autograd: autograd_done - started,
             tail: autograd_done.elapsed(),
-            buckets: self.buckets.len(),
+            buckets: self.layout.buckets.len(),
             issued_during_autograd,
         };
         if self.setup.rebuild_buckets && !self.rebuilt {
-            self.rebuild()?;
+            self.rebuild_buckets()?;
         }
-        self.grads = vec![None; n];
         self.report_unused()
     }
 
-    /// Issues the all-reduce (max) of this rank's 0/1 map of parameters that got a gradient;
-    /// `None` with one rank, whose map is the world's.
-    fn agree_on_used(&self, used_here: &[bool]) -> Result<Option<Work<Tensor>>> {
+    /// Issues the all-reduce (max) of this rank's 0/1 map of parameters that got a gradient
+    /// (torch's `local_used_map`); `None` with one rank, whose map is the world's.
+    fn all_reduce_local_used_map(&self, used_here: &[bool]) -> Result<Option<Work<Tensor>>> {
         let group = &self.setup.group;
         let Some(first) = self.setup.params.first() else {
             return Ok(None);
@@ -441,8 +379,10 @@ impl State {
         if group.world_size() == 1 {
             return Ok(None);
         }
-        let map: Vec<f32> = used_here.iter().map(|&u| f32::from(u8::from(u))).collect();
-        let map = Tensor::new(map, &Device::Cpu)?.to_device(first.var.device())?;
+        let map = integers::to_tensor(
+            used_here.iter().map(|&u| usize::from(u)),
+            first.var.device(),
+        )?;
         Ok(Some(group.all_reduce_async(&map, ReduceOp::Max)?))
     }
 
@@ -484,9 +424,9 @@ impl State {
 
     /// Rebuilds the buckets from the order gradients came in on rank 0 (the parameters that
     /// got none there last), broadcast so that every rank builds the same buckets.
-    fn rebuild(&mut self) -> Result<()> {
+    fn rebuild_buckets(&mut self) -> Result<()> {
         let n = self.setup.params.len();
-        let mut order = self.ready_order.clone();
+        let mut order = self.iteration.ready_order.clone();
         let mut seen = vec![false; n];
         for &i in &order {
             seen[i] = true;
@@ -503,21 +443,93 @@ impl State {
             .params
             .first()
             .map_or(Device::Cpu, |p| p.var.device().clone());
-        let as_f64: Vec<f64> = order.iter().map(|&i| i as f64).collect();
-        let mine = Tensor::from_vec(as_f64, Shape::from(n), &Device::Cpu)?
-            .to_dtype(DType::F64)?
-            .to_device(&device)?;
-        let agreed = self.setup.group.broadcast(&mine, 0)?;
-        let agreed: Vec<usize> = agreed
-            .to_device(&Device::Cpu)?
-            .to_vec1::<f64>()?
-            .into_iter()
-            .map(|x| x as usize)
-            .collect();
-        let (buckets, bucket_of) = layout(&self.setup, &agreed);
-        self.buckets = buckets;
-        self.bucket_of = bucket_of;
+        let mine = integers::to_tensor(order, &device)?;
+        let agreed = integers::from_tensor(&self.setup.group.broadcast(&mine, 0)?)?;
+        self.layout = Layout::new(&self.setup, &agreed);
         self.rebuilt = true;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::distributed::spawn_threads;
+    use candle_core::DType;
+
+    /// A reducer of one parameter `w`, as DistributedDataParallel configures it.
+    fn reducer(group: ProcessGroup, w: &Var) -> Reducer {
+        let reducer = Reducer::default();
+        reducer.configure(Setup {
+            group,
+            params: vec![Param {
+                name: "w".into(),
+                var: w.clone(),
+            }],
+            expected_order: vec![0],
+            first_bucket_bytes: 1 << 20,
+            bucket_bytes: 25 << 20,
+            compression: Compression::None,
+            rebuild_buckets: true,
+            unused_report: UnusedReport::Warn,
+            frozen: vec![false],
+        });
+        reducer
+    }
+
+    #[test]
+    fn each_misuse_is_an_error_that_names_it_and_the_next_iteration_works() {
+        spawn_threads(1, |pg| {
+            let w = Var::ones(2, DType::F32, &Device::Cpu)?;
+            let r = reducer(pg, &w);
+            let mut grads = w.as_tensor().sum_all()?.backward()?;
+            let g = Tensor::new(&[2f32, 3.], &Device::Cpu)?;
+            let named_w = |e: &Error| e.to_string().contains("`w`");
+
+            let err = r.finalize_backward(&mut grads, Instant::now()).unwrap_err();
+            assert!(matches!(err, Error::BackwardWithoutForward), "{err}");
+
+            let outside = lock(&r.state).as_mut().unwrap().mark_ready(0, &g);
+            let err = outside.unwrap_err();
+            assert!(matches!(err, Error::GradientOutsideIteration { .. }) && named_w(&err));
+
+            r.prepare_for_backward(true)?;
+            r.mark_ready(0, &g);
+            r.mark_ready(0, &g);
+            let err = r.finalize_backward(&mut grads, Instant::now()).unwrap_err();
+            assert!(matches!(err, Error::GradientTwice { .. }) && named_w(&err));
+
+            r.prepare_for_backward(true)?;
+            r.mark_ready(0, &g);
+            let err = r.prepare_for_backward(true).unwrap_err();
+            assert!(matches!(err, Error::UnfinishedReduction { .. }) && named_w(&err));
+
+            r.prepare_for_backward(true)?;
+            r.mark_ready(0, &g);
+            r.finalize_backward(&mut grads, Instant::now())?;
+            assert_eq!(grads.get(&w).unwrap().to_vec1::<f32>()?, [2., 3.]);
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn under_no_sync_gradients_are_summed_until_the_next_synchronised_backward() {
+        spawn_threads(1, |pg| {
+            let w = Var::ones(2, DType::F32, &Device::Cpu)?;
+            let r = reducer(pg, &w);
+            let mut grads = w.as_tensor().sum_all()?.backward()?;
+            let g = Tensor::new(&[2f32, 3.], &Device::Cpu)?;
+            r.prepare_for_backward(false)?;
+            r.mark_ready(0, &g);
+            r.finalize_backward(&mut grads, Instant::now())?;
+            assert_eq!(grads.get(&w).unwrap().to_vec1::<f32>()?, [2., 3.]);
+            r.prepare_for_backward(true)?;
+            r.mark_ready(0, &g);
+            r.finalize_backward(&mut grads, Instant::now())?;
+            assert_eq!(grads.get(&w).unwrap().to_vec1::<f32>()?, [4., 6.]);
+            Ok(())
+        })
+        .unwrap();
     }
 }
