@@ -146,7 +146,7 @@ impl ProcessGroup {
                 Backend::Tcp
             });
         let connected = match backend {
-            Backend::Tcp => super::tcp::connect(rendezvous, &options)?,
+            Backend::Tcp => super::backends::host::connect(rendezvous, &options)?,
             Backend::InProcess => {
                 return Err(config(
                     "backend",
@@ -155,7 +155,7 @@ impl ProcessGroup {
                 ))
             }
             #[cfg(feature = "nccl")]
-            Backend::Nccl => super::nccl::connect(rendezvous, device, &options)?,
+            Backend::Nccl => super::backends::nccl::connect(rendezvous, device, &options)?,
             #[cfg(not(feature = "nccl"))]
             Backend::Nccl => {
                 return Err(config(

@@ -4,7 +4,7 @@
 //! usable. As each rank waits for all others, this is also a barrier.
 
 use super::Links;
-use crate::distributed::wire::{FrameKind, Tag};
+use crate::distributed::transport::wire::{FrameKind, Tag};
 use crate::error::{Error, Result};
 
 /// Checks that every rank describes collective `seq` as `desc`.

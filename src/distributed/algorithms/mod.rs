@@ -9,7 +9,7 @@ pub(crate) mod broadcast;
 pub(crate) mod consensus;
 pub(crate) mod ring;
 
-use super::wire::Tag;
+use crate::distributed::transport::wire::Tag;
 use crate::error::Result;
 use std::ops::Range;
 
@@ -19,7 +19,7 @@ pub(crate) const SEGMENT_BYTES: usize = 512 << 10;
 /// A data frame of collective `seq`, piece `part`.
 pub(crate) fn data(seq: u64, part: u64) -> Tag {
     Tag {
-        kind: super::wire::FrameKind::Data,
+        kind: crate::distributed::transport::wire::FrameKind::Data,
         seq,
         part,
     }

@@ -13,7 +13,7 @@
 //! steps.
 
 use super::{bounds, data, expect_len, segments, Links};
-use crate::distributed::host_buf::HostBuf;
+use crate::distributed::transport::host_buf::HostBuf;
 use crate::distributed::ReduceOp;
 use crate::error::Result;
 use std::ops::Range;

@@ -3,17 +3,17 @@
 //!
 //! Each collective is one round: every rank leaves its tensors and its description of the call,
 //! and once all are there each rank computes its result from all of them, in rank order, with
-//! the arithmetic every backend shares ([`reduce_op`](super::reduce_op)); tensors may live on
+//! the arithmetic every backend shares ([`reduce_op`](crate::distributed::reduce_op)); tensors may live on
 //! any device. A rank whose closure ends (returns, fails or panics) leaves the group; ranks
 //! waiting for it fail at once, naming it.
 
-use super::algorithms::consensus::describe;
-use super::communicator::{Call, Communicator, Connected, GroupPath};
-use super::group::{Membership, ProcessGroup};
-use super::host_buf::{with_bytes, HostBuf};
-use super::options::{Backend, InitOptions};
-use super::work::Finished;
-use super::ReduceOp;
+use crate::distributed::algorithms::consensus::describe;
+use crate::distributed::communicator::{Call, Communicator, Connected, GroupPath};
+use crate::distributed::group::{Membership, ProcessGroup};
+use crate::distributed::options::{Backend, InitOptions};
+use crate::distributed::transport::host_buf::{with_bytes, HostBuf};
+use crate::distributed::work::Finished;
+use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
 use candle_core::{Device, Tensor};

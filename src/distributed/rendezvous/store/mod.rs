@@ -25,7 +25,7 @@ mod server;
 pub use client::Store;
 pub use server::StoreServer;
 
-use super::wire::put_bytes;
+use crate::distributed::transport::wire::put_bytes;
 use crate::error::{Error, Result};
 use std::time::Duration;
 

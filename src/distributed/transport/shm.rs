@@ -12,7 +12,7 @@
 
 #![cfg(target_os = "linux")]
 
-use crate::distributed::wire::{FrameKind, Tag};
+use crate::distributed::transport::wire::{FrameKind, Tag};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

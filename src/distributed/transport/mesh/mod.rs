@@ -11,8 +11,8 @@
 //!
 //! Each peer is reached by its socket ([`socket`]: framed I/O), and a ring neighbour on this
 //! machine also by shared memory ([`shm_link`]), which carries its data frames; the algorithms
-//! see one [`Links`] interface either way. How the mesh breaks is [`failure`]'s; the threads
-//! that watch the peers are [`watch`]'s.
+//! see one [`Links`] interface either way. How the mesh breaks is [`failure`]'s (which reports it to
+//! the [`OnLost`] callback it was given); the threads that watch the peers are [`watch`]'s.
 
 mod failure;
 mod shm_link;
@@ -24,7 +24,7 @@ pub(crate) use shm_link::ShmLink;
 
 use super::conn::Conn;
 use crate::distributed::algorithms::Links;
-use crate::distributed::wire::{self, encode_header, FrameKind, Tag};
+use crate::distributed::transport::wire::{self, encode_header, FrameKind, Tag};
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
 use socket::{Frame, PeerWriter};
@@ -46,6 +46,11 @@ pub(crate) struct MeshOptions {
     pub peer_timeout: Duration,
 }
 
+/// What a mesh calls, once, when it breaks: with the rank it lost (`None` when it broke for
+/// another reason). The transport only reports the loss; what to do about it (tell the
+/// launcher, say) is decided above it, by whoever connects the mesh.
+pub(crate) type OnLost = Arc<dyn Fn(Option<usize>) + Send + Sync>;
+
 /// What the peers' threads and the collectives share, under one lock.
 struct State {
     inbox: Vec<VecDeque<Frame>>,
@@ -66,6 +71,7 @@ struct MeshState {
     /// Shared-memory data channels, with neighbours on this machine.
     shm: Vec<Option<ShmLink>>,
     options: MeshOptions,
+    on_lost: OnLost,
     epoch: Instant,
     writers: Vec<Option<PeerWriter>>,
     sockets: Vec<Option<Conn>>,
@@ -82,13 +88,15 @@ pub(crate) struct Mesh {
 
 impl Mesh {
     /// Takes over `streams[p]`, a handshaken connection to every peer `p` (`None` for this
-    /// rank), and `shm[p]`, shared-memory data channels to some of them.
+    /// rank), and `shm[p]`, shared-memory data channels to some of them. The mesh reports its
+    /// breaking to `on_lost`.
     pub fn new(
         rank: usize,
         world: usize,
         streams: Vec<Option<Conn>>,
         shm: Vec<Option<ShmLink>>,
         options: MeshOptions,
+        on_lost: OnLost,
     ) -> Result<Self> {
         let kinds = streams
             .iter()
@@ -127,6 +135,7 @@ impl Mesh {
             kinds,
             shm,
             options,
+            on_lost,
             epoch: now,
             writers,
             sockets,
@@ -344,9 +353,29 @@ mod tests {
         let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (b, _) = l.accept().unwrap();
         (
-            Mesh::new(0, 2, vec![None, Some(Conn::Tcp(a))], no_shm(), options).unwrap(),
-            Mesh::new(1, 2, vec![Some(Conn::Tcp(b)), None], no_shm(), options).unwrap(),
+            Mesh::new(
+                0,
+                2,
+                vec![None, Some(Conn::Tcp(a))],
+                no_shm(),
+                options,
+                ignore(),
+            )
+            .unwrap(),
+            Mesh::new(
+                1,
+                2,
+                vec![Some(Conn::Tcp(b)), None],
+                no_shm(),
+                options,
+                ignore(),
+            )
+            .unwrap(),
         )
+    }
+
+    fn ignore() -> OnLost {
+        Arc::new(|_| {})
     }
 
     fn no_shm() -> Vec<Option<ShmLink>> {

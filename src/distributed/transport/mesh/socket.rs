@@ -4,8 +4,8 @@
 
 use super::failure::Broken;
 use super::{MeshState, State};
-use crate::distributed::tcp::conn::Conn;
-use crate::distributed::wire::{encode_header, Tag};
+use crate::distributed::transport::conn::Conn;
+use crate::distributed::transport::wire::{encode_header, Tag};
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
 use std::io::Write;

@@ -1,9 +1,9 @@
 //! Joining a job: rank 0 hosts the store, every rank reaches it, claims its rank and agrees on
 //! the job. The backends then connect the ranks to each other.
 
-use super::options::InitOptions;
-use super::rendezvous::Rendezvous;
 use super::store::{Store, StoreServer};
+use super::Rendezvous;
+use crate::distributed::options::InitOptions;
 use crate::error::{Error, Result};
 use crate::rng::fresh_seed;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

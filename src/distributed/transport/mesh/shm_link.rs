@@ -1,5 +1,5 @@
 //! Shared memory as a transport: data frames to a ring neighbour on this machine go through
-//! the pair's mapped channels ([`shm`](crate::distributed::tcp::shm)) instead of its socket,
+//! the pair's mapped channels ([`shm`](crate::distributed::transport::shm)) instead of its socket,
 //! while control frames stay on the socket. A waiter sleeps on a futex of its channel; the
 //! socket reader rings the same doorbell when something happens that the waiter must see (a
 //! frame on the socket, an abort, a goodbye).
@@ -7,8 +7,8 @@
 use super::MeshState;
 #[cfg(target_os = "linux")]
 use {
-    crate::distributed::tcp::shm::{futex_wait, futex_wake, Channel, Region},
-    crate::distributed::wire::{FrameKind, Tag},
+    crate::distributed::transport::shm::{futex_wait, futex_wake, Channel, Region},
+    crate::distributed::transport::wire::{FrameKind, Tag},
     crate::error::Result,
     crate::util::sync::lock,
     std::sync::atomic::Ordering,

@@ -5,7 +5,7 @@ use super::{
     millis, put_key, put_value, ADD, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS,
     MAX_VALUE, SET, TIMED_OUT, WAIT,
 };
-use crate::distributed::wire::{
+use crate::distributed::transport::wire::{
     self, io_err, read_bytes, read_len, read_string, Hello, NoAnswer, Purpose,
 };
 use crate::error::{Error, Result};

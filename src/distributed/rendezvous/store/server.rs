@@ -5,7 +5,7 @@ use super::{
     ADD, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS, MAX_VALUE, OK, SET, TIMED_OUT,
     WAIT,
 };
-use crate::distributed::wire::{
+use crate::distributed::transport::wire::{
     self, io_err, put_bytes, read_bytes, read_len, read_string, Deadline, HandshakeSlot,
     HandshakeSlots, Hello, Purpose,
 };

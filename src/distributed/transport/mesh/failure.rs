@@ -1,10 +1,10 @@
 //! The failure protocol: why a mesh broke ([`Broken`]), and how it breaks: once, for the first
-//! reason, telling every peer (an `Abort` frame) and the launcher (the error file), and waking
+//! reason, telling every peer (an `Abort` frame) and whoever connected the mesh (its `OnLost`), and waking
 //! every waiter. Once broken, a mesh stays broken: every later operation fails with the first
 //! reason.
 
 use super::MeshState;
-use crate::distributed::wire::{encode_header, FrameKind, Tag};
+use crate::distributed::transport::wire::{encode_header, FrameKind, Tag};
 use crate::error::Error;
 use crate::util::sync::lock;
 use std::io::Write;
@@ -66,7 +66,7 @@ impl MeshState {
         self.changed.notify_all();
         self.ring_all_doorbells();
         if fresh {
-            crate::distributed::error_file::note_loss(first.lost);
+            (self.on_lost)(first.lost);
             let payload = first.encode();
             let header = encode_header(Tag::control(FrameKind::Abort), payload.len());
             for w in self.writers.iter().flatten() {

@@ -4,8 +4,8 @@
 use super::failure::Broken;
 use super::socket::Frame;
 use super::MeshState;
-use crate::distributed::tcp::conn::Conn;
-use crate::distributed::wire::{encode_header, read_header, FrameKind, Tag};
+use crate::distributed::transport::conn::Conn;
+use crate::distributed::transport::wire::{encode_header, read_header, FrameKind, Tag};
 use crate::util::sync::lock;
 use std::io::{BufReader, Read, Write};
 use std::sync::atomic::Ordering;
@@ -42,7 +42,7 @@ impl MeshState {
                 FrameKind::Abort => {
                     let reason = Broken::decode(&payload, peer);
                     if st.broken.is_none() {
-                        crate::distributed::error_file::note_loss(reason.lost.or(Some(peer)));
+                        (self.on_lost)(reason.lost.or(Some(peer)));
                     }
                     st.broken.get_or_insert(reason);
                 }
