@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::distributed::store::Store;
-use candle_parallel::distributed::{Backend, InitOptions, ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::distributed::{Backend, InitConfig, ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::Error;
 use common::collectives::{
     check_async, check_collectives, check_mismatches, check_new_group, check_special_values,
@@ -135,7 +135,7 @@ fn a_missing_rank_is_named_when_the_rendezvous_times_out() {
     if is_child() {
         // Rank 0 hosts the store: it waits longer, so that rank 2 sees its own timeout.
         let rank = Rendezvous::from_env().unwrap().rank;
-        let o = InitOptions {
+        let o = InitConfig {
             rendezvous_timeout: Duration::from_millis(if rank == 0 { 3000 } else { 1500 }),
             ..child_options()
         };
@@ -198,7 +198,7 @@ fn strangers_with_a_wrong_token_are_refused_and_do_not_disturb_the_job() {
 #[test]
 fn a_rank_with_the_wrong_token_is_refused_and_named_missing() {
     if is_child() {
-        let o = InitOptions {
+        let o = InitConfig {
             rendezvous_timeout: Duration::from_secs(2),
             ..child_options()
         };
@@ -402,7 +402,7 @@ fn a_rank_that_panics_is_named_by_the_others() {
 #[test]
 fn a_stopped_rank_is_lost_after_the_peer_timeout() {
     if is_child() {
-        let o = InitOptions {
+        let o = InitConfig {
             peer_timeout: Duration::from_secs(2),
             ..child_options()
         };
@@ -457,7 +457,7 @@ fn bad_local_configuration_fails_fast_with_a_clear_error() {
         local_rank: 0,
         local_world_size: 1,
     };
-    let quick = InitOptions {
+    let quick = InitConfig {
         rendezvous_timeout: Duration::from_millis(500),
         ..Default::default()
     };
@@ -480,7 +480,7 @@ fn bad_local_configuration_fails_fast_with_a_clear_error() {
     assert!(matches!(err, Error::Config { .. }), "{err}");
 
     // A group of one works without anybody else.
-    let solo = ProcessGroup::new(&r(0, 1, nobody), &Device::Cpu, InitOptions::default()).unwrap();
+    let solo = ProcessGroup::new(&r(0, 1, nobody), &Device::Cpu, InitConfig::default()).unwrap();
     let y = solo
         .all_reduce(&Tensor::new(&[4f32], &Device::Cpu).unwrap(), ReduceOp::Avg)
         .unwrap();

@@ -2,7 +2,7 @@
 //! collectives, blocking and asynchronous.
 
 use super::communicator::{Call, Communicator, Connected, GroupPath};
-use super::options::{Backend, InitOptions};
+use super::config::{Backend, InitConfig};
 use super::reduce_op::{check_dtype, ReduceOp};
 use super::rendezvous::{config, Rendezvous};
 use super::store::{Store, StoreServer};
@@ -113,11 +113,11 @@ fn restore_nan(t: &Tensor, mask: &Tensor) -> Result<Tensor> {
 
 impl ProcessGroup {
     /// Joins the group described by torchrun's (or Slurm's) environment, with the options
-    /// `CANDLE_PARALLEL_*` variables set ([`InitOptions::from_env`]: the job token among them);
+    /// `CANDLE_PARALLEL_*` variables set ([`InitConfig::from_env`]: the job token among them);
     /// the backend follows `device` (NCCL for CUDA with the `nccl` feature, else TCP) unless
     /// `CANDLE_PARALLEL_BACKEND` says otherwise.
     pub fn from_env(device: &Device) -> Result<Self> {
-        Self::new(&Rendezvous::from_env()?, device, InitOptions::from_env()?)
+        Self::new(&Rendezvous::from_env()?, device, InitConfig::from_env()?)
     }
 
     /// Joins the group at `tcp://host:port` as `rank` of `world_size`.
@@ -126,7 +126,7 @@ impl ProcessGroup {
         rank: usize,
         world_size: usize,
         device: &Device,
-        options: InitOptions,
+        options: InitConfig,
     ) -> Result<Self> {
         Self::new(
             &Rendezvous::from_url(url, rank, world_size)?,
@@ -136,7 +136,7 @@ impl ProcessGroup {
     }
 
     /// Joins the group described by `rendezvous`.
-    pub fn new(rendezvous: &Rendezvous, device: &Device, options: InitOptions) -> Result<Self> {
+    pub fn new(rendezvous: &Rendezvous, device: &Device, options: InitConfig) -> Result<Self> {
         rendezvous.validate()?;
         let backend = options
             .backend

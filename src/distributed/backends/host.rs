@@ -9,8 +9,8 @@
 
 use crate::distributed::algorithms::{broadcast, consensus, ring, Links};
 use crate::distributed::communicator::{Call, Communicator, Connected, GroupPath};
+use crate::distributed::config::InitConfig;
 use crate::distributed::error_file;
-use crate::distributed::options::InitOptions;
 use crate::distributed::rendezvous::world::{join_world, MeshContext};
 use crate::distributed::rendezvous::Rendezvous;
 use crate::distributed::transport::host_buf::{with_bytes, HostBuf};
@@ -22,7 +22,7 @@ use candle_core::{Shape, Tensor};
 use std::sync::Arc;
 
 /// Joins the job described by `r` and connects its TCP group.
-pub(crate) fn connect(r: &Rendezvous, options: &InitOptions) -> Result<Connected> {
+pub(crate) fn connect(r: &Rendezvous, options: &InitConfig) -> Result<Connected> {
     let (joined, context, mesh) = join_world(r, options, Arc::new(error_file::note_loss))?;
     Ok(Connected {
         comm: Box::new(HostComm { mesh, context }),

@@ -30,8 +30,8 @@
 use crate::distributed::algorithms::consensus;
 use crate::distributed::algorithms::Links;
 use crate::distributed::communicator::{Call, Communicator, Connected, GroupPath, IssueMark};
+use crate::distributed::config::InitConfig;
 use crate::distributed::error_file;
-use crate::distributed::options::InitOptions;
 use crate::distributed::rendezvous::world::{join_world, MeshContext};
 use crate::distributed::rendezvous::Rendezvous;
 use crate::distributed::transport::mesh::{Broken, Mesh};
@@ -556,7 +556,7 @@ fn watchdog(shared: &Shared, mesh: &Mesh, stop: &AtomicBool) {
 }
 
 /// Joins the job described by `r` and connects its NCCL group on `device`, one GPU per rank.
-pub(crate) fn connect(r: &Rendezvous, device: &Device, options: &InitOptions) -> Result<Connected> {
+pub(crate) fn connect(r: &Rendezvous, device: &Device, options: &InitConfig) -> Result<Connected> {
     let Device::Cuda(cuda) = device else {
         return Err(Error::Config {
             what: "backend".into(),

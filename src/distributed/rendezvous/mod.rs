@@ -280,7 +280,7 @@ pub(crate) fn first_slurm_host(list: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::distributed::options::test_vars as vars;
+    use crate::distributed::config::test_vars as vars;
 
     #[test]
     fn torchrun_variables_are_read() {

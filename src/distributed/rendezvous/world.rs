@@ -6,7 +6,7 @@ use super::group_path::GroupPath;
 use super::join::{join, Joined};
 use super::store::Store;
 use super::Rendezvous;
-use crate::distributed::options::InitOptions;
+use crate::distributed::config::InitConfig;
 use crate::distributed::transport::mesh::{Mesh, MeshOptions, OnLost};
 use crate::error::Result;
 use std::net::{IpAddr, SocketAddr};
@@ -19,7 +19,7 @@ pub(crate) struct MeshContext {
     pub store_addr: SocketAddr,
     /// The interface that reaches the master, where peers reach this rank too.
     pub local_ip: IpAddr,
-    pub options: InitOptions,
+    pub options: InitConfig,
     /// The job's id (the world group's).
     pub job: u64,
     /// This rank in the world group, which names it to the store.
@@ -87,7 +87,7 @@ impl MeshContext {
 /// mesh of the job reports a lost peer to `on_lost`.
 pub(crate) fn join_world(
     r: &Rendezvous,
-    options: &InitOptions,
+    options: &InitConfig,
     on_lost: OnLost,
 ) -> Result<(Joined, MeshContext, Mesh)> {
     let joined = join(r, options)?;
