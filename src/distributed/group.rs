@@ -45,7 +45,7 @@ struct GroupState {
     path: GroupPath,
     store: Option<Arc<Store>>,
     /// Rank 0's store server lives as long as any group that needs it.
-    _server: Option<Arc<StoreServer>>,
+    store_server: Option<Arc<StoreServer>>,
     /// State that layers built on the group keep with it, one value per type.
     extensions: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
@@ -55,7 +55,7 @@ impl Drop for GroupState {
     /// stops taking new connections first (a rank connecting from now on belongs to the next
     /// job on this port and retries), then the peers say goodbye, then the server stops.
     fn drop(&mut self) {
-        if let Some(server) = &self._server {
+        if let Some(server) = &self.store_server {
             if Arc::strong_count(server) == 1 {
                 server.begin_closing();
             }
@@ -188,7 +188,7 @@ impl ProcessGroup {
                 backend,
                 path,
                 store: connected.store,
-                _server: connected.server,
+                store_server: connected.server,
                 extensions: Mutex::new(HashMap::new()),
             }),
         })
@@ -483,7 +483,7 @@ impl ProcessGroup {
             ..self.state.membership
         };
         let connected = Connected {
-            server: connected.server.or_else(|| self.state._server.clone()),
+            server: connected.server.or_else(|| self.state.store_server.clone()),
             ..connected
         };
         Self::assemble(membership, self.backend(), path, connected).map(Some)
