@@ -69,7 +69,7 @@ impl MeshState {
             (self.on_lost)(first.lost);
             let payload = first.encode();
             let header = encode_header(Tag::control(FrameKind::Abort), payload.len());
-            for w in self.writers.iter().flatten() {
+            for w in self.writers() {
                 // Best effort; a writer held by a send stuck on the lost peer is skipped.
                 if let Ok(mut s) = w.stream.try_lock() {
                     let _ = s.write_all(&header).and_then(|()| s.write_all(&payload));

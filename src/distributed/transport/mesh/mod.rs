@@ -9,12 +9,14 @@
 //! - a rank that breaks (a lost peer, a timed-out wait) sends `Abort` to every peer, so ranks
 //!   waiting on someone else fail at once too, naming the rank that was lost.
 //!
-//! Each peer is reached by its socket ([`socket`]: framed I/O), and a ring neighbour on this
-//! machine also by shared memory ([`shm_link`]), which carries its data frames; the algorithms
-//! see one [`Links`] interface either way. How the mesh breaks is [`failure`]'s (which reports it to
-//! the [`OnLost`] callback it was given); the threads that watch the peers are [`watch`]'s.
+//! Each peer is reached through one channel ([`peer`]): its socket ([`socket`]: framed I/O),
+//! and with a ring neighbour on this machine also shared memory ([`shm_link`]), which carries
+//! its data frames; the algorithms see one [`Links`] interface either way. How the mesh breaks
+//! is [`failure`]'s (which reports it to the [`OnLost`] callback it was given); the threads
+//! that watch the peers are [`watch`]'s.
 
 mod failure;
+mod peer;
 mod shm_link;
 mod socket;
 mod watch;
@@ -27,6 +29,7 @@ use crate::distributed::algorithms::Links;
 use crate::distributed::transport::wire::{self, encode_header, FrameKind, Tag};
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
+use peer::Peer;
 use socket::{Frame, PeerWriter};
 use std::collections::VecDeque;
 use std::io::Write;
@@ -34,8 +37,6 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-#[cfg(target_os = "linux")]
-use {super::shm::futex_wait, shm_link::WAIT_SLICE, std::sync::atomic::Ordering};
 
 /// How long to wait for peers.
 #[derive(Clone, Copy, Debug)]
@@ -66,15 +67,11 @@ struct State {
 struct MeshState {
     rank: usize,
     world: usize,
-    /// How each peer is reached ("tcp", "unix", "shm"; `None` for this rank).
-    kinds: Vec<Option<&'static str>>,
-    /// Shared-memory data channels, with neighbours on this machine.
-    shm: Vec<Option<ShmLink>>,
+    /// The channel to each peer (`None` for this rank).
+    peers: Vec<Option<Peer>>,
     options: MeshOptions,
     on_lost: OnLost,
     epoch: Instant,
-    writers: Vec<Option<PeerWriter>>,
-    sockets: Vec<Option<Conn>>,
     state: Mutex<State>,
     changed: Condvar,
     stop: (Mutex<bool>, Condvar),
@@ -98,21 +95,11 @@ impl Mesh {
         options: MeshOptions,
         on_lost: OnLost,
     ) -> Result<Self> {
-        let kinds = streams
-            .iter()
-            .zip(&shm)
-            .map(|(s, m)| match (s, m) {
-                (Some(_), Some(_)) => Some("shm"),
-                (s, _) => s.as_ref().map(Conn::kind),
-            })
-            .collect();
-        let mut writers = Vec::with_capacity(world);
-        let mut sockets = Vec::with_capacity(world);
+        let mut peers = Vec::with_capacity(world);
         let mut readers = Vec::new();
-        for (peer, stream) in streams.into_iter().enumerate() {
+        for (peer, (stream, shm)) in streams.into_iter().zip(shm).enumerate() {
             let Some(stream) = stream else {
-                writers.push(None);
-                sockets.push(None);
+                peers.push(None);
                 continue;
             };
             let ctx = || format!("setting up the connection to rank {peer}");
@@ -122,23 +109,24 @@ impl Mesh {
                 .set_write_timeout(Some(options.peer_timeout))
                 .map_err(wire::io_err(ctx()))?;
             readers.push((peer, stream.try_clone().map_err(wire::io_err(ctx()))?));
-            sockets.push(Some(stream.try_clone().map_err(wire::io_err(ctx()))?));
-            writers.push(Some(PeerWriter {
-                stream: Mutex::new(stream),
-                last_sent_ms: AtomicU64::new(0),
+            peers.push(Some(Peer {
+                kind: if shm.is_some() { "shm" } else { stream.kind() },
+                socket: stream.try_clone().map_err(wire::io_err(ctx()))?,
+                writer: PeerWriter {
+                    stream: Mutex::new(stream),
+                    last_sent_ms: AtomicU64::new(0),
+                },
+                shm,
             }));
         }
         let now = Instant::now();
         let shared = Arc::new(MeshState {
             rank,
             world,
-            kinds,
-            shm,
+            peers,
             options,
             on_lost,
             epoch: now,
-            writers,
-            sockets,
             state: Mutex::new(State {
                 inbox: (0..world).map(|_| VecDeque::new()).collect(),
                 last_seen: vec![now; world],
@@ -166,7 +154,11 @@ impl Mesh {
 
     /// How each peer is reached ("tcp", "unix", "shm"; `None` for this rank).
     pub fn transports(&self) -> Vec<Option<&'static str>> {
-        self.shared.kinds.clone()
+        self.shared
+            .peers
+            .iter()
+            .map(|p| p.as_ref().map(|p| p.kind))
+            .collect()
     }
 
     /// Fails when the mesh is broken.
@@ -198,11 +190,20 @@ impl MeshState {
         self.epoch.elapsed().as_millis() as u64
     }
 
+    /// The writing end of every peer's socket.
+    fn writers(&self) -> impl Iterator<Item = &PeerWriter> {
+        self.peers.iter().flatten().map(|p| &p.writer)
+    }
+
+    /// The shared-memory channels with `peer`, when there are.
+    fn shm(&self, peer: usize) -> Option<&ShmLink> {
+        self.peers[peer].as_ref().and_then(|p| p.shm.as_ref())
+    }
+
     /// Sends a frame to `peer`: through shared memory when the link carries it, else on the
     /// socket.
     fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()> {
-        #[cfg(target_os = "linux")]
-        if let Some(link) = &self.shm[peer] {
+        if let Some(link) = self.shm(peer) {
             if link.carries(tag, payload.len()) {
                 return self.send_shm(peer, link, tag, payload);
             }
@@ -214,12 +215,10 @@ impl MeshState {
     /// and runs `f` on its bytes where they lie.
     fn recv_with<R>(&self, peer: usize, tag: Tag, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         let deadline = Instant::now() + self.options.timeout;
-        #[cfg(target_os = "linux")]
-        let shm = self.shm[peer].as_ref().map(|l| &l.recv);
+        let shm = self.shm(peer);
         loop {
             // Read before looking, so that a frame arriving after the look ends the wait.
-            #[cfg(target_os = "linux")]
-            let bell = shm.map(|c| c.produced().load(Ordering::Acquire));
+            let bell = shm.map(ShmLink::recv_bell);
             let mut st = lock(&self.state);
             if let Some(b) = &st.broken {
                 return Err(b.error());
@@ -230,13 +229,10 @@ impl MeshState {
                 self.recycle(payload);
                 return Ok(out);
             }
-            #[cfg(target_os = "linux")]
-            if let Some(c) = shm {
-                if let Some(i) = c.find(tag) {
+            if let Some(link) = shm {
+                if let Some(i) = link.find(tag) {
                     drop(st);
-                    let out = f(c.bytes(i));
-                    c.release(i);
-                    return Ok(out);
+                    return Ok(link.read(i, f));
                 }
             }
             // Frames of one link arrive in collective order: one from an earlier collective
@@ -245,8 +241,7 @@ impl MeshState {
                 .iter()
                 .find(|fr| fr.tag.seq < tag.seq)
                 .map(|fr| fr.tag);
-            #[cfg(target_os = "linux")]
-            let stale = stale.or_else(|| shm.and_then(|c| c.stale(tag.seq)));
+            let stale = stale.or_else(|| shm.and_then(|link| link.stale(tag.seq)));
             if let Some(stale) = stale {
                 drop(st);
                 return Err(self.fail(Broken {
@@ -267,10 +262,9 @@ impl MeshState {
                 drop(st);
                 return Err(self.timed_out(peer, tag.seq));
             }
-            #[cfg(target_os = "linux")]
-            if let (Some(c), Some(bell)) = (shm, bell) {
+            if let (Some(link), Some(bell)) = (shm, bell) {
                 drop(st);
-                futex_wait(c.produced(), bell, (deadline - now).min(WAIT_SLICE));
+                link.wait_recv(bell, deadline - now);
                 continue;
             }
             drop(
@@ -307,7 +301,7 @@ impl Drop for Mesh {
     /// master port, say) while another still serves this one.
     fn drop(&mut self) {
         let bye = encode_header(Tag::control(FrameKind::Bye), 0);
-        for w in self.shared.writers.iter().flatten() {
+        for w in self.shared.writers() {
             if let Ok(mut s) = w.stream.try_lock() {
                 let _ = s.write_all(&bye);
             }
@@ -332,8 +326,8 @@ impl Drop for Mesh {
         drop(st);
         *lock(&self.shared.stop.0) = true;
         self.shared.stop.1.notify_all();
-        for s in self.shared.sockets.iter().flatten() {
-            s.shutdown();
+        for p in self.shared.peers.iter().flatten() {
+            p.socket.shutdown();
         }
         for t in self.threads.drain(..) {
             let _ = t.join();

@@ -34,8 +34,9 @@ impl MeshState {
         if let Some(b) = &lock(&self.state).broken {
             return Err(b.error());
         }
-        let writer = self.writers[peer]
+        let writer = self.peers[peer]
             .as_ref()
+            .map(|p| &p.writer)
             .ok_or_else(|| Error::InvalidArgument {
                 what: "peer rank",
                 detail: format!("rank {peer} is this rank or outside the group"),

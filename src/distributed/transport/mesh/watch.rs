@@ -157,7 +157,7 @@ impl MeshState {
             }
             let now = self.now_ms();
             let header = encode_header(Tag::control(FrameKind::Heartbeat), 0);
-            for w in self.writers.iter().flatten() {
+            for w in self.writers() {
                 if now.saturating_sub(w.last_sent_ms.load(Ordering::Relaxed))
                     >= interval.as_millis() as u64
                 {
