@@ -371,7 +371,7 @@ pub(crate) fn recv_fd(stream: &UnixStream) -> std::io::Result<(u8, Option<OwnedF
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::distributed::algorithms::data;
+    use crate::distributed::transport::wire::data;
 
     #[test]
     fn frames_cross_between_two_mappings_of_a_passed_descriptor_in_any_order() {

@@ -25,8 +25,8 @@ pub(crate) use failure::Broken;
 pub(crate) use shm_link::ShmLink;
 
 use super::conn::Conn;
-use crate::distributed::algorithms::Links;
-use crate::distributed::transport::wire::{self, encode_header, FrameKind, Tag};
+use super::links::Links;
+use super::wire::{self, encode_header, FrameKind, Tag};
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
 use peer::Peer;
@@ -338,7 +338,7 @@ impl Drop for Mesh {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::distributed::algorithms::data;
+    use crate::distributed::transport::wire::data;
     use std::net::{TcpListener, TcpStream};
 
     /// A two-rank mesh over loopback.
