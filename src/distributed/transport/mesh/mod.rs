@@ -10,18 +10,27 @@
 //!   waiting on someone else fail at once too, naming the rank that was lost.
 //!
 //! Each peer is reached through one channel ([`peer`]): its socket ([`socket`]: framed I/O),
-//! and with a ring neighbour on this machine also shared memory ([`shm_link`]), which carries
-//! its data frames; the algorithms see one [`Links`] interface either way. How the mesh breaks
-//! is [`failure`]'s (which reports it to the [`OnLost`] callback it was given); the threads
-//! that watch the peers are [`watch`]'s.
+//! and with a ring neighbour on this machine also shared memory ([`shm_link`], waited on
+//! through [`doorbell`]), which carries its data frames; [`transfer`] sends and receives a
+//! frame through whichever carries it, and the algorithms see one [`Links`] interface either
+//! way. What the handle, the threads and the collectives share is [`state`]'s. Why the mesh
+//! broke is [`broken`]'s; how it breaks is [`failure`]'s, which reports it to the [`OnLost`]
+//! callback it was given ([`options`]); the threads that watch the peers are [`watch`]'s. This
+//! file is the handle, [`Mesh`]: connecting, closing, and the `Links` it offers.
 
+mod broken;
+mod doorbell;
 mod failure;
+mod options;
 mod peer;
 mod shm_link;
 mod socket;
+mod state;
+mod transfer;
 mod watch;
 
-pub(crate) use failure::Broken;
+pub(crate) use broken::Broken;
+pub(crate) use options::{MeshOptions, OnLost};
 pub(crate) use shm_link::ShmLink;
 
 use super::conn::Conn;
@@ -29,53 +38,14 @@ use super::links::Links;
 use super::wire::{self, encode_header, FrameKind, Tag};
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
-use peer::Peer;
-use socket::{Frame, PeerWriter};
+use peer::{Peer, PeerWriter};
+use state::{MeshState, State};
 use std::collections::VecDeque;
 use std::io::Write;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// How long to wait for peers.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct MeshOptions {
-    /// The longest wait for a live peer's part of a collective.
-    pub timeout: Duration,
-    /// The longest silence after which a peer counts as lost.
-    pub peer_timeout: Duration,
-}
-
-/// What a mesh calls, once, when it breaks: with the rank it lost (`None` when it broke for
-/// another reason). The transport only reports the loss; what to do about it (tell the
-/// launcher, say) is decided above it, by whoever connects the mesh.
-pub(crate) type OnLost = Arc<dyn Fn(Option<usize>) + Send + Sync>;
-
-/// What the peers' threads and the collectives share, under one lock.
-struct State {
-    inbox: Vec<VecDeque<Frame>>,
-    last_seen: Vec<Instant>,
-    departed: Vec<bool>,
-    broken: Option<Broken>,
-    closing: bool,
-    /// Payload buffers for the reader threads to reuse.
-    pool: Vec<Vec<u8>>,
-}
-
-/// A mesh's state, shared by its handle and its threads.
-struct MeshState {
-    rank: usize,
-    world: usize,
-    /// The channel to each peer (`None` for this rank).
-    peers: Vec<Option<Peer>>,
-    options: MeshOptions,
-    on_lost: OnLost,
-    epoch: Instant,
-    state: Mutex<State>,
-    changed: Condvar,
-    stop: (Mutex<bool>, Condvar),
-}
 
 /// The connected ranks of one process group.
 pub(crate) struct Mesh {
@@ -183,98 +153,6 @@ fn start_thread(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinH
         .name(name)
         .spawn(f)
         .map_err(wire::io_err("starting a communication thread"))
-}
-
-impl MeshState {
-    fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
-    }
-
-    /// The writing end of every peer's socket.
-    fn writers(&self) -> impl Iterator<Item = &PeerWriter> {
-        self.peers.iter().flatten().map(|p| &p.writer)
-    }
-
-    /// The shared-memory channels with `peer`, when there are.
-    fn shm(&self, peer: usize) -> Option<&ShmLink> {
-        self.peers[peer].as_ref().and_then(|p| p.shm.as_ref())
-    }
-
-    /// Sends a frame to `peer`: through shared memory when the link carries it, else on the
-    /// socket.
-    fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()> {
-        if let Some(link) = self.shm(peer) {
-            if link.carries(tag, payload.len()) {
-                return self.send_shm(peer, link, tag, payload);
-            }
-        }
-        self.send_socket(peer, tag, payload)
-    }
-
-    /// Waits for the frame `tag` from `peer`, on its socket or in its shared-memory channel,
-    /// and runs `f` on its bytes where they lie.
-    fn recv_with<R>(&self, peer: usize, tag: Tag, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        let deadline = Instant::now() + self.options.timeout;
-        let shm = self.shm(peer);
-        loop {
-            // Read before looking, so that a frame arriving after the look ends the wait.
-            let bell = shm.map(ShmLink::recv_bell);
-            let mut st = lock(&self.state);
-            if let Some(b) = &st.broken {
-                return Err(b.error());
-            }
-            if let Some(payload) = Self::take_from_inbox(&mut st, peer, tag) {
-                drop(st);
-                let out = f(&payload);
-                self.recycle(payload);
-                return Ok(out);
-            }
-            if let Some(link) = shm {
-                if let Some(i) = link.find(tag) {
-                    drop(st);
-                    return Ok(link.read(i, f));
-                }
-            }
-            // Frames of one link arrive in collective order: one from an earlier collective
-            // was never consumed, so the ranks disagree on what they are doing.
-            let stale = st.inbox[peer]
-                .iter()
-                .find(|fr| fr.tag.seq < tag.seq)
-                .map(|fr| fr.tag);
-            let stale = stale.or_else(|| shm.and_then(|link| link.stale(tag.seq)));
-            if let Some(stale) = stale {
-                drop(st);
-                return Err(self.fail(Broken {
-                    lost: None,
-                    detail: format!(
-                        "protocol error: rank {} waits for {tag:?} from rank {peer} but has an \
-                         unconsumed {stale:?}",
-                        self.rank
-                    ),
-                }));
-            }
-            if st.departed[peer] {
-                drop(st);
-                return Err(self.departed(peer, tag.seq));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                drop(st);
-                return Err(self.timed_out(peer, tag.seq));
-            }
-            if let (Some(link), Some(bell)) = (shm, bell) {
-                drop(st);
-                link.wait_recv(bell, deadline - now);
-                continue;
-            }
-            drop(
-                self.changed
-                    .wait_timeout(st, deadline - now)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0,
-            );
-        }
-    }
 }
 
 impl Links for Mesh {

@@ -3,8 +3,10 @@
 //! and waits through a peer's channel the same way whichever of the two carries a frame.
 
 use super::shm_link::ShmLink;
-use super::socket::PeerWriter;
 use crate::distributed::transport::conn::Conn;
+use crate::distributed::transport::wire::Tag;
+use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
 
 /// How this rank reaches one peer.
 pub(super) struct Peer {
@@ -16,4 +18,17 @@ pub(super) struct Peer {
     pub socket: Conn,
     /// The shared-memory data channels, with a ring neighbour on this machine.
     pub shm: Option<ShmLink>,
+}
+
+/// A frame read from a peer, waiting in its inbox.
+pub(crate) struct Frame {
+    pub tag: Tag,
+    pub payload: Vec<u8>,
+}
+
+/// The writing end of the connection to one peer.
+pub(crate) struct PeerWriter {
+    pub stream: Mutex<Conn>,
+    /// When this rank last wrote to the peer, in ms since the mesh's epoch (for heartbeats).
+    pub last_sent_ms: AtomicU64,
 }

@@ -1,9 +1,9 @@
 //! Watching the peers: the thread reading each connection (which notices a peer's loss) and
 //! the heartbeat thread (which keeps connections audible and notices silent peers).
 
-use super::failure::Broken;
-use super::socket::Frame;
-use super::MeshState;
+use super::broken::Broken;
+use super::peer::Frame;
+use super::state::MeshState;
 use crate::distributed::transport::conn::Conn;
 use crate::distributed::transport::wire::{encode_header, read_header, FrameKind, Tag};
 use crate::util::sync::lock;
