@@ -1,8 +1,8 @@
 //! Collective algorithms over point-to-point links, one per file (as in gloo).
 //!
-//! An algorithm sees only [`Links`] (the transport's face): send bytes to a rank, receive the next frame from a rank.
-//! A new transport implements `Links` and gets every algorithm; a new algorithm touches no
-//! transport. Payloads are cut into segments of [`SEGMENT_BYTES`] so large tensors stream
+//! An algorithm sees only [`Links`] (the transport's face): send bytes to a rank, receive the
+//! next frame from a rank. A new transport implements `Links` and gets every algorithm; a new
+//! algorithm touches no transport. Payloads are cut into segments of [`SEGMENT_BYTES`] so large tensors stream
 //! through the ring: a segment is forwarded while the next one is still on the wire.
 
 pub(crate) mod broadcast;

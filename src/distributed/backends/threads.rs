@@ -4,8 +4,8 @@
 //! Each collective is one round: every rank leaves its tensors and its description of the call,
 //! and once all are there each rank computes its result from all of them, in rank order, with
 //! the arithmetic every backend shares ([`reduce_op`](crate::distributed::reduce_op)); tensors
-//! may live on any device. A rank whose closure ends (returns, fails or panics) leaves the group; ranks
-//! waiting for it fail at once, naming it.
+//! may live on any device. A rank whose closure ends (returns, fails or panics) leaves the
+//! group; ranks waiting for it fail at once, naming it.
 
 use crate::distributed::algorithms::consensus::describe;
 use crate::distributed::communicator::{Call, Communicator, Connected, GroupPath};

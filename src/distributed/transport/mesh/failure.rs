@@ -1,7 +1,7 @@
-//! The failure protocol: how a mesh breaks (why is [`Broken`]): once, for the first
-//! reason, telling every peer (an `Abort` frame) and whoever connected the mesh (its `OnLost`), and waking
-//! every waiter. Once broken, a mesh stays broken: every later operation fails with the first
-//! reason.
+//! The failure protocol: how a mesh breaks (why is [`Broken`]): once, for the first reason,
+//! telling every peer (an `Abort` frame) and whoever connected the mesh (its `OnLost`), and
+//! waking every waiter. Once broken, a mesh stays broken: every later operation fails with the
+//! first reason.
 
 use super::broken::Broken;
 use super::state::MeshState;
