@@ -8,10 +8,11 @@
 //!   for it before NCCL reads them: the collective sees every kernel launched before the call,
 //!   and none launched after it has to wait;
 //! - outputs are allocated on the communication stream, and
-//!   [`Work::wait`](crate::distributed::Work::wait) makes the consumer's stream wait for an event recorded after the NCCL call: kernels
-//!   launched afterwards read the result, and the host never waits for the GPU. (cudarc's
-//!   per-buffer events, active once the communication stream exists, order later uses and the
-//!   frees of inputs and outputs across the two streams as well.)
+//!   [`Work::wait`](crate::distributed::Work::wait) makes the consumer's stream wait for an
+//!   event recorded after the NCCL call: kernels launched afterwards read the result, and the
+//!   host never waits for the GPU. (cudarc's per-buffer events, active once the communication
+//!   stream exists, order later uses and the frees of inputs and outputs across the two
+//!   streams as well.)
 //!
 //! So compute on candle's stream overlaps communication on the group's stream. Every group has
 //! a stream of its own: two groups' collectives, issued from two threads in any order, never
