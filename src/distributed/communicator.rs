@@ -1,7 +1,7 @@
 //! What a backend provides: the [`Communicator`] that a [`ProcessGroup`](super::ProcessGroup)
 //! drives from its worker thread.
 
-pub(crate) use super::rendezvous::GroupPath;
+use super::rendezvous::GroupPath;
 use super::store::{Store, StoreServer};
 use super::work::Finished;
 use super::ReduceOp;

@@ -1,9 +1,10 @@
 //! `ProcessGroup`: the one face of the distributed layer. Its state, its constructors, and its
 //! collectives, blocking and asynchronous.
 
-use super::communicator::{Call, Communicator, Connected, GroupPath};
+use super::communicator::{Call, Communicator, Connected};
 use super::config::{Backend, InitConfig};
 use super::reduce_op::{check_dtype, ReduceOp};
+use super::rendezvous::GroupPath;
 use super::rendezvous::{config, Rendezvous};
 use super::store::{Store, StoreServer};
 use super::work::{Finished, Work, Worker};

@@ -4,9 +4,9 @@
 //! [`ProcessGroup`].
 
 use super::backends::threads::Shared;
-use super::communicator::GroupPath;
 use super::config::{Backend, InitConfig};
 use super::group::{Membership, ProcessGroup};
+use super::rendezvous::GroupPath;
 use crate::error::{Error, Result};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 

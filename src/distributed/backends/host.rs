@@ -8,10 +8,11 @@
 //! launcher's error file ([`error_file`]).
 
 use crate::distributed::algorithms::{broadcast, consensus, ring, Links};
-use crate::distributed::communicator::{Call, Communicator, Connected, GroupPath};
+use crate::distributed::communicator::{Call, Communicator, Connected};
 use crate::distributed::config::InitConfig;
 use crate::distributed::error_file;
 use crate::distributed::rendezvous::world::{join_world, MeshContext};
+use crate::distributed::rendezvous::GroupPath;
 use crate::distributed::rendezvous::Rendezvous;
 use crate::distributed::transport::host_buf::{with_bytes, HostBuf};
 use crate::distributed::transport::mesh::Mesh;

@@ -29,10 +29,11 @@
 
 use crate::distributed::algorithms::consensus;
 use crate::distributed::algorithms::Links;
-use crate::distributed::communicator::{Call, Communicator, Connected, GroupPath, IssueMark};
+use crate::distributed::communicator::{Call, Communicator, Connected, IssueMark};
 use crate::distributed::config::InitConfig;
 use crate::distributed::error_file;
 use crate::distributed::rendezvous::world::{join_world, MeshContext};
+use crate::distributed::rendezvous::GroupPath;
 use crate::distributed::rendezvous::Rendezvous;
 use crate::distributed::transport::mesh::{Broken, Mesh};
 use crate::distributed::work::{DeviceCompletion, Finished};

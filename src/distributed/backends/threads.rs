@@ -8,7 +8,8 @@
 //! group; ranks waiting for it fail at once, naming it.
 
 use crate::distributed::algorithms::consensus::describe;
-use crate::distributed::communicator::{Call, Communicator, Connected, GroupPath};
+use crate::distributed::communicator::{Call, Communicator, Connected};
+use crate::distributed::rendezvous::GroupPath;
 use crate::distributed::transport::host_buf::{with_bytes, HostBuf};
 use crate::distributed::work::Finished;
 use crate::distributed::ReduceOp;
