@@ -3,7 +3,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
-use candle_parallel::distributed::{self, Backend, InitOptions, ReduceOp};
+use candle_parallel::distributed::{self, Backend, InitConfig, ReduceOp};
 use candle_parallel::Error;
 use common::collectives::{
     check_async, check_collectives, check_mismatches, check_new_group, check_special_values,
@@ -71,11 +71,11 @@ fn a_panicking_rank_fails_the_spawn_and_releases_the_others() {
 
 #[test]
 fn a_late_rank_makes_the_wait_time_out() {
-    let options = InitOptions {
+    let options = InitConfig {
         timeout: Duration::from_millis(200),
         ..Default::default()
     };
-    let results = distributed::spawn_threads_with(2, options, |pg| {
+    let results = distributed::spawn_threads_with_config(2, options, |pg| {
         if pg.rank() == 1 {
             std::thread::sleep(Duration::from_millis(800));
             return Ok(String::new());

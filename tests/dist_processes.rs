@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::distributed::store::Store;
-use candle_parallel::distributed::{Backend, InitOptions, ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::distributed::{Backend, InitConfig, ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::Error;
 use common::collectives::{
     check_async, check_collectives, check_mismatches, check_new_group, check_special_values,
@@ -131,7 +131,7 @@ fn a_missing_rank_is_named_when_the_rendezvous_times_out() {
     if is_child() {
         // Rank 0 hosts the store: it waits longer, so that rank 2 sees its own timeout.
         let rank = Rendezvous::from_env().unwrap().rank;
-        let o = InitOptions {
+        let o = InitConfig {
             rendezvous_timeout: Duration::from_millis(if rank == 0 { 3000 } else { 1500 }),
             ..child_options()
         };
@@ -381,7 +381,7 @@ fn bad_local_configuration_fails_fast_with_a_clear_error() {
         local_rank: 0,
         local_world_size: 1,
     };
-    let quick = InitOptions {
+    let quick = InitConfig {
         rendezvous_timeout: Duration::from_millis(500),
         ..Default::default()
     };
@@ -404,7 +404,7 @@ fn bad_local_configuration_fails_fast_with_a_clear_error() {
     assert!(matches!(err, Error::Config { .. }), "{err}");
 
     // A group of one works without anybody else.
-    let solo = ProcessGroup::new(&r(0, 1, nobody), &Device::Cpu, InitOptions::default()).unwrap();
+    let solo = ProcessGroup::new(&r(0, 1, nobody), &Device::Cpu, InitConfig::default()).unwrap();
     let y = solo
         .all_reduce(&Tensor::new(&[4f32], &Device::Cpu).unwrap(), ReduceOp::Avg)
         .unwrap();

@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use candle_parallel::distributed::store::Store;
-use candle_parallel::distributed::{InitOptions, ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::distributed::{InitConfig, ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::Error;
 use common::{child_options, done, is_child, join_child, rank_env, Ranks, DONE};
 use std::io::{Read, Write};
@@ -171,7 +171,7 @@ fn a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed
     // Also: an idle rank is kept alive by heartbeats past the peer timeout.
     let test = "a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed";
     if is_child() {
-        let o = InitOptions {
+        let o = InitConfig {
             peer_timeout: Duration::from_secs(3),
             ..child_options()
         };
@@ -276,9 +276,9 @@ fn rendezvous(rank: usize, world: usize, port: u16) -> Rendezvous {
 
 #[test]
 fn another_program_on_the_master_port_is_named_as_such_on_every_rank() {
-    let quick = InitOptions {
+    let quick = InitConfig {
         rendezvous_timeout: Duration::from_secs(20),
-        ..InitOptions::default()
+        ..InitConfig::default()
     };
     // A silent holder: rank 0 says the port is taken at once; rank 1 that something else
     // answers there.
@@ -424,7 +424,7 @@ fn a_rank_waiting_for_an_unreachable_master_says_so_and_the_wait_is_set_from_the
 fn a_rank_with_the_wrong_token_is_refused_and_named_by_the_rank_that_waited_for_it() {
     let test = "a_rank_with_the_wrong_token_is_refused_and_named_by_the_rank_that_waited_for_it";
     if is_child() {
-        let o = InitOptions {
+        let o = InitConfig {
             rendezvous_timeout: Duration::from_secs(3),
             ..child_options()
         };

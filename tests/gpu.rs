@@ -8,7 +8,7 @@ mod common;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{loss, Optimizer, VarMap};
 use candle_parallel::cifar::Net;
-use candle_parallel::distributed::{Backend, InitOptions, ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::distributed::{Backend, InitConfig, ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::{comm, distributed, DataParallel, Error};
@@ -179,7 +179,7 @@ fn nccl_collectives_with_one_rank_return_the_input_on_its_gpu() {
         return;
     }
     let device = Device::new_cuda_with_stream(0).unwrap();
-    let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitOptions::default()).unwrap();
+    let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitConfig::default()).unwrap();
     assert_eq!(pg.backend(), Backend::Nccl);
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         let x = Tensor::arange(0f32, 12., &Device::Cpu)
@@ -229,9 +229,9 @@ fn nccl_collectives_with_one_rank_return_the_input_on_its_gpu() {
 fn the_tcp_backend_carries_cuda_tensors_between_two_processes() {
     if is_child() {
         let device = Device::new_cuda_with_stream(0).unwrap();
-        let options = InitOptions {
+        let options = InitConfig {
             backend: Some(Backend::Tcp),
-            ..InitOptions::from_env().unwrap()
+            ..InitConfig::from_env().unwrap()
         };
         let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &device, options).unwrap();
         let x = Tensor::new(&[pg.rank() as f32 + 1.0, 10.0], &Device::Cpu)
@@ -340,7 +340,7 @@ fn nccl_async_collectives_and_a_new_group_with_one_rank_give_exact_numbers() {
         return;
     }
     let device = Device::new_cuda_with_stream(0).unwrap();
-    let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitOptions::default()).unwrap();
+    let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitConfig::default()).unwrap();
     let xs: Vec<Tensor> = [1usize, 1000, 1 << 22]
         .iter()
         .map(|&n| Tensor::randn(0f32, 1.0, n, &device).unwrap())
@@ -382,7 +382,7 @@ fn ddp_and_sync_batch_norm_on_nccl_with_one_rank_equal_the_plain_model() {
         return;
     }
     let device = Device::new_cuda_with_stream(0).unwrap();
-    let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitOptions::default()).unwrap();
+    let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitConfig::default()).unwrap();
     let d = ddp_against_one_process(&pg, &device, Net::new, 16, 10, false);
     assert!(d <= 1e-5, "DDP differs from the plain Net by {d}");
     let d = ddp_against_one_process(
@@ -403,9 +403,9 @@ fn ddp_and_sync_batch_norm_on_nccl_with_one_rank_equal_the_plain_model() {
 fn ddp_and_sync_batch_norm_over_tcp_with_cuda_tensors_on_two_processes_equal_one_process() {
     if is_child() {
         let device = Device::new_cuda_with_stream(0).unwrap();
-        let options = InitOptions {
+        let options = InitConfig {
             backend: Some(Backend::Tcp),
-            ..InitOptions::from_env().unwrap()
+            ..InitConfig::from_env().unwrap()
         };
         let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &device, options).unwrap();
         let d = ddp_against_one_process(&pg, &device, Net::new, 8, 10, false);

@@ -1,9 +1,10 @@
 //! `ProcessGroup`: the one face of the distributed layer. Its state, its constructors, and its
 //! collectives, blocking and asynchronous.
 
-use super::communicator::{Call, Communicator, Connected, GroupPath};
-use super::options::{Backend, InitOptions};
+use super::communicator::{Call, Communicator, Connected};
+use super::config::{Backend, InitConfig};
 use super::reduce_op::{check_dtype, ReduceOp};
+use super::rendezvous::GroupPath;
 use super::rendezvous::{config, Rendezvous};
 use super::store::{Store, StoreServer};
 use super::work::{Finished, Work, Worker};
@@ -45,7 +46,7 @@ struct GroupState {
     path: GroupPath,
     store: Option<Arc<Store>>,
     /// Rank 0's store server lives as long as any group that needs it.
-    _server: Option<Arc<StoreServer>>,
+    store_server: Option<Arc<StoreServer>>,
     /// State that layers built on the group keep with it, one value per type.
     extensions: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
 }
@@ -55,7 +56,7 @@ impl Drop for GroupState {
     /// stops taking new connections first (a rank connecting from now on belongs to the next
     /// job on this port and retries), then the peers say goodbye, then the server stops.
     fn drop(&mut self) {
-        if let Some(server) = &self._server {
+        if let Some(server) = &self.store_server {
             if Arc::strong_count(server) == 1 {
                 server.begin_closing();
             }
@@ -113,11 +114,11 @@ fn restore_nan(t: &Tensor, mask: &Tensor) -> Result<Tensor> {
 
 impl ProcessGroup {
     /// Joins the group described by torchrun's (or Slurm's) environment, with the options
-    /// `CANDLE_PARALLEL_*` variables set ([`InitOptions::from_env`]: the job token among them);
+    /// `CANDLE_PARALLEL_*` variables set ([`InitConfig::from_env`]: the job token among them);
     /// the backend follows `device` (NCCL for CUDA with the `nccl` feature, else TCP) unless
     /// `CANDLE_PARALLEL_BACKEND` says otherwise.
     pub fn from_env(device: &Device) -> Result<Self> {
-        Self::new(&Rendezvous::from_env()?, device, InitOptions::from_env()?)
+        Self::new(&Rendezvous::from_env()?, device, InitConfig::from_env()?)
     }
 
     /// Joins the group at `tcp://host:port` as `rank` of `world_size`.
@@ -126,7 +127,7 @@ impl ProcessGroup {
         rank: usize,
         world_size: usize,
         device: &Device,
-        options: InitOptions,
+        options: InitConfig,
     ) -> Result<Self> {
         Self::new(
             &Rendezvous::from_url(url, rank, world_size)?,
@@ -136,7 +137,7 @@ impl ProcessGroup {
     }
 
     /// Joins the group described by `rendezvous`.
-    pub fn new(rendezvous: &Rendezvous, device: &Device, options: InitOptions) -> Result<Self> {
+    pub fn new(rendezvous: &Rendezvous, device: &Device, options: InitConfig) -> Result<Self> {
         rendezvous.validate()?;
         let backend = options
             .backend
@@ -146,7 +147,7 @@ impl ProcessGroup {
                 Backend::Tcp
             });
         let connected = match backend {
-            Backend::Tcp => super::tcp::connect(rendezvous, &options)?,
+            Backend::Tcp => super::backends::host::connect(rendezvous, &options)?,
             Backend::InProcess => {
                 return Err(config(
                     "backend",
@@ -155,7 +156,7 @@ impl ProcessGroup {
                 ))
             }
             #[cfg(feature = "nccl")]
-            Backend::Nccl => super::nccl::connect(rendezvous, device, &options)?,
+            Backend::Nccl => super::backends::nccl::connect(rendezvous, device, &options)?,
             #[cfg(not(feature = "nccl"))]
             Backend::Nccl => {
                 return Err(config(
@@ -188,7 +189,7 @@ impl ProcessGroup {
                 backend,
                 path,
                 store: connected.store,
-                _server: connected.server,
+                store_server: connected.server,
                 extensions: Mutex::new(HashMap::new()),
             }),
         })
@@ -483,7 +484,7 @@ impl ProcessGroup {
             ..self.state.membership
         };
         let connected = Connected {
-            server: connected.server.or_else(|| self.state._server.clone()),
+            server: connected.server.or_else(|| self.state.store_server.clone()),
             ..connected
         };
         Self::assemble(membership, self.backend(), path, connected).map(Some)

@@ -16,6 +16,14 @@
 //! - Ranks meet through a [`store`] hosted by rank 0; connections must present the job token
 //!   (`CANDLE_PARALLEL_TOKEN`, set by `candle-run`).
 //!
+//! The module is layered as gloo is. From the bottom: the shared pieces (`config`,
+//! [`reduce_op`], [`work`], [`error_file`]); `transport` (how bytes move: wire format,
+//! connections, shared memory, the mesh, host buffers); `algorithms` (collectives over any
+//! `Links`); `rendezvous` (where to meet, the store, joining, connecting a group's mesh);
+//! `communicator` (what a backend provides); `backends` (host, NCCL, threads, each on the
+//! layers below and never on another); and the face: [`ProcessGroup`] (`group`), its
+//! autograd-aware collectives (`autograd`) and [`spawn_threads`] (`spawn`).
+//!
 //! Every collective first checks that all ranks called the same thing (kind, op, dtype, shape):
 //! a mismatch is an [`Error::Mismatch`](crate::Error::Mismatch) on every rank, never a hang. A
 //! rank that dies makes the others' pending and later collectives fail with
@@ -42,25 +50,25 @@
 
 pub(crate) mod algorithms;
 mod autograd;
+mod backends;
 mod communicator;
+mod config;
 pub mod error_file;
 mod group;
-pub(crate) mod host_buf;
-mod join;
-#[cfg(feature = "nccl")]
-mod nccl;
-mod options;
 pub mod reduce_op;
 mod rendezvous;
-pub mod store;
-pub(crate) mod tcp;
-mod threads;
-pub(crate) mod wire;
+mod spawn;
+pub(crate) mod transport;
 pub mod work;
 
+#[allow(deprecated)]
+pub use config::InitOptions;
+pub use config::{Backend, InitConfig, BACKEND_VAR, RENDEZVOUS_TIMEOUT_VAR, TOKEN_VAR};
 pub use group::ProcessGroup;
-pub use options::{Backend, InitOptions, BACKEND_VAR, RENDEZVOUS_TIMEOUT_VAR, TOKEN_VAR};
 pub use reduce_op::ReduceOp;
+pub use rendezvous::store;
 pub use rendezvous::{Rendezvous, MAX_WORLD_SIZE};
-pub use threads::{spawn_threads, spawn_threads_with};
+#[allow(deprecated)]
+pub use spawn::spawn_threads_with;
+pub use spawn::{spawn_threads, spawn_threads_with_config};
 pub use work::Work;

@@ -131,10 +131,10 @@ pub fn solo_rendezvous() -> candle_parallel::distributed::Rendezvous {
 
 /// A child rank's options: the environment's, with a rendezvous timeout of 30 s so that a test
 /// that goes wrong fails well within its limit.
-pub fn child_options() -> candle_parallel::distributed::InitOptions {
-    candle_parallel::distributed::InitOptions {
+pub fn child_options() -> candle_parallel::distributed::InitConfig {
+    candle_parallel::distributed::InitConfig {
         rendezvous_timeout: Duration::from_secs(30),
-        ..candle_parallel::distributed::InitOptions::from_env().unwrap()
+        ..candle_parallel::distributed::InitConfig::from_env().unwrap()
     }
 }
 

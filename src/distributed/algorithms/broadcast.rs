@@ -3,7 +3,7 @@
 //! root's predecessor. Every link carries the buffer once, and segments overlap in flight.
 
 use super::{data, expect_len, segments, Links};
-use crate::distributed::host_buf::HostBuf;
+use crate::distributed::transport::host_buf::HostBuf;
 use crate::error::Result;
 
 /// Overwrites `buf` on every rank with the root's.

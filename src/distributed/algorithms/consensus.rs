@@ -4,7 +4,7 @@
 //! usable. As each rank waits for all others, this is also a barrier.
 
 use super::Links;
-use crate::distributed::wire::{FrameKind, Tag};
+use crate::distributed::transport::wire::{FrameKind, Tag};
 use crate::error::{Error, Result};
 
 /// Checks that every rank describes collective `seq` as `desc`.
@@ -32,7 +32,7 @@ pub(crate) fn check(links: &impl Links, seq: u64, desc: &str) -> Result<()> {
     }
 }
 
-/// "collective #3: ranks 0, 2 called all_reduce(sum) f32 [4]; rank 1 called broadcast ...".
+/// "collective #3: ranks 0, 2 called all_reduce(sum) f32 \[4\]; rank 1 called broadcast ...".
 pub(crate) fn describe(seq: u64, calls: &[String]) -> String {
     let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
     for (rank, call) in calls.iter().enumerate() {

@@ -1,46 +1,21 @@
 //! Collective algorithms over point-to-point links, one per file (as in gloo).
 //!
-//! An algorithm sees only [`Links`]: send bytes to a rank, receive the next frame from a rank.
-//! A new transport implements `Links` and gets every algorithm; a new algorithm touches no
-//! transport. Payloads are cut into segments of [`SEGMENT_BYTES`] so large tensors stream
+//! An algorithm sees only [`Links`] (the transport's face): send bytes to a rank, receive the
+//! next frame from a rank. A new transport implements `Links` and gets every algorithm; a new
+//! algorithm touches no transport. Payloads are cut into segments of [`SEGMENT_BYTES`] so large tensors stream
 //! through the ring: a segment is forwarded while the next one is still on the wire.
 
 pub(crate) mod broadcast;
 pub(crate) mod consensus;
 pub(crate) mod ring;
 
-use super::wire::Tag;
+pub(crate) use crate::distributed::transport::links::Links;
+pub(crate) use crate::distributed::transport::wire::data;
 use crate::error::Result;
 use std::ops::Range;
 
 /// Segment size of pipelined transfers.
 pub(crate) const SEGMENT_BYTES: usize = 512 << 10;
-
-/// A data frame of collective `seq`, piece `part`.
-pub(crate) fn data(seq: u64, part: u64) -> Tag {
-    Tag {
-        kind: super::wire::FrameKind::Data,
-        seq,
-        part,
-    }
-}
-
-/// Point-to-point messaging between the ranks of a group. Frames between two ranks arrive in
-/// the order they were sent.
-pub(crate) trait Links {
-    fn rank(&self) -> usize;
-    fn world(&self) -> usize;
-    /// Sends one frame to `peer`.
-    fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()>;
-    /// Waits for the frame tagged `tag` from `peer` and runs `f` on its bytes, where they lie
-    /// (frames of one collective may be received in another order than they were sent).
-    fn recv_with<R>(&self, peer: usize, tag: Tag, f: impl FnOnce(&[u8]) -> R) -> Result<R>;
-    /// Receives the frame tagged `tag` from `peer` as an owned buffer.
-    #[cfg(test)]
-    fn recv(&self, peer: usize, tag: Tag) -> Result<Vec<u8>> {
-        self.recv_with(peer, tag, <[u8]>::to_vec)
-    }
-}
 
 /// Splits `len` elements into `parts` contiguous ranges of near-equal size (the first ones one
 /// larger), as boundaries `[0, .., len]`.
@@ -85,6 +60,7 @@ pub(crate) mod testing {
     //! In-memory links between thread-ranks, to test algorithms without sockets.
 
     use super::*;
+    use crate::distributed::transport::wire::Tag;
     use std::collections::VecDeque;
     use std::sync::{Arc, Condvar, Mutex};
 

@@ -13,7 +13,7 @@
 //! steps.
 
 use super::{bounds, data, expect_len, segments, Links};
-use crate::distributed::host_buf::HostBuf;
+use crate::distributed::transport::host_buf::HostBuf;
 use crate::distributed::ReduceOp;
 use crate::error::Result;
 use std::ops::Range;
@@ -28,15 +28,8 @@ pub(crate) fn all_reduce(
     input: &[u8],
     op: ReduceOp,
 ) -> Result<()> {
-    let n = links.world();
-    let b = bounds(out.len(), n);
-    let ring = Ring {
-        start: links.rank(),
-        steps: 2 * (n - 1),
-        reduce_steps: n - 1,
-        op,
-    };
-    ring.run(links, seq, out, Some(input), &b)
+    let b = bounds(out.len(), links.world());
+    Ring::all_reduce(links, op).run(links, seq, out, Some(input), &b)
 }
 
 /// Reduces `buf` (this rank's elements) across all ranks with `op`, in place. `Avg` leaves the
@@ -47,17 +40,10 @@ pub(crate) fn all_reduce_in_place(
     buf: &mut HostBuf,
     op: ReduceOp,
 ) -> Result<()> {
-    let n = links.world();
-    let b = bounds(buf.len(), n);
-    let ring = Ring {
-        start: links.rank(),
-        steps: 2 * (n - 1),
-        reduce_steps: n - 1,
-        op,
-    };
+    let b = bounds(buf.len(), links.world());
     // A segment of this rank's own chunk is sent (in the first step, up to WINDOW segments
     // ahead) before the last step overwrites it with the result.
-    ring.run(links, seq, buf, None, &b)
+    Ring::all_reduce(links, op).run(links, seq, buf, None, &b)
 }
 
 /// Reduces `input` (length divisible by the world size) across ranks into `out`; afterwards
@@ -110,6 +96,18 @@ struct Ring {
 }
 
 impl Ring {
+    /// The all-reduce ring: a reduce-scatter (`n - 1` reducing steps) then an all-gather
+    /// (`n - 1` copying steps), starting from this rank's own chunk.
+    fn all_reduce(links: &impl Links, op: ReduceOp) -> Self {
+        let n = links.world();
+        Self {
+            start: links.rank(),
+            steps: 2 * (n - 1),
+            reduce_steps: n - 1,
+            op,
+        }
+    }
+
     /// Runs the ring over `out`. This rank's own values are `input` when given (and `out` is
     /// written from them as it goes), else they are in `out` already.
     fn run(

@@ -9,70 +9,43 @@
 //! - a rank that breaks (a lost peer, a timed-out wait) sends `Abort` to every peer, so ranks
 //!   waiting on someone else fail at once too, naming the rank that was lost.
 //!
-//! Each peer is reached by its socket ([`socket`]: framed I/O), and a ring neighbour on this
-//! machine also by shared memory ([`shm_link`]), which carries its data frames; the algorithms
-//! see one [`Links`] interface either way. How the mesh breaks is [`failure`]'s; the threads
-//! that watch the peers are [`watch`]'s.
+//! Each peer is reached through one channel ([`peer`]): its socket ([`socket`]: framed I/O),
+//! and with a ring neighbour on this machine also shared memory ([`shm_link`], waited on
+//! through [`doorbell`]), which carries its data frames; [`transfer`] sends and receives a
+//! frame through whichever carries it, and the algorithms see one [`Links`] interface either
+//! way. What the handle, the threads and the collectives share is [`state`]'s. Why the mesh
+//! broke is [`broken`]'s; how it breaks is [`failure`]'s, which reports it to the [`OnLost`]
+//! callback it was given ([`options`]); the threads that watch the peers are [`watch`]'s. This
+//! file is the handle, [`Mesh`]: connecting, closing, and the `Links` it offers.
 
+mod broken;
+mod doorbell;
 mod failure;
+mod options;
+mod peer;
 mod shm_link;
 mod socket;
+mod state;
+mod transfer;
 mod watch;
 
-pub(crate) use failure::Broken;
+pub(crate) use broken::Broken;
+pub(crate) use options::{MeshOptions, OnLost};
 pub(crate) use shm_link::ShmLink;
 
 use super::conn::Conn;
-use crate::distributed::algorithms::Links;
-use crate::distributed::wire::{self, encode_header, FrameKind, Tag};
+use super::links::Links;
+use super::wire::{self, encode_header, FrameKind, Tag};
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
-use socket::{Frame, PeerWriter};
+use peer::{Peer, PeerWriter};
+use state::{MeshState, State};
 use std::collections::VecDeque;
 use std::io::Write;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-#[cfg(target_os = "linux")]
-use {super::shm::futex_wait, shm_link::WAIT_SLICE, std::sync::atomic::Ordering};
-
-/// How long to wait for peers.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct MeshOptions {
-    /// The longest wait for a live peer's part of a collective.
-    pub timeout: Duration,
-    /// The longest silence after which a peer counts as lost.
-    pub peer_timeout: Duration,
-}
-
-/// What the peers' threads and the collectives share, under one lock.
-struct State {
-    inbox: Vec<VecDeque<Frame>>,
-    last_seen: Vec<Instant>,
-    departed: Vec<bool>,
-    broken: Option<Broken>,
-    closing: bool,
-    /// Payload buffers for the reader threads to reuse.
-    pool: Vec<Vec<u8>>,
-}
-
-/// A mesh's state, shared by its handle and its threads.
-struct MeshState {
-    rank: usize,
-    world: usize,
-    /// How each peer is reached ("tcp", "unix", "shm"; `None` for this rank).
-    kinds: Vec<Option<&'static str>>,
-    /// Shared-memory data channels, with neighbours on this machine.
-    shm: Vec<Option<ShmLink>>,
-    options: MeshOptions,
-    epoch: Instant,
-    writers: Vec<Option<PeerWriter>>,
-    sockets: Vec<Option<Conn>>,
-    state: Mutex<State>,
-    changed: Condvar,
-    stop: (Mutex<bool>, Condvar),
-}
 
 /// The connected ranks of one process group.
 pub(crate) struct Mesh {
@@ -82,29 +55,21 @@ pub(crate) struct Mesh {
 
 impl Mesh {
     /// Takes over `streams[p]`, a handshaken connection to every peer `p` (`None` for this
-    /// rank), and `shm[p]`, shared-memory data channels to some of them.
+    /// rank), and `shm[p]`, shared-memory data channels to some of them. The mesh reports its
+    /// breaking to `on_lost`.
     pub fn new(
         rank: usize,
         world: usize,
         streams: Vec<Option<Conn>>,
         shm: Vec<Option<ShmLink>>,
         options: MeshOptions,
+        on_lost: OnLost,
     ) -> Result<Self> {
-        let kinds = streams
-            .iter()
-            .zip(&shm)
-            .map(|(s, m)| match (s, m) {
-                (Some(_), Some(_)) => Some("shm"),
-                (s, _) => s.as_ref().map(Conn::kind),
-            })
-            .collect();
-        let mut writers = Vec::with_capacity(world);
-        let mut sockets = Vec::with_capacity(world);
+        let mut peers = Vec::with_capacity(world);
         let mut readers = Vec::new();
-        for (peer, stream) in streams.into_iter().enumerate() {
+        for (peer, (stream, shm)) in streams.into_iter().zip(shm).enumerate() {
             let Some(stream) = stream else {
-                writers.push(None);
-                sockets.push(None);
+                peers.push(None);
                 continue;
             };
             let ctx = || format!("setting up the connection to rank {peer}");
@@ -114,22 +79,24 @@ impl Mesh {
                 .set_write_timeout(Some(options.peer_timeout))
                 .map_err(wire::io_err(ctx()))?;
             readers.push((peer, stream.try_clone().map_err(wire::io_err(ctx()))?));
-            sockets.push(Some(stream.try_clone().map_err(wire::io_err(ctx()))?));
-            writers.push(Some(PeerWriter {
-                stream: Mutex::new(stream),
-                last_sent_ms: AtomicU64::new(0),
+            peers.push(Some(Peer {
+                kind: if shm.is_some() { "shm" } else { stream.kind() },
+                socket: stream.try_clone().map_err(wire::io_err(ctx()))?,
+                writer: PeerWriter {
+                    stream: Mutex::new(stream),
+                    last_sent_ms: AtomicU64::new(0),
+                },
+                shm,
             }));
         }
         let now = Instant::now();
         let shared = Arc::new(MeshState {
             rank,
             world,
-            kinds,
-            shm,
+            peers,
             options,
+            on_lost,
             epoch: now,
-            writers,
-            sockets,
             state: Mutex::new(State {
                 inbox: (0..world).map(|_| VecDeque::new()).collect(),
                 last_seen: vec![now; world],
@@ -157,7 +124,11 @@ impl Mesh {
 
     /// How each peer is reached ("tcp", "unix", "shm"; `None` for this rank).
     pub fn transports(&self) -> Vec<Option<&'static str>> {
-        self.shared.kinds.clone()
+        self.shared
+            .peers
+            .iter()
+            .map(|p| p.as_ref().map(|p| p.kind))
+            .collect()
     }
 
     /// Fails when the mesh is broken.
@@ -184,96 +155,6 @@ fn start_thread(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinH
         .map_err(wire::io_err("starting a communication thread"))
 }
 
-impl MeshState {
-    fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
-    }
-
-    /// Sends a frame to `peer`: through shared memory when the link carries it, else on the
-    /// socket.
-    fn send(&self, peer: usize, tag: Tag, payload: &[u8]) -> Result<()> {
-        #[cfg(target_os = "linux")]
-        if let Some(link) = &self.shm[peer] {
-            if link.carries(tag, payload.len()) {
-                return self.send_shm(peer, link, tag, payload);
-            }
-        }
-        self.send_socket(peer, tag, payload)
-    }
-
-    /// Waits for the frame `tag` from `peer`, on its socket or in its shared-memory channel,
-    /// and runs `f` on its bytes where they lie.
-    fn recv_with<R>(&self, peer: usize, tag: Tag, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        let deadline = Instant::now() + self.options.timeout;
-        #[cfg(target_os = "linux")]
-        let shm = self.shm[peer].as_ref().map(|l| &l.recv);
-        loop {
-            // Read before looking, so that a frame arriving after the look ends the wait.
-            #[cfg(target_os = "linux")]
-            let bell = shm.map(|c| c.produced().load(Ordering::Acquire));
-            let mut st = lock(&self.state);
-            if let Some(b) = &st.broken {
-                return Err(b.error());
-            }
-            if let Some(payload) = Self::take_from_inbox(&mut st, peer, tag) {
-                drop(st);
-                let out = f(&payload);
-                self.recycle(payload);
-                return Ok(out);
-            }
-            #[cfg(target_os = "linux")]
-            if let Some(c) = shm {
-                if let Some(i) = c.find(tag) {
-                    drop(st);
-                    let out = f(c.bytes(i));
-                    c.release(i);
-                    return Ok(out);
-                }
-            }
-            // Frames of one link arrive in collective order: one from an earlier collective
-            // was never consumed, so the ranks disagree on what they are doing.
-            let stale = st.inbox[peer]
-                .iter()
-                .find(|fr| fr.tag.seq < tag.seq)
-                .map(|fr| fr.tag);
-            #[cfg(target_os = "linux")]
-            let stale = stale.or_else(|| shm.and_then(|c| c.stale(tag.seq)));
-            if let Some(stale) = stale {
-                drop(st);
-                return Err(self.fail(Broken {
-                    lost: None,
-                    detail: format!(
-                        "protocol error: rank {} waits for {tag:?} from rank {peer} but has an \
-                         unconsumed {stale:?}",
-                        self.rank
-                    ),
-                }));
-            }
-            if st.departed[peer] {
-                drop(st);
-                return Err(self.departed(peer, tag.seq));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                drop(st);
-                return Err(self.timed_out(peer, tag.seq));
-            }
-            #[cfg(target_os = "linux")]
-            if let (Some(c), Some(bell)) = (shm, bell) {
-                drop(st);
-                futex_wait(c.produced(), bell, (deadline - now).min(WAIT_SLICE));
-                continue;
-            }
-            drop(
-                self.changed
-                    .wait_timeout(st, deadline - now)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0,
-            );
-        }
-    }
-}
-
 impl Links for Mesh {
     fn rank(&self) -> usize {
         self.shared.rank
@@ -298,7 +179,7 @@ impl Drop for Mesh {
     /// master port, say) while another still serves this one.
     fn drop(&mut self) {
         let bye = encode_header(Tag::control(FrameKind::Bye), 0);
-        for w in self.shared.writers.iter().flatten() {
+        for w in self.shared.writers() {
             if let Ok(mut s) = w.stream.try_lock() {
                 let _ = s.write_all(&bye);
             }
@@ -323,8 +204,8 @@ impl Drop for Mesh {
         drop(st);
         *lock(&self.shared.stop.0) = true;
         self.shared.stop.1.notify_all();
-        for s in self.shared.sockets.iter().flatten() {
-            s.shutdown();
+        for p in self.shared.peers.iter().flatten() {
+            p.socket.shutdown();
         }
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -335,7 +216,7 @@ impl Drop for Mesh {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::distributed::algorithms::data;
+    use crate::distributed::transport::wire::data;
     use std::net::{TcpListener, TcpStream};
 
     /// A two-rank mesh over loopback.
@@ -344,9 +225,29 @@ mod tests {
         let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (b, _) = l.accept().unwrap();
         (
-            Mesh::new(0, 2, vec![None, Some(Conn::Tcp(a))], no_shm(), options).unwrap(),
-            Mesh::new(1, 2, vec![Some(Conn::Tcp(b)), None], no_shm(), options).unwrap(),
+            Mesh::new(
+                0,
+                2,
+                vec![None, Some(Conn::Tcp(a))],
+                no_shm(),
+                options,
+                ignore(),
+            )
+            .unwrap(),
+            Mesh::new(
+                1,
+                2,
+                vec![Some(Conn::Tcp(b)), None],
+                no_shm(),
+                options,
+                ignore(),
+            )
+            .unwrap(),
         )
+    }
+
+    fn ignore() -> OnLost {
+        Arc::new(|_| {})
     }
 
     fn no_shm() -> Vec<Option<ShmLink>> {

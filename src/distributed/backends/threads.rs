@@ -1,24 +1,22 @@
-//! The in-process backend: ranks are threads of one process and share memory
-//! ([`spawn_threads`]).
+//! The in-process backend: ranks are threads of one process and share memory (started by
+//! [`spawn_threads`](crate::distributed::spawn_threads)).
 //!
 //! Each collective is one round: every rank leaves its tensors and its description of the call,
 //! and once all are there each rank computes its result from all of them, in rank order, with
-//! the arithmetic every backend shares ([`reduce_op`](super::reduce_op)); tensors may live on
-//! any device. A rank whose closure ends (returns, fails or panics) leaves the group; ranks
-//! waiting for it fail at once, naming it.
+//! the arithmetic every backend shares ([`reduce_op`](crate::distributed::reduce_op)); tensors
+//! may live on any device. A rank whose closure ends (returns, fails or panics) leaves the
+//! group; ranks waiting for it fail at once, naming it.
 
-use super::algorithms::consensus::describe;
-use super::communicator::{Call, Communicator, Connected, GroupPath};
-use super::group::{Membership, ProcessGroup};
-use super::host_buf::{with_bytes, HostBuf};
-use super::options::{Backend, InitOptions};
-use super::work::Finished;
-use super::ReduceOp;
+use crate::distributed::algorithms::consensus::describe;
+use crate::distributed::communicator::{Call, Communicator, Connected};
+use crate::distributed::rendezvous::GroupPath;
+use crate::distributed::transport::host_buf::{with_bytes, HostBuf};
+use crate::distributed::work::Finished;
+use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -48,7 +46,7 @@ struct State {
 }
 
 /// What the thread-ranks of one group share.
-struct Shared {
+pub(crate) struct Shared {
     world: usize,
     timeout: Duration,
     state: Mutex<State>,
@@ -56,7 +54,8 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(world: usize, timeout: Duration) -> Arc<Self> {
+    /// The state of a group of `world` thread-ranks whose waits last up to `timeout`.
+    pub fn new(world: usize, timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
             world,
             timeout,
@@ -72,6 +71,26 @@ impl Shared {
     fn leave(&self, rank: usize, why: &str) {
         lock(&self.state).left[rank].get_or_insert_with(|| why.to_string());
         self.changed.notify_all();
+    }
+
+    /// Rank `rank`'s side of the world group: its communicator, and the guard that marks it
+    /// gone when its closure ends.
+    pub fn member(self: &Arc<Self>, rank: usize) -> (Connected, Leave<'_>) {
+        let leave = Leave {
+            shared: self,
+            rank,
+            why: "its closure returned",
+        };
+        let connected = Connected {
+            comm: Box::new(ThreadComm {
+                rank,
+                shared: self.clone(),
+                leave_on_drop: false,
+            }),
+            store: None,
+            server: None,
+        };
+        (connected, leave)
     }
 }
 
@@ -252,139 +271,15 @@ impl Communicator for ThreadComm {
 }
 
 /// Marks its rank as gone when the rank's closure ends, however it ends.
-struct Leave<'a> {
+pub(crate) struct Leave<'a> {
     shared: &'a Shared,
     rank: usize,
-    why: &'static str,
+    /// Why the rank left, as its peers will be told.
+    pub why: &'static str,
 }
 
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
         self.shared.leave(self.rank, self.why);
     }
-}
-
-/// Runs `f` on `world_size` threads, each a rank of one in-process group, and returns their
-/// results in rank order, or the first failure (lowest rank).
-///
-/// ```rust
-/// use candle_core::{Device, Tensor};
-/// use candle_parallel::distributed::{self, ReduceOp};
-/// # fn main() -> candle_parallel::Result<()> {
-/// let sums = distributed::spawn_threads(3, |pg| {
-///     let x = Tensor::new(&[pg.rank() as f32 + 1.0], &Device::Cpu)?;
-///     Ok(pg.all_reduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?[0])
-/// })?;
-/// assert_eq!(sums, [6.0, 6.0, 6.0]);
-/// # Ok(()) }
-/// ```
-pub fn spawn_threads<T, F>(world_size: usize, f: F) -> Result<Vec<T>>
-where
-    T: Send,
-    F: Fn(ProcessGroup) -> Result<T> + Sync,
-{
-    spawn_threads_with(world_size, InitOptions::default(), f)
-}
-
-/// As [`spawn_threads`], with options (only `timeout` applies to in-process groups).
-pub fn spawn_threads_with<T, F>(world_size: usize, options: InitOptions, f: F) -> Result<Vec<T>>
-where
-    T: Send,
-    F: Fn(ProcessGroup) -> Result<T> + Sync,
-{
-    if world_size == 0 {
-        return Err(Error::Config {
-            what: "world size".into(),
-            detail: "0: a group needs at least one rank".into(),
-        });
-    }
-    let shared = Shared::new(world_size, options.timeout);
-    let results: Vec<Result<T>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..world_size)
-            .map(|rank| {
-                let (shared, f) = (shared.clone(), &f);
-                std::thread::Builder::new()
-                    .name(format!("rank-{rank}"))
-                    .spawn_scoped(scope, move || {
-                        let mut leave = Leave {
-                            shared: &shared,
-                            rank,
-                            why: "its closure returned",
-                        };
-                        let membership = Membership {
-                            rank,
-                            world_size,
-                            local_rank: rank,
-                            local_world_size: world_size,
-                        };
-                        let connected = Connected {
-                            comm: Box::new(ThreadComm {
-                                rank,
-                                shared: shared.clone(),
-                                leave_on_drop: false,
-                            }),
-                            store: None,
-                            server: None,
-                        };
-                        let out = catch_unwind(AssertUnwindSafe(|| {
-                            let group = ProcessGroup::assemble(
-                                membership,
-                                Backend::InProcess,
-                                GroupPath::default(),
-                                connected,
-                            )?;
-                            f(group)
-                        }));
-                        leave.why = match &out {
-                            Ok(Ok(_)) => "its closure returned",
-                            Ok(Err(_)) => "its closure returned an error",
-                            Err(_) => "it panicked",
-                        };
-                        out
-                    })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| match h {
-                Err(e) => Err(Error::Io {
-                    context: format!("starting the thread of rank {rank}"),
-                    source: e,
-                }),
-                Ok(h) => match h.join() {
-                    Ok(Ok(r)) => r,
-                    Ok(Err(_)) | Err(_) => Err(Error::RankFailed {
-                        rank,
-                        status: "panicked".into(),
-                        code: 101,
-                    }),
-                },
-            })
-            .collect()
-    });
-    first_cause(results)
-}
-
-/// All values, or the error that caused the others: a rank's own failure rather than another
-/// rank's report of losing it.
-pub(crate) fn first_cause<T>(results: Vec<Result<T>>) -> Result<Vec<T>> {
-    let consequence = |e: &Error| {
-        matches!(
-            e,
-            Error::PeerLost { .. } | Error::Aborted { .. } | Error::Timeout { .. }
-        )
-    };
-    if let Some(i) = results
-        .iter()
-        .position(|r| r.as_ref().is_err_and(|e| !consequence(e)))
-    {
-        return Err(results
-            .into_iter()
-            .nth(i)
-            .expect("index")
-            .err()
-            .expect("error"));
-    }
-    results.into_iter().collect()
 }

@@ -1,10 +1,10 @@
 //! Tensors as host buffers for the host-memory backends (TCP, in-process).
 //!
-//! The TCP backend moves raw little-endian bytes between machines. [`HostBuf`] holds a
-//! tensor's elements on the host in their own dtype and reduces received bytes into them, with
-//! the arithmetic of [`reduce_op`](super::reduce_op).
+//! The host backend (`Backend::Tcp`) moves raw little-endian bytes between machines.
+//! [`HostBuf`] holds a tensor's elements on the host in their own dtype and reduces received
+//! bytes into them, with the arithmetic of [`reduce_op`](crate::distributed::reduce_op).
 
-use super::reduce_op::{check_dtype, Element, ReduceOp};
+use crate::distributed::reduce_op::{check_dtype, Element, ReduceOp};
 use crate::error::Result;
 use candle_core::{CpuStorage, DType, Device, Shape, Storage, Tensor};
 use half::{bf16, f16};

@@ -1,9 +1,9 @@
 //! Joining a job: rank 0 hosts the store, every rank reaches it, claims its rank and agrees on
 //! the job. The backends then connect the ranks to each other.
 
-use super::options::InitOptions;
-use super::rendezvous::Rendezvous;
 use super::store::{Store, StoreServer};
+use super::Rendezvous;
+use crate::distributed::config::InitConfig;
 use crate::error::{Error, Result};
 use crate::rng::fresh_seed;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -18,7 +18,7 @@ pub(crate) struct Joined {
 }
 
 /// Hosts (rank 0) or reaches the store, claims this rank, and agrees on the job.
-pub(crate) fn join(r: &Rendezvous, options: &InitOptions) -> Result<Joined> {
+pub(crate) fn join(r: &Rendezvous, options: &InitConfig) -> Result<Joined> {
     let master = r.master_socket()?;
     let token = options.token.as_str();
     let server = if r.rank == 0 {

@@ -1,11 +1,10 @@
 //! The store's client.
 
-use super::server::SHUTTING_DOWN;
-use super::{
+use super::protocol::{
     millis, put_key, put_value, ADD, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS,
-    MAX_VALUE, SET, TIMED_OUT, WAIT,
+    MAX_VALUE, REFUSED_KEY, SET, SHUTTING_DOWN, TIMED_OUT, WAIT,
 };
-use crate::distributed::wire::{
+use crate::distributed::transport::wire::{
     self, io_err, read_bytes, read_len, read_string, Hello, NoAnswer, Purpose,
 };
 use crate::error::{Error, Result};
@@ -24,8 +23,6 @@ pub struct Store {
 
 /// The key where a rank that cannot go on writes why, for the others.
 pub(crate) const ABORT_KEY: &str = "abort";
-/// The key where the store notes the last refused connection.
-pub(crate) const REFUSED_KEY: &str = "refused";
 
 /// How often a waiting rank says that it is still waiting: every 30 s, or four times in the
 /// whole wait when that is shorter.

@@ -1,58 +1,14 @@
-//! The failure protocol: why a mesh broke ([`Broken`]), and how it breaks: once, for the first
-//! reason, telling every peer (an `Abort` frame) and the launcher (the error file), and waking
-//! every waiter. Once broken, a mesh stays broken: every later operation fails with the first
-//! reason.
+//! The failure protocol: how a mesh breaks (why is [`Broken`]): once, for the first reason,
+//! telling every peer (an `Abort` frame) and whoever connected the mesh (its `OnLost`), and
+//! waking every waiter. Once broken, a mesh stays broken: every later operation fails with the
+//! first reason.
 
-use super::MeshState;
-use crate::distributed::wire::{encode_header, FrameKind, Tag};
+use super::broken::Broken;
+use super::state::MeshState;
+use crate::distributed::transport::wire::{encode_header, FrameKind, Tag};
 use crate::error::Error;
 use crate::util::sync::lock;
 use std::io::Write;
-
-/// Why the mesh broke.
-#[derive(Clone, Debug)]
-pub(crate) struct Broken {
-    /// The rank that was lost, when one was.
-    pub lost: Option<usize>,
-    pub detail: String,
-}
-
-impl Broken {
-    pub fn error(&self) -> Error {
-        match self.lost {
-            Some(rank) => Error::PeerLost {
-                rank,
-                detail: self.detail.clone(),
-            },
-            None => Error::Aborted {
-                reason: self.detail.clone(),
-            },
-        }
-    }
-
-    pub(super) fn encode(&self) -> Vec<u8> {
-        let mut b = self
-            .lost
-            .map_or(u32::MAX, |r| r as u32)
-            .to_le_bytes()
-            .to_vec();
-        b.extend_from_slice(self.detail.as_bytes());
-        b
-    }
-
-    pub(super) fn decode(payload: &[u8], from: usize) -> Self {
-        let lost = payload
-            .get(..4)
-            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .filter(|&r| r != u32::MAX)
-            .map(|r| r as usize);
-        let detail = String::from_utf8_lossy(payload.get(4..).unwrap_or(&[])).into_owned();
-        Self {
-            lost,
-            detail: format!("{detail} (reported by rank {from})"),
-        }
-    }
-}
 
 impl MeshState {
     /// Breaks the mesh for `reason` (unless already broken), tells every peer, and returns the
@@ -66,10 +22,10 @@ impl MeshState {
         self.changed.notify_all();
         self.ring_all_doorbells();
         if fresh {
-            crate::distributed::error_file::note_loss(first.lost);
+            (self.on_lost)(first.lost);
             let payload = first.encode();
             let header = encode_header(Tag::control(FrameKind::Abort), payload.len());
-            for w in self.writers.iter().flatten() {
+            for w in self.writers() {
                 // Best effort; a writer held by a send stuck on the lost peer is skipped.
                 if let Ok(mut s) = w.stream.try_lock() {
                     let _ = s.write_all(&header).and_then(|()| s.write_all(&payload));

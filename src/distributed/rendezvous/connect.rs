@@ -2,10 +2,10 @@
 //! ranks below it and accepts the ranks above it. Each connection is checked (token, job,
 //! ranks, world size) before it joins; a stranger is refused and the wait goes on.
 
-use super::conn::{Conn, Listeners, PeerAddress};
-use super::mesh::{Mesh, MeshOptions, ShmLink};
-use crate::distributed::store::Store;
-use crate::distributed::wire::{
+use super::store::Store;
+use crate::distributed::transport::conn::{Conn, Listeners, PeerAddress};
+use crate::distributed::transport::mesh::{Mesh, MeshOptions, OnLost, ShmLink};
+use crate::distributed::transport::wire::{
     self, io_err, Deadline, HandshakeSlot, HandshakeSlots, Hello, Purpose,
 };
 use crate::error::{Error, Result};
@@ -39,10 +39,11 @@ pub(crate) fn connect_mesh(
     me: &Identity<'_>,
     rendezvous_timeout: Duration,
     options: MeshOptions,
+    on_lost: OnLost,
 ) -> Result<Mesh> {
     let (rank, world) = (me.rank, me.world);
     if world == 1 {
-        return Mesh::new(0, 1, vec![None], vec![None], options);
+        return Mesh::new(0, 1, vec![None], vec![None], options, on_lost);
     }
     let listeners = Listeners::bind(local_ip, me.job, rank, me.unix)
         .map_err(io_err(format!("listening on {local_ip} for peers")))?;
@@ -105,7 +106,7 @@ pub(crate) fn connect_mesh(
         streams[peer] = Some(stream);
     }
     let shm = share_memory(me, &streams);
-    Mesh::new(rank, world, streams, shm, options)
+    Mesh::new(rank, world, streams, shm, options, on_lost)
 }
 
 /// Sets up shared-memory data channels with the ring neighbours reached over Unix sockets
@@ -115,8 +116,8 @@ pub(crate) fn connect_mesh(
 /// so the socket is clean for the mesh. Anything that fails leaves that pair on its socket.
 #[cfg(target_os = "linux")]
 fn share_memory(me: &Identity<'_>, streams: &[Option<Conn>]) -> Vec<Option<ShmLink>> {
-    use super::shm::{recv_fd, send_fd, Region};
     use crate::distributed::algorithms::SEGMENT_BYTES;
+    use crate::distributed::transport::shm::{recv_fd, send_fd, Region};
     use std::io::{Read, Write};
     let (n, r) = (me.world, me.rank);
     let mut links: Vec<Option<ShmLink>> = (0..n).map(|_| None).collect();

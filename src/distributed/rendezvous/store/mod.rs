@@ -25,60 +25,15 @@ mod server;
 pub use client::Store;
 pub use server::StoreServer;
 
-use super::wire::put_bytes;
-use crate::error::{Error, Result};
-use std::time::Duration;
-
-pub(super) const MAX_KEY: usize = 4096;
-pub(super) const MAX_VALUE: usize = 64 << 20;
-pub(super) const MAX_KEYS: usize = 1 << 16;
-/// How long a connecting client may take to say hello.
-pub(super) const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
-
-pub(super) const SET: u8 = 1;
-pub(super) const GET: u8 = 2;
-pub(super) const ADD: u8 = 3;
-pub(super) const WAIT: u8 = 4;
-pub(super) const COMPARE_SET: u8 = 5;
-pub(super) const DELETE: u8 = 6;
-
-pub(super) const OK: u8 = 0;
-pub(super) const TIMED_OUT: u8 = 1;
-
-pub(super) fn millis(d: Duration) -> u64 {
-    d.as_millis().min(u128::from(u64::MAX)) as u64
-}
-
-pub(super) fn put_key(req: &mut Vec<u8>, key: &str) -> Result<()> {
-    if key.len() > MAX_KEY {
-        return Err(Error::InvalidArgument {
-            what: "store key",
-            detail: format!("{} bytes; keys are at most {MAX_KEY} bytes", key.len()),
-        });
-    }
-    put_bytes(req, key.as_bytes());
-    Ok(())
-}
-
-pub(super) fn put_value(req: &mut Vec<u8>, value: &[u8]) -> Result<()> {
-    if value.len() > MAX_VALUE {
-        return Err(Error::InvalidArgument {
-            what: "store value",
-            detail: format!(
-                "{} bytes; values are at most {MAX_VALUE} bytes",
-                value.len()
-            ),
-        });
-    }
-    put_bytes(req, value);
-    Ok(())
-}
+mod protocol;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::{Error, Result};
     use std::io::Write;
     use std::net::{TcpListener, TcpStream};
+    use std::time::Duration;
     use std::time::Instant;
 
     fn server() -> StoreServer {

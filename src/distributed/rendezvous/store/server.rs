@@ -1,11 +1,10 @@
 //! The store's server: a thread accepting connections and one thread per client.
 
-use super::client::REFUSED_KEY;
-use super::{
-    ADD, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS, MAX_VALUE, OK, SET, TIMED_OUT,
-    WAIT,
+use super::protocol::{
+    ADD, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS, MAX_VALUE, OK, REFUSED_KEY,
+    SET, SHUTTING_DOWN, TIMED_OUT, WAIT,
 };
-use crate::distributed::wire::{
+use crate::distributed::transport::wire::{
     self, io_err, put_bytes, read_bytes, read_len, read_string, Deadline, HandshakeSlot,
     HandshakeSlots, Hello, Purpose,
 };
@@ -152,9 +151,6 @@ fn accept_loop(
         }
     }
 }
-
-/// The refusal a client retries: the store is going away, the next job's is coming.
-pub(crate) const SHUTTING_DOWN: &str = "the store at this address is shutting down";
 
 /// Serves one client until it disconnects. Strangers are refused and dropped. When a client
 /// that claimed ranks disconnects, `gone/<rank>` records it, for ranks still waiting on them.

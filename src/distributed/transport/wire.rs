@@ -341,6 +341,15 @@ impl Tag {
 }
 
 /// A frame header: kind, collective sequence number, part, payload length.
+/// A data frame of collective `seq`, piece `part`.
+pub(crate) fn data(seq: u64, part: u64) -> Tag {
+    Tag {
+        kind: FrameKind::Data,
+        seq,
+        part,
+    }
+}
+
 pub(crate) const HEADER: usize = 21;
 
 pub(crate) fn encode_header(tag: Tag, len: usize) -> [u8; HEADER] {

@@ -73,7 +73,7 @@ impl Conn {
     }
 }
 
-impl crate::distributed::wire::TimedRead for Conn {
+impl crate::distributed::transport::wire::TimedRead for Conn {
     fn set_read_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
         Conn::set_read_timeout(self, d)
     }

@@ -1,140 +1,43 @@
-//! The TCP backend: collectives in host memory over direct peer connections (gloo's role).
+//! The host backend (`Backend::Tcp`): collectives in host memory over direct peer connections
+//! (gloo's role).
 //!
 //! CPU tensors are used directly; CUDA tensors are staged through the host. Every collective
 //! starts with the ranks' agreement on what is being called ([`consensus`]), then runs its
 //! algorithm over the [`Mesh`]. Between ranks of one machine the mesh uses Unix-domain sockets,
-//! and ring neighbours exchange data through shared memory ([`shm`]).
+//! and ring neighbours exchange data through shared memory. A lost peer is noted in the
+//! launcher's error file ([`error_file`]).
 
-pub(crate) mod conn;
-pub(crate) mod connect;
-pub(crate) mod mesh;
-#[cfg(target_os = "linux")]
-pub(crate) mod shm;
-
-use super::algorithms::{broadcast, consensus, ring, Links};
-use super::communicator::{Call, Communicator, Connected, GroupPath};
-use super::host_buf::{with_bytes, HostBuf};
-use super::join::{join, Joined};
-use super::options::InitOptions;
-use super::rendezvous::Rendezvous;
-use super::store::Store;
-use super::work::Finished;
-use super::ReduceOp;
+use crate::distributed::algorithms::{broadcast, consensus, ring, Links};
+use crate::distributed::communicator::{Call, Communicator, Connected};
+use crate::distributed::config::InitConfig;
+use crate::distributed::error_file;
+use crate::distributed::rendezvous::world::{join_world, MeshContext};
+use crate::distributed::rendezvous::GroupPath;
+use crate::distributed::rendezvous::Rendezvous;
+use crate::distributed::transport::host_buf::{with_bytes, HostBuf};
+use crate::distributed::transport::mesh::Mesh;
+use crate::distributed::work::Finished;
+use crate::distributed::ReduceOp;
 use crate::error::Result;
 use candle_core::{Shape, Tensor};
-use connect::{connect_mesh, Identity};
-pub(crate) use mesh::Mesh;
-use mesh::MeshOptions;
-use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-/// What it takes to connect a mesh of this job: for the world group, and again for every group
-/// made from it.
-#[derive(Clone)]
-pub(crate) struct MeshContext {
-    pub store_addr: SocketAddr,
-    /// The interface that reaches the master, where peers reach this rank too.
-    pub local_ip: IpAddr,
-    pub options: InitOptions,
-    /// The job's id (the world group's).
-    pub job: u64,
-    /// This rank in the world group, which names it to the store.
-    pub world_rank: usize,
-}
-
-impl MeshContext {
-    /// Connects `rank` of the `world` ranks of group `path` through `store`.
-    pub fn connect(
-        &self,
-        store: &Store,
-        path: &GroupPath,
-        rank: usize,
-        world: usize,
-    ) -> Result<Mesh> {
-        let prefix = path.store_prefix();
-        let me = Identity {
-            rank,
-            world,
-            token: &self.options.token,
-            job: path.id_within(self.job),
-            unix: self.options.unix_sockets,
-            shm: self.options.shared_memory,
-            prefix: &prefix,
-        };
-        let mesh_options = MeshOptions {
-            timeout: self.options.timeout,
-            peer_timeout: self.options.peer_timeout,
-        };
-        connect_mesh(
-            store,
-            self.local_ip,
-            &me,
-            self.options.rendezvous_timeout,
-            mesh_options,
-        )
-    }
-
-    /// Connects this rank as `rank` of the `world` ranks of group `path`: the group's own
-    /// store connection (so that another group's long store waits never delay this one's) and
-    /// its mesh.
-    pub fn connect_group(
-        &self,
-        rank: usize,
-        world: usize,
-        path: &GroupPath,
-    ) -> Result<(Arc<Store>, Mesh)> {
-        let store = Arc::new(Store::connect(
-            self.store_addr,
-            &self.options.token,
-            self.world_rank,
-            self.options.rendezvous_timeout,
-        )?);
-        let mesh = self.connect(&store, path, rank, world)?;
-        Ok((store, mesh))
-    }
-}
-
-/// Joins the job described by `r` and connects the world group's mesh, which every backend
-/// stands on (TCP carries its data over it; NCCL its agreement and failure detection). A rank
-/// that cannot connect tells the others through the store.
-pub(crate) fn join_world(
-    r: &Rendezvous,
-    options: &InitOptions,
-) -> Result<(Joined, MeshContext, Mesh)> {
-    let joined = join(r, options)?;
-    let context = MeshContext {
-        store_addr: joined.store.addr(),
-        local_ip: joined.store.local_addr().ip(),
-        options: options.clone(),
-        job: joined.job,
-        world_rank: r.rank,
-    };
-    let mesh = context
-        .connect(&joined.store, &GroupPath::default(), r.rank, r.world_size)
-        .inspect_err(|e| {
-            joined
-                .store
-                .abort(&format!("rank {} could not join: {e}", r.rank))
-        })?;
-    Ok((joined, context, mesh))
-}
-
 /// Joins the job described by `r` and connects its TCP group.
-pub(crate) fn connect(r: &Rendezvous, options: &InitOptions) -> Result<Connected> {
-    let (joined, context, mesh) = join_world(r, options)?;
+pub(crate) fn connect(r: &Rendezvous, options: &InitConfig) -> Result<Connected> {
+    let (joined, context, mesh) = join_world(r, options, Arc::new(error_file::note_loss))?;
     Ok(Connected {
-        comm: Box::new(TcpComm { mesh, context }),
+        comm: Box::new(HostComm { mesh, context }),
         store: Some(joined.store),
         server: joined.server,
     })
 }
 
-pub(crate) struct TcpComm {
+pub(crate) struct HostComm {
     mesh: Mesh,
     context: MeshContext,
 }
 
-impl Communicator for TcpComm {
+impl Communicator for HostComm {
     fn all_reduce(&self, call: Call, ts: &[Tensor], op: ReduceOp) -> Result<Finished<Vec<Tensor>>> {
         consensus::check(&self.mesh, call.seq, &call.desc)?;
         let Some(first) = ts.first() else {
@@ -229,7 +132,7 @@ impl Communicator for TcpComm {
         };
         let (store, mesh) = self.context.connect_group(rank, members.len(), path)?;
         Ok(Some(Connected {
-            comm: Box::new(TcpComm {
+            comm: Box::new(HostComm {
                 mesh,
                 context: self.context.clone(),
             }),

@@ -1,11 +1,11 @@
 //! Watching the peers: the thread reading each connection (which notices a peer's loss) and
 //! the heartbeat thread (which keeps connections audible and notices silent peers).
 
-use super::failure::Broken;
-use super::socket::Frame;
-use super::MeshState;
-use crate::distributed::tcp::conn::Conn;
-use crate::distributed::wire::{encode_header, read_header, FrameKind, Tag};
+use super::broken::Broken;
+use super::peer::Frame;
+use super::state::MeshState;
+use crate::distributed::transport::conn::Conn;
+use crate::distributed::transport::wire::{encode_header, read_header, FrameKind, Tag};
 use crate::util::sync::lock;
 use std::io::{BufReader, Read, Write};
 use std::sync::atomic::Ordering;
@@ -42,7 +42,7 @@ impl MeshState {
                 FrameKind::Abort => {
                     let reason = Broken::decode(&payload, peer);
                     if st.broken.is_none() {
-                        crate::distributed::error_file::note_loss(reason.lost.or(Some(peer)));
+                        (self.on_lost)(reason.lost.or(Some(peer)));
                     }
                     st.broken.get_or_insert(reason);
                 }
@@ -157,7 +157,7 @@ impl MeshState {
             }
             let now = self.now_ms();
             let header = encode_header(Tag::control(FrameKind::Heartbeat), 0);
-            for w in self.writers.iter().flatten() {
+            for w in self.writers() {
                 if now.saturating_sub(w.last_sent_ms.load(Ordering::Relaxed))
                     >= interval.as_millis() as u64
                 {

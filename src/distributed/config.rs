@@ -1,4 +1,4 @@
-//! How a process group is made: the backend and the timeouts ([`InitOptions`]).
+//! How a process group is made: the backend and the timeouts ([`InitConfig`]).
 
 use crate::error::{Error, Result};
 use std::fmt;
@@ -27,10 +27,10 @@ impl fmt::Display for Backend {
 }
 
 /// Timeouts and choices for creating a process group. `Default` reads nothing from the
-/// environment; [`InitOptions::from_env`] reads `CANDLE_PARALLEL_*` variables (the job token
+/// environment; [`InitConfig::from_env`] reads `CANDLE_PARALLEL_*` variables (the job token
 /// among them).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InitOptions {
+pub struct InitConfig {
     /// The backend; `None` picks NCCL for CUDA devices (with the `nccl` feature), else TCP.
     pub backend: Option<Backend>,
     /// The longest a collective waits for a live peer (PyTorch's default: 30 minutes).
@@ -44,15 +44,19 @@ pub struct InitOptions {
     pub token: String,
     /// Let ranks on the same machine talk over Unix-domain sockets, about twice as fast as TCP
     /// over loopback (default true; `CANDLE_PARALLEL_UNIX_SOCKETS=0` turns it off in
-    /// [`InitOptions::from_env`]). Only the TCP backend (and NCCL's control links) use it.
+    /// [`InitConfig::from_env`]). Only the TCP backend (and NCCL's control links) use it.
     pub unix_sockets: bool,
     /// Let neighbouring ranks on the same machine exchange collective data through shared
     /// memory instead of sockets (default true, Linux; needs `unix_sockets`;
-    /// `CANDLE_PARALLEL_SHM=0` turns it off in [`InitOptions::from_env`]).
+    /// `CANDLE_PARALLEL_SHM=0` turns it off in [`InitConfig::from_env`]).
     pub shared_memory: bool,
 }
 
-impl Default for InitOptions {
+/// The former name of [`InitConfig`].
+#[deprecated(since = "0.1.0", note = "renamed `InitConfig`")]
+pub type InitOptions = InitConfig;
+
+impl Default for InitConfig {
     fn default() -> Self {
         Self {
             backend: None,
@@ -69,7 +73,7 @@ impl Default for InitOptions {
 /// The environment variable carrying the job token, set by `candle-run`.
 pub const TOKEN_VAR: &str = "CANDLE_PARALLEL_TOKEN";
 
-impl InitOptions {
+impl InitConfig {
     /// The defaults, with what the environment sets:
     ///
     /// | variable | sets | values |
@@ -87,7 +91,7 @@ impl InitOptions {
         Self::from_vars(|name| std::env::var(name).ok())
     }
 
-    /// As [`InitOptions::from_env`], reading variables through `get`.
+    /// As [`InitConfig::from_env`], reading variables through `get`.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let bad = |name: &str, value: &str, want: &str| Error::Config {
             what: format!("environment variable {name}"),
@@ -151,7 +155,7 @@ mod tests {
 
     #[test]
     fn the_environment_sets_the_options_and_bad_values_are_named() {
-        let o = InitOptions::from_vars(vars(&[
+        let o = InitConfig::from_vars(vars(&[
             ("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT", "2.5"),
             ("CANDLE_PARALLEL_BACKEND", "tcp"),
             ("CANDLE_PARALLEL_SHM", "0"),
@@ -163,8 +167,8 @@ mod tests {
         assert!(!o.shared_memory && o.unix_sockets);
         assert_eq!(o.token, "t");
         assert_eq!(
-            InitOptions::from_vars(vars(&[])).unwrap(),
-            InitOptions::default()
+            InitConfig::from_vars(vars(&[])).unwrap(),
+            InitConfig::default()
         );
         for (name, value) in [
             ("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT", "soon"),
@@ -172,7 +176,7 @@ mod tests {
             ("CANDLE_PARALLEL_BACKEND", "gloo"),
             ("CANDLE_PARALLEL_UNIX_SOCKETS", "yes"),
         ] {
-            let err = InitOptions::from_vars(vars(&[(name, value)]))
+            let err = InitConfig::from_vars(vars(&[(name, value)]))
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(name) && err.contains(value), "{err}");

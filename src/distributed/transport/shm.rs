@@ -12,7 +12,7 @@
 
 #![cfg(target_os = "linux")]
 
-use crate::distributed::wire::{FrameKind, Tag};
+use crate::distributed::transport::wire::{FrameKind, Tag};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -371,7 +371,7 @@ pub(crate) fn recv_fd(stream: &UnixStream) -> std::io::Result<(u8, Option<OwnedF
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::distributed::algorithms::data;
+    use crate::distributed::transport::wire::data;
 
     #[test]
     fn frames_cross_between_two_mappings_of_a_passed_descriptor_in_any_order() {

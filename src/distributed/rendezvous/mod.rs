@@ -1,5 +1,21 @@
-//! Where to meet: a rank's place in the job and the master's address, from torchrun's or
-//! Slurm's environment, a `tcp://` address, or explicit values.
+//! The rendezvous: how the ranks of a job find each other.
+//!
+//! - [`Rendezvous`] (here) says where to meet: a rank's place in the job and the master's
+//!   address, from torchrun's or Slurm's environment, a `tcp://` address, or explicit values;
+//! - [`store`]: the key-value store rank 0 hosts, where the ranks meet;
+//! - `join`: hosting or reaching the store, claiming a rank, agreeing on the job;
+//! - `connect`: forming a group's mesh through the store;
+//! - `group_path`: the name that keys a group's entries in the store and its connections;
+//! - `world`: joining the job and connecting the world group's mesh, and the context that
+//!   connects every later group's.
+
+pub(crate) mod connect;
+pub(crate) mod group_path;
+pub(crate) mod join;
+pub mod store;
+pub(crate) mod world;
+
+pub(crate) use group_path::GroupPath;
 
 use crate::error::{Error, Result};
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -263,8 +279,8 @@ pub(crate) fn first_slurm_host(list: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::options::test_vars as vars;
     use super::*;
+    use crate::distributed::config::test_vars as vars;
 
     #[test]
     fn torchrun_variables_are_read() {

@@ -7,11 +7,12 @@
 //!   (candle's stream, as seen from the issuing thread), and the communication stream waits
 //!   for it before NCCL reads them: the collective sees every kernel launched before the call,
 //!   and none launched after it has to wait;
-//! - outputs are allocated on the communication stream, and [`Work::wait`](super::Work::wait)
-//!   makes the consumer's stream wait for an event recorded after the NCCL call: kernels
-//!   launched afterwards read the result, and the host never waits for the GPU. (cudarc's
-//!   per-buffer events, active once the communication stream exists, order later uses and the
-//!   frees of inputs and outputs across the two streams as well.)
+//! - outputs are allocated on the communication stream, and
+//!   [`Work::wait`](crate::distributed::Work::wait) makes the consumer's stream wait for an
+//!   event recorded after the NCCL call: kernels launched afterwards read the result, and the
+//!   host never waits for the GPU. (cudarc's per-buffer events, active once the communication
+//!   stream exists, order later uses and the frees of inputs and outputs across the two
+//!   streams as well.)
 //!
 //! So compute on candle's stream overlaps communication on the group's stream. Every group has
 //! a stream of its own: two groups' collectives, issued from two threads in any order, never
@@ -26,15 +27,17 @@
 //! We hold the raw communicator rather than cudarc's `Comm`, which keeps it private: the
 //! watchdog needs it to call `ncclCommAbort` from its own thread.
 
-use super::algorithms::consensus;
-use super::algorithms::Links;
-use super::communicator::{Call, Communicator, Connected, GroupPath, IssueMark};
-use super::options::InitOptions;
-use super::rendezvous::Rendezvous;
-use super::tcp::mesh::Broken;
-use super::tcp::{join_world, Mesh, MeshContext};
-use super::work::{DeviceCompletion, Finished};
-use super::ReduceOp;
+use crate::distributed::algorithms::consensus;
+use crate::distributed::algorithms::Links;
+use crate::distributed::communicator::{Call, Communicator, Connected, IssueMark};
+use crate::distributed::config::InitConfig;
+use crate::distributed::error_file;
+use crate::distributed::rendezvous::world::{join_world, MeshContext};
+use crate::distributed::rendezvous::GroupPath;
+use crate::distributed::rendezvous::Rendezvous;
+use crate::distributed::transport::mesh::{Broken, Mesh};
+use crate::distributed::work::{DeviceCompletion, Finished};
+use crate::distributed::ReduceOp;
 use crate::error::{device_name, Error, Result};
 use crate::util::sync::lock;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -554,7 +557,7 @@ fn watchdog(shared: &Shared, mesh: &Mesh, stop: &AtomicBool) {
 }
 
 /// Joins the job described by `r` and connects its NCCL group on `device`, one GPU per rank.
-pub(crate) fn connect(r: &Rendezvous, device: &Device, options: &InitOptions) -> Result<Connected> {
+pub(crate) fn connect(r: &Rendezvous, device: &Device, options: &InitConfig) -> Result<Connected> {
     let Device::Cuda(cuda) = device else {
         return Err(Error::Config {
             what: "backend".into(),
@@ -564,7 +567,7 @@ pub(crate) fn connect(r: &Rendezvous, device: &Device, options: &InitOptions) ->
             ),
         });
     };
-    let (joined, context, mesh) = join_world(r, options)?;
+    let (joined, context, mesh) = join_world(r, options, Arc::new(error_file::note_loss))?;
     let id = if r.rank == 0 {
         let id = result::get_uniqueid().map_err(|e| Error::Nccl {
             op: "ncclGetUniqueId",

@@ -2,28 +2,13 @@
 //! part, length) and its payload; the reader threads (see `watch`) put each peer's frames in
 //! its inbox, where a receiver takes them by tag.
 
-use super::failure::Broken;
-use super::{MeshState, State};
-use crate::distributed::tcp::conn::Conn;
-use crate::distributed::wire::{encode_header, Tag};
+use super::broken::Broken;
+use super::state::{MeshState, State};
+use crate::distributed::transport::wire::{encode_header, Tag};
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
 use std::io::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-
-/// A frame read from a peer, waiting in its inbox.
-pub(super) struct Frame {
-    pub tag: Tag,
-    pub payload: Vec<u8>,
-}
-
-/// The writing end of the connection to one peer.
-pub(super) struct PeerWriter {
-    pub stream: Mutex<Conn>,
-    /// When this rank last wrote to the peer, in ms since the mesh's epoch (for heartbeats).
-    pub last_sent_ms: AtomicU64,
-}
+use std::sync::atomic::Ordering;
 
 /// Payloads up to this size go out in one write with their header.
 const COALESCE: usize = 16 << 10;
@@ -34,8 +19,9 @@ impl MeshState {
         if let Some(b) = &lock(&self.state).broken {
             return Err(b.error());
         }
-        let writer = self.writers[peer]
+        let writer = self.peers[peer]
             .as_ref()
+            .map(|p| &p.writer)
             .ok_or_else(|| Error::InvalidArgument {
                 what: "peer rank",
                 detail: format!("rank {peer} is this rank or outside the group"),

@@ -1,0 +1,110 @@
+//! The world of a job: joining it and connecting its mesh ([`join_world`]), and what it takes
+//! to connect the mesh of every group made from it later ([`MeshContext`]).
+
+use super::connect::{connect_mesh, Identity};
+use super::group_path::GroupPath;
+use super::join::{join, Joined};
+use super::store::Store;
+use super::Rendezvous;
+use crate::distributed::config::InitConfig;
+use crate::distributed::transport::mesh::{Mesh, MeshOptions, OnLost};
+use crate::error::Result;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+/// What it takes to connect a mesh of this job: for the world group, and again for every group
+/// made from it.
+#[derive(Clone)]
+pub(crate) struct MeshContext {
+    pub store_addr: SocketAddr,
+    /// The interface that reaches the master, where peers reach this rank too.
+    pub local_ip: IpAddr,
+    pub options: InitConfig,
+    /// The job's id (the world group's).
+    pub job: u64,
+    /// This rank in the world group, which names it to the store.
+    pub world_rank: usize,
+    /// What the backend does when a mesh of this job loses a peer.
+    pub on_lost: OnLost,
+}
+
+impl MeshContext {
+    /// Connects `rank` of the `world` ranks of group `path` through `store`.
+    pub fn connect(
+        &self,
+        store: &Store,
+        path: &GroupPath,
+        rank: usize,
+        world: usize,
+    ) -> Result<Mesh> {
+        let prefix = path.store_prefix();
+        let me = Identity {
+            rank,
+            world,
+            token: &self.options.token,
+            job: path.id_within(self.job),
+            unix: self.options.unix_sockets,
+            shm: self.options.shared_memory,
+            prefix: &prefix,
+        };
+        let mesh_options = MeshOptions {
+            timeout: self.options.timeout,
+            peer_timeout: self.options.peer_timeout,
+        };
+        connect_mesh(
+            store,
+            self.local_ip,
+            &me,
+            self.options.rendezvous_timeout,
+            mesh_options,
+            self.on_lost.clone(),
+        )
+    }
+
+    /// Connects this rank as `rank` of the `world` ranks of group `path`: the group's own
+    /// store connection (so that another group's long store waits never delay this one's) and
+    /// its mesh.
+    pub fn connect_group(
+        &self,
+        rank: usize,
+        world: usize,
+        path: &GroupPath,
+    ) -> Result<(Arc<Store>, Mesh)> {
+        let store = Arc::new(Store::connect(
+            self.store_addr,
+            &self.options.token,
+            self.world_rank,
+            self.options.rendezvous_timeout,
+        )?);
+        let mesh = self.connect(&store, path, rank, world)?;
+        Ok((store, mesh))
+    }
+}
+
+/// Joins the job described by `r` and connects the world group's mesh, which the socket
+/// backends stand on (the host backend carries its data over it; NCCL its agreement and
+/// failure detection). A rank that cannot connect tells the others through the store. Every
+/// mesh of the job reports a lost peer to `on_lost`.
+pub(crate) fn join_world(
+    r: &Rendezvous,
+    options: &InitConfig,
+    on_lost: OnLost,
+) -> Result<(Joined, MeshContext, Mesh)> {
+    let joined = join(r, options)?;
+    let context = MeshContext {
+        store_addr: joined.store.addr(),
+        local_ip: joined.store.local_addr().ip(),
+        options: options.clone(),
+        job: joined.job,
+        world_rank: r.rank,
+        on_lost,
+    };
+    let mesh = context
+        .connect(&joined.store, &GroupPath::default(), r.rank, r.world_size)
+        .inspect_err(|e| {
+            joined
+                .store
+                .abort(&format!("rank {} could not join: {e}", r.rank))
+        })?;
+    Ok((joined, context, mesh))
+}

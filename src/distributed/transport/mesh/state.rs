@@ -1,0 +1,52 @@
+//! A mesh's state, which its handle, its threads and its collectives share: the channel to
+//! each peer, and under one lock the peers' inboxes, whether they were seen or left, and why
+//! the mesh broke.
+
+use super::broken::Broken;
+use super::options::{MeshOptions, OnLost};
+use super::peer::{Frame, Peer, PeerWriter};
+use super::shm_link::ShmLink;
+use std::collections::VecDeque;
+use std::sync::{Condvar, Mutex};
+use std::time::Instant;
+
+/// What the peers' threads and the collectives share, under one lock.
+pub(super) struct State {
+    pub(super) inbox: Vec<VecDeque<Frame>>,
+    pub(super) last_seen: Vec<Instant>,
+    pub(super) departed: Vec<bool>,
+    pub(super) broken: Option<Broken>,
+    pub(super) closing: bool,
+    /// Payload buffers for the reader threads to reuse.
+    pub(super) pool: Vec<Vec<u8>>,
+}
+
+/// A mesh's state, shared by its handle and its threads.
+pub(super) struct MeshState {
+    pub(super) rank: usize,
+    pub(super) world: usize,
+    /// The channel to each peer (`None` for this rank).
+    pub(super) peers: Vec<Option<Peer>>,
+    pub(super) options: MeshOptions,
+    pub(super) on_lost: OnLost,
+    pub(super) epoch: Instant,
+    pub(super) state: Mutex<State>,
+    pub(super) changed: Condvar,
+    pub(super) stop: (Mutex<bool>, Condvar),
+}
+
+impl MeshState {
+    pub(super) fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// The writing end of every peer's socket.
+    pub(super) fn writers(&self) -> impl Iterator<Item = &PeerWriter> {
+        self.peers.iter().flatten().map(|p| &p.writer)
+    }
+
+    /// The shared-memory channels with `peer`, when there are.
+    pub(super) fn shm(&self, peer: usize) -> Option<&ShmLink> {
+        self.peers[peer].as_ref().and_then(|p| p.shm.as_ref())
+    }
+}
