@@ -72,6 +72,6 @@ impl candle_core::CustomOp1 for OrderedCopy {
     }
 
     fn bwd(&self, arg: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        to_device(grad, arg.device()).map(Some)
+        to_device(grad, arg.device(), false).map(Some)
     }
 }
