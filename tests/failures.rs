@@ -312,6 +312,47 @@ fn another_program_on_the_master_port_is_named_as_such_on_every_rank() {
 }
 
 #[test]
+fn a_program_on_the_master_port_that_hangs_up_at_once_is_named_as_such_within_10_s() {
+    let test = "a_program_on_the_master_port_that_hangs_up_at_once_is_named_as_such_within_10_s";
+    if is_child() {
+        let started = Instant::now();
+        let err = ProcessGroup::from_env(&Device::Cpu).unwrap_err();
+        let took = started.elapsed();
+        println!("rank 1 reports after {:.1} s: {err}", took.as_secs_f64());
+        let msg = err.to_string();
+        assert!(msg.contains("another program holds MASTER_PORT"), "{msg}");
+        assert!(msg.contains("closed"), "{msg}");
+        assert!(took < Duration::from_secs(10), "{took:?}");
+        done();
+        return;
+    }
+    // It accepts every connection and closes it without a word; our own store says "shutting
+    // down" or "busy" before it closes one.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    l.set_nonblocking(true).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let holder = std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                match l.accept() {
+                    Ok((s, _)) => drop(s),
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        }
+    });
+    // A rendezvous timeout far above the bound: the wait must end on what the holder does.
+    let mut env = rank_env(1, 2, port);
+    env.push(("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT".into(), "60".into()));
+    let out = Ranks::start(test, vec![env]).assert_all_pass(LIMIT);
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    holder.join().unwrap();
+    println!("{}", out[0]);
+}
+
+#[test]
 fn a_frozen_rank_0_once_resumed_says_that_it_itself_did_not_run() {
     let test = "a_frozen_rank_0_once_resumed_says_that_it_itself_did_not_run";
     if is_child() {
