@@ -312,6 +312,110 @@ fn another_program_on_the_master_port_is_named_as_such_on_every_rank() {
 }
 
 #[test]
+fn a_program_on_the_master_port_that_hangs_up_at_once_is_named_as_such_within_10_s() {
+    let test = "a_program_on_the_master_port_that_hangs_up_at_once_is_named_as_such_within_10_s";
+    if is_child() {
+        let started = Instant::now();
+        let err = ProcessGroup::from_env(&Device::Cpu).unwrap_err();
+        let took = started.elapsed();
+        println!("rank 1 reports after {:.1} s: {err}", took.as_secs_f64());
+        let msg = err.to_string();
+        assert!(msg.contains("another program holds MASTER_PORT"), "{msg}");
+        assert!(msg.contains("closed"), "{msg}");
+        assert!(took < Duration::from_secs(10), "{took:?}");
+        done();
+        return;
+    }
+    // It accepts every connection and closes it without a word; our own store says "shutting
+    // down" or "busy" before it closes one.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    l.set_nonblocking(true).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let holder = std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                match l.accept() {
+                    Ok((s, _)) => drop(s),
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        }
+    });
+    // A rendezvous timeout far above the bound: the wait must end on what the holder does.
+    let mut env = rank_env(1, 2, port);
+    env.push(("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT".into(), "60".into()));
+    let out = Ranks::start(test, vec![env]).assert_all_pass(LIMIT);
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    holder.join().unwrap();
+    println!("{}", out[0]);
+}
+
+#[test]
+fn a_frozen_rank_0_once_resumed_says_that_it_itself_did_not_run() {
+    let test = "a_frozen_rank_0_once_resumed_says_that_it_itself_did_not_run";
+    if is_child() {
+        let o = InitConfig {
+            peer_timeout: Duration::from_secs(3),
+            ..child_options()
+        };
+        let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o).unwrap();
+        println!("joined");
+        if pg.rank() == 0 {
+            // Stopped here by the test, then resumed.
+            std::thread::sleep(Duration::from_secs(12));
+            let err = pg.barrier().unwrap_err();
+            println!("resumed rank: {err}");
+            assert!(matches!(err, Error::Aborted { .. }), "{err}");
+            assert!(
+                err.to_string().contains("rank 0 itself did not run"),
+                "{err}"
+            );
+            done();
+            return;
+        }
+        println!("waiting");
+        let err = pg.barrier().unwrap_err();
+        println!("lost at {}", now_ms());
+        assert!(matches!(err, Error::PeerLost { rank: 0, .. }), "{err}");
+        done();
+        return;
+    }
+    let ranks = Ranks::world(test, 2);
+    ranks.wait_for(0, "joined", LIMIT);
+    ranks.wait_for(1, "waiting", LIMIT);
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = ranks.pid(0).to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    ranks.wait_for(1, "lost at ", LIMIT);
+    // Frozen well past the peer timeout (3 s), whatever the machine's load.
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(std::process::Command::new("kill")
+        .args(["-CONT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let ended = ranks.wait(LIMIT);
+    for (i, e) in ended.iter().enumerate() {
+        assert!(
+            e.status.success() && e.output.contains(DONE),
+            "rank {i}:\n{}",
+            e.output
+        );
+    }
+    let said = ended[0]
+        .output
+        .lines()
+        .find(|l| l.starts_with("resumed rank"));
+    println!("{}", said.unwrap_or_default());
+}
+
+#[test]
 fn a_rank_with_another_world_size_fails_the_others_at_once_with_its_reason() {
     let test = "a_rank_with_another_world_size_fails_the_others_at_once_with_its_reason";
     if is_child() {

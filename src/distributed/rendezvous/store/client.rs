@@ -1,8 +1,8 @@
 //! The store's client.
 
 use super::protocol::{
-    millis, put_key, put_value, ADD, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS,
-    MAX_VALUE, REFUSED_KEY, SET, SHUTTING_DOWN, TIMED_OUT, WAIT,
+    millis, put_key, put_value, worth_retrying, ADD, COMPARE_SET, DELETE, GET, HANG_UP_LIMIT,
+    HELLO_TIMEOUT, MAX_KEY, MAX_KEYS, MAX_VALUE, REFUSED_KEY, SET, TIMED_OUT, WAIT,
 };
 use crate::distributed::transport::wire::{
     self, io_err, read_bytes, read_len, read_string, Hello, NoAnswer, Purpose,
@@ -35,25 +35,63 @@ enum Attempt {
     Joined(TcpStream, BufReader<TcpStream>),
     /// Worth another try (nobody listens yet, the store is restarting or busy): why not now.
     Retry(String),
+    /// Something listens, and closed the connection without a word: worth another try for a
+    /// while (a store caught as it stops), not for long (see [`HANG_UP_LIMIT`]).
+    HungUp(String),
     /// Trying again cannot help.
     Fail(Error),
+}
+
+/// The error for a program at `addr` that is not this job's store, and `what` it did.
+fn foreign(addr: SocketAddr, what: &str) -> Error {
+    Error::Refused {
+        peer: format!("the program at {addr}"),
+        reason: format!(
+            "{what}: it is not this job's store, so another program holds MASTER_PORT (or \
+             MASTER_ADDR is wrong); pick a free port, or stop that program"
+        ),
+    }
 }
 
 impl Store {
     /// Connects to the store at `addr`, retrying until `timeout` while nobody listens yet (rank 0
     /// may start after the others), while the store of a job that just ended on this port is
     /// shutting down, and while it is busy; says every 30 s (or every quarter of `timeout`, when
-    /// shorter) that it is still waiting. `rank` only
-    /// names this client in the store's view and in messages.
+    /// shorter) that it is still waiting. A program that is not the store fails it: at once
+    /// when it answers, within [`HELLO_TIMEOUT`] when it is silent, within [`HANG_UP_LIMIT`]
+    /// when it closes every connection without a word. `rank` only names this client in the
+    /// store's view and in messages.
     pub fn connect(addr: SocketAddr, token: &str, rank: usize, timeout: Duration) -> Result<Self> {
         let started = Instant::now();
         let mut said = Duration::ZERO;
+        // Since when every attempt was closed without a word.
+        let mut hung_up_since: Option<Instant> = None;
         let (w, r) = loop {
             let left = timeout.saturating_sub(started.elapsed());
-            match Self::attempt(addr, token, rank, left, HELLO_TIMEOUT) {
+            let attempt = match Self::attempt(addr, token, rank, left, HELLO_TIMEOUT) {
+                Attempt::HungUp(why) => {
+                    let since = *hung_up_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= HANG_UP_LIMIT {
+                        return Err(foreign(
+                            addr,
+                            &format!(
+                                "it accepted every connection for {} s and closed it without \
+                                 a word ({why})",
+                                HANG_UP_LIMIT.as_secs()
+                            ),
+                        ));
+                    }
+                    Attempt::Retry(why)
+                }
+                other => {
+                    hung_up_since = None;
+                    other
+                }
+            };
+            match attempt {
                 Attempt::Joined(w, r) => break (w, r),
                 Attempt::Fail(e) => return Err(e),
-                Attempt::Retry(why) if started.elapsed() < timeout => {
+                Attempt::Retry(why) | Attempt::HungUp(why) if started.elapsed() < timeout => {
                     let waited = started.elapsed();
                     if waited >= said + progress_every(timeout) {
                         said = waited;
@@ -65,7 +103,7 @@ impl Store {
                     }
                     std::thread::sleep(Duration::from_millis(50));
                 }
-                Attempt::Retry(why) => {
+                Attempt::Retry(why) | Attempt::HungUp(why) => {
                     return Err(Error::Unreachable {
                         addr: addr.to_string(),
                         waited: timeout,
@@ -99,7 +137,7 @@ impl Store {
                     conn: Mutex::new((r, BufWriter::new(w))),
                 })
             }
-            Attempt::Retry(_) | Attempt::Fail(_) => None,
+            Attempt::Retry(_) | Attempt::HungUp(_) | Attempt::Fail(_) => None,
         }
     }
 
@@ -128,32 +166,21 @@ impl Store {
             .and_then(|()| stream.set_read_timeout(Some(hello_timeout)))
             .and_then(|()| (&stream).write_all(&hello.encode()));
         if let Err(e) = sent {
-            return Attempt::Retry(format!("the connection closed during the handshake ({e})"));
+            return Attempt::HungUp(format!("the connection closed during the handshake ({e})"));
         }
         let Ok(read_half) = stream.try_clone() else {
             return Attempt::Retry("could not use the connection".into());
         };
         let mut r = BufReader::new(read_half);
-        let foreign = |what: String| {
-            Attempt::Fail(Error::Refused {
-                peer: format!("the program at {addr}"),
-                reason: format!(
-                    "{what}: it is not this job's store, so another program holds MASTER_PORT \
-                     (or MASTER_ADDR is wrong); pick a free port, or stop that program"
-                ),
-            })
-        };
         match wire::read_reply(&mut r) {
             Ok(None) => Attempt::Joined(stream, r),
-            Ok(Some(reason)) if reason.starts_with(SHUTTING_DOWN) => Attempt::Retry(reason),
+            Ok(Some(reason)) if worth_retrying(&reason) => Attempt::Retry(reason),
             Ok(Some(reason)) => Attempt::Fail(Error::Refused {
                 peer: format!("the store at {addr}"),
                 reason,
             }),
-            Err(NoAnswer::Closed(e)) => Attempt::Retry(format!(
-                "the store closed the connection during the handshake ({e})"
-            )),
-            Err(no) => foreign(no.to_string()),
+            Err(no @ NoAnswer::Closed(_)) => Attempt::HungUp(no.to_string()),
+            Err(no) => Attempt::Fail(foreign(addr, &no.to_string())),
         }
     }
 

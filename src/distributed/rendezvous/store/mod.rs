@@ -112,6 +112,31 @@ mod tests {
     }
 
     #[test]
+    fn a_store_whose_handshakes_are_all_held_by_strangers_says_it_is_busy() {
+        use crate::distributed::transport::wire::{self, Hello, Purpose, MAX_HANDSHAKES};
+        let s = server();
+        let strangers: Vec<TcpStream> = (0..MAX_HANDSHAKES)
+            .map(|_| TcpStream::connect(s.local_addr()).unwrap())
+            .collect();
+        // Accepted after the strangers, which hold every place.
+        let mut c = TcpStream::connect(s.local_addr()).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let hello = Hello {
+            purpose: Purpose::Store,
+            token: "tok".into(),
+            job: 0,
+            from_rank: 1,
+            to_rank: 0,
+            world_size: 0,
+        };
+        c.write_all(&hello.encode()).unwrap();
+        let reason = wire::read_reply(&mut c).unwrap().expect("refused");
+        assert!(protocol::worth_retrying(&reason), "{reason}");
+        assert!(reason.contains("busy"), "{reason}");
+        drop(strangers);
+    }
+
+    #[test]
     fn binding_a_used_port_says_so() {
         let s = server();
         let err = StoreServer::bind(s.local_addr(), "t")

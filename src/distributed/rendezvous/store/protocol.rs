@@ -12,6 +12,22 @@ pub(crate) const REFUSED_KEY: &str = "refused";
 /// The refusal a client retries: the store is going away, the next job's is coming.
 pub(crate) const SHUTTING_DOWN: &str = "the store at this address is shutting down";
 
+/// The refusal a client retries: strangers hold every place for a handshake just now.
+pub(crate) const BUSY: &str =
+    "the store at this address is busy with other connections' handshakes";
+
+/// How long a client retries a program that accepts its connections and closes them without
+/// a word. The store always answers before it closes (accepted, refused, [`SHUTTING_DOWN`],
+/// [`BUSY`]); only a connection caught as the store stops (or one it has no thread for) is
+/// closed unanswered, and the next one is then refused. So a run of such closes this long is
+/// another program's doing.
+pub(crate) const HANG_UP_LIMIT: Duration = Duration::from_secs(5);
+
+/// Whether a client should try again after the store refused it for `reason`.
+pub(crate) fn worth_retrying(reason: &str) -> bool {
+    reason.starts_with(SHUTTING_DOWN) || reason.starts_with(BUSY)
+}
+
 pub(crate) const MAX_KEY: usize = 4096;
 pub(crate) const MAX_VALUE: usize = 64 << 20;
 pub(crate) const MAX_KEYS: usize = 1 << 16;

@@ -1,8 +1,8 @@
 //! The store's server: a thread accepting connections and one thread per client.
 
 use super::protocol::{
-    ADD, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS, MAX_VALUE, OK, REFUSED_KEY,
-    SET, SHUTTING_DOWN, TIMED_OUT, WAIT,
+    ADD, BUSY, COMPARE_SET, DELETE, GET, HELLO_TIMEOUT, MAX_KEY, MAX_KEYS, MAX_VALUE, OK,
+    REFUSED_KEY, SET, SHUTTING_DOWN, TIMED_OUT, WAIT,
 };
 use crate::distributed::transport::wire::{
     self, io_err, put_bytes, read_bytes, read_len, read_string, Deadline, HandshakeSlot,
@@ -127,7 +127,7 @@ fn accept_loop(
             Ok((stream, _)) => {
                 // Strangers that never finish their hello hold at most this many places.
                 let Some(slot) = shared.handshakes.take() else {
-                    let _ = stream.shutdown(Shutdown::Both);
+                    turn_away(&stream);
                     continue;
                 };
                 let Ok(clone) = stream.try_clone() else {
@@ -150,6 +150,19 @@ fn accept_loop(
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
         }
     }
+}
+
+/// Tells a connection that the store is busy (it retries), without waiting on it: this runs on
+/// the accepting thread. Its hello, when already here, is read first, so that closing does not
+/// reset the connection and lose the answer.
+fn turn_away(stream: &TcpStream) {
+    if stream.set_nonblocking(true).is_err() {
+        return;
+    }
+    let mut buf = [0u8; 4096];
+    let _ = (&*stream).read(&mut buf);
+    let _ = wire::write_reply(&mut &*stream, Some(BUSY));
+    let _ = stream.shutdown(Shutdown::Write);
 }
 
 /// Serves one client until it disconnects. Strangers are refused and dropped. When a client

@@ -107,6 +107,7 @@ impl Mesh {
             }),
             changed: Condvar::new(),
             stop: (Mutex::new(false), Condvar::new()),
+            last_ran_ms: AtomicU64::new(0),
         });
         let mut threads = Vec::new();
         for (peer, stream) in readers {

@@ -7,8 +7,9 @@ use super::options::{MeshOptions, OnLost};
 use super::peer::{Frame, Peer, PeerWriter};
 use super::shm_link::ShmLink;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// What the peers' threads and the collectives share, under one lock.
 pub(super) struct State {
@@ -33,11 +34,39 @@ pub(super) struct MeshState {
     pub(super) state: Mutex<State>,
     pub(super) changed: Condvar,
     pub(super) stop: (Mutex<bool>, Condvar),
+    /// When the heartbeat thread last ran (ms since `epoch`): a process that did not run for
+    /// longer than the peer timeout was counted lost by its peers, whatever it notices first.
+    pub(super) last_ran_ms: AtomicU64,
 }
 
 impl MeshState {
     pub(super) fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// How long ago the heartbeat thread last ran.
+    pub(super) fn ran_ago(&self) -> Duration {
+        Duration::from_millis(
+            self.now_ms()
+                .saturating_sub(self.last_ran_ms.load(Ordering::SeqCst)),
+        )
+    }
+
+    /// Why the mesh broke when this process itself did not run for longer than the peer
+    /// timeout (stopped, frozen, starved): its peers count it as lost, so a loss it notices on
+    /// resuming (a peer's abort naming it, a peer gone meanwhile) is its own doing.
+    pub(super) fn did_not_run(&self) -> Option<Broken> {
+        let gap = self.ran_ago();
+        (gap > self.options.peer_timeout).then(|| Broken {
+            lost: None,
+            detail: format!(
+                "rank {} itself did not run for {:.1} s (stopped, frozen or starved of CPU), \
+                 longer than the peer timeout of {:?}: its peers count it as lost",
+                self.rank,
+                gap.as_secs_f64(),
+                self.options.peer_timeout
+            ),
+        })
     }
 
     /// The writing end of every peer's socket.

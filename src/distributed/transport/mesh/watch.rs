@@ -40,9 +40,16 @@ impl MeshState {
                     st.pool.push(payload);
                 }
                 FrameKind::Abort => {
-                    let reason = Broken::decode(&payload, peer);
+                    let (reason, lost) = match self.did_not_run() {
+                        Some(own) => (own, None),
+                        None => {
+                            let reason = Broken::decode(&payload, peer);
+                            let lost = reason.lost.or(Some(peer));
+                            (reason, lost)
+                        }
+                    };
                     if st.broken.is_none() {
-                        (self.on_lost)(reason.lost.or(Some(peer)));
+                        (self.on_lost)(lost);
                     }
                     st.broken.get_or_insert(reason);
                 }
@@ -78,10 +85,10 @@ impl MeshState {
             }
             _ => format!("reading from it failed: {error}"),
         };
-        self.fail(Broken {
+        self.fail(self.did_not_run().unwrap_or(Broken {
             lost: Some(peer),
             detail,
-        });
+        }));
     }
 
     /// Sends heartbeats to quiet connections and declares silent peers lost, within
@@ -94,7 +101,6 @@ impl MeshState {
             .clamp(Duration::from_millis(20), Duration::from_secs(5));
         let (stop, cv) = &self.stop;
         let mut stopped = lock(stop);
-        let mut last_tick = Instant::now();
         loop {
             // Checked under the lock before every wait: a stop set before this thread first
             // waits must not be missed.
@@ -109,22 +115,15 @@ impl MeshState {
             if *stopped {
                 return;
             }
-            let now = Instant::now();
-            let gap = now - last_tick;
-            last_tick = now;
-            if gap > self.options.peer_timeout {
-                self.fail(Broken {
-                    lost: None,
-                    detail: format!(
-                        "rank {} itself did not run for {:.1} s (stopped, frozen or starved of \
-                         CPU), longer than the peer timeout of {:?}: its peers count it as lost",
-                        self.rank,
-                        gap.as_secs_f64(),
-                        self.options.peer_timeout
-                    ),
-                });
+            // Checked before this tick counts as running: the reader threads, woken with this
+            // one, then blame this process too.
+            if let Some(own) = self.did_not_run() {
+                self.fail(own);
                 return;
             }
+            let gap = self.ran_ago();
+            self.last_ran_ms.store(self.now_ms(), Ordering::SeqCst);
+            let now = Instant::now();
             if gap > wait + interval {
                 // This process was held up for a while: the peers' frames may wait unread in
                 // the sockets. Give them the time this process lost.
