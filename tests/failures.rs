@@ -449,3 +449,70 @@ fn a_rank_with_the_wrong_token_is_refused_and_named_by_the_rank_that_waited_for_
     envs[1].push(("CANDLE_PARALLEL_TOKEN".into(), "another-job".into()));
     Ranks::start(test, envs).assert_all_pass(LIMIT);
 }
+
+/// The address a rank published in the store, field by field ("tcp=", "unix=").
+fn published(store: &Store, rank: usize, field: &str) -> Option<String> {
+    let value = store.get(&format!("addr/{rank}"), LIMIT).unwrap();
+    String::from_utf8(value)
+        .unwrap()
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix(field).map(str::to_string))
+}
+
+#[test]
+fn idle_strangers_on_the_peer_listeners_never_keep_a_rank_out() {
+    let test = "idle_strangers_on_the_peer_listeners_never_keep_a_rank_out";
+    if is_child() {
+        let started = Instant::now();
+        let pg = join_child();
+        println!("joined in {} ms", started.elapsed().as_millis());
+        let y = pg
+            .all_reduce(&Tensor::new(&[1f32], &Device::Cpu).unwrap(), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(y.to_vec1::<f32>().unwrap(), [3.0]);
+        done();
+        return;
+    }
+    let port = common::free_port();
+    let first = Ranks::start(test, vec![rank_env(0, 3, port), rank_env(1, 3, port)]);
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let store = Store::connect(addr, &format!("test-token-{port}"), 9, LIMIT).unwrap();
+    // More idle strangers than a listener has handshake places, on both of its sockets.
+    let mut tcp = Vec::new();
+    #[cfg(target_os = "linux")]
+    let mut unix = Vec::new();
+    for rank in 0..2 {
+        let at = published(&store, rank, "tcp=").unwrap();
+        tcp.extend((0..50).filter_map(|_| TcpStream::connect(&at).ok()));
+        #[cfg(target_os = "linux")]
+        if let Some(name) = published(&store, rank, "unix=") {
+            use std::os::linux::net::SocketAddrExt;
+            let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+            unix.extend(
+                (0..50).filter_map(|_| std::os::unix::net::UnixStream::connect_addr(&a).ok()),
+            );
+        }
+    }
+    let second = Ranks::start(test, vec![rank_env(2, 3, port)]);
+    let mut ended = first.wait(Duration::from_secs(60));
+    ended.extend(second.wait(Duration::from_secs(60)));
+    for (i, e) in ended.iter().enumerate() {
+        assert!(
+            e.status.success() && e.output.contains(DONE),
+            "rank {i} failed ({}):\n{}",
+            e.status,
+            e.output
+        );
+    }
+    // Rank 2 gets in at once, not once the strangers' handshakes time out (10 s).
+    let ms: u64 = ended[2]
+        .output
+        .split("joined in ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap();
+    eprintln!("rank 2 joined in {ms} ms");
+    assert!(ms < 9000, "rank 2 took {ms} ms to join");
+    drop((tcp, store));
+}

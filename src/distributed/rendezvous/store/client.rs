@@ -24,6 +24,15 @@ pub struct Store {
 /// The key where a rank that cannot go on writes why, for the others.
 pub(crate) const ABORT_KEY: &str = "abort";
 
+/// "rank 1" or "ranks 1, 2", for messages.
+pub(crate) fn ranks_named(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    match list.len() {
+        1 => format!("rank {}", list[0]),
+        _ => format!("ranks {}", list.join(", ")),
+    }
+}
+
 /// How often a waiting rank says that it is still waiting: every 30 s, or four times in the
 /// whole wait when that is shorter.
 fn progress_every(timeout: Duration) -> Duration {
@@ -296,11 +305,10 @@ impl Store {
             }
             if waited >= said + progress_every(timeout) {
                 said = waited;
-                let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
                 log::info!(
-                    "rank {me} is still waiting for ranks {} to join, {} s so far; \
+                    "rank {me} is still waiting for {} to join, {} s so far; \
                      the rendezvous timeout is {} s{}",
-                    list.join(", "),
+                    ranks_named(&ranks),
                     waited.as_secs(),
                     timeout.as_secs(),
                     self.refusal_note()
