@@ -516,3 +516,42 @@ fn idle_strangers_on_the_peer_listeners_never_keep_a_rank_out() {
     assert!(ms < 9000, "rank 2 took {ms} ms to join");
     drop((tcp, store));
 }
+
+#[test]
+fn a_rank_killed_after_publishing_its_address_is_named_by_rank_0_within_seconds() {
+    let test = "a_rank_killed_after_publishing_its_address_is_named_by_rank_0_within_seconds";
+    if is_child() {
+        if Rendezvous::from_env().unwrap().rank == 1 {
+            let _ = join_child();
+            return;
+        }
+        let err = ProcessGroup::new(
+            &Rendezvous::from_env().unwrap(),
+            &Device::Cpu,
+            child_options(),
+        )
+        .unwrap_err()
+        .to_string();
+        println!("rank 0: {err}");
+        assert!(err.contains("rank 1 left during the rendezvous"), "{err}");
+        done();
+        return;
+    }
+    let port = common::free_port();
+    let mut ranks = Ranks::start(test, vec![rank_env(0, 3, port), rank_env(1, 3, port)]);
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let store = Store::connect(addr, &format!("test-token-{port}"), 9, LIMIT).unwrap();
+    published(&store, 1, "tcp=");
+    drop(store);
+    let killed = Instant::now();
+    ranks.kill(1);
+    let ended = ranks.wait(LIMIT);
+    let took = killed.elapsed();
+    assert!(
+        ended[0].status.success() && ended[0].output.contains(DONE),
+        "rank 0:\n{}",
+        ended[0].output
+    );
+    eprintln!("rank 0 reported in {took:?}:\n{}", ended[0].output);
+    assert!(took < Duration::from_secs(10), "rank 0 took {took:?}");
+}

@@ -20,6 +20,9 @@ use std::time::{Duration, Instant};
 /// How long a connecting peer may take to say hello or answer one.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How often a rank forming its mesh checks that the ranks it waits for are still there.
+const WATCH_EVERY: Duration = Duration::from_millis(100);
+
 /// Who this rank is, for forming its mesh.
 pub(crate) struct Identity<'a> {
     pub rank: usize,
@@ -53,7 +56,11 @@ pub(crate) fn connect_mesh(
     let key = |r: usize| format!("{}addr/{r}", me.prefix);
     store.set(&key(rank), addr.as_bytes())?;
     let keys: Vec<(usize, String)> = (0..world).map(|r| (r, key(r))).collect();
-    let missing = store.wait_for_ranks(&keys, rank, rendezvous_timeout)?;
+    // Until the world's mesh forms, any other rank leaving means it cannot form. (The store's
+    // `gone/<rank>` keys name world ranks: a later group's wait watches as before.)
+    let others: Vec<usize> = (0..world).filter(|&r| r != rank).collect();
+    let watched = me.prefix.is_empty().then_some(others.as_slice());
+    let missing = store.wait_for_ranks(&keys, rank, rendezvous_timeout, watched)?;
     if !missing.is_empty() {
         let ranks: Vec<String> = missing.iter().map(usize::to_string).collect();
         return Err(Error::Rendezvous {
@@ -65,9 +72,19 @@ pub(crate) fn connect_mesh(
             ),
         });
     }
+    // Whether the world can still form: not when it was aborted, or when a rank this one still
+    // waits for left.
+    let watch = |waiting: &[usize]| -> Result<()> {
+        if me.prefix.is_empty() {
+            store.check_not_aborted(waiting)
+        } else {
+            Ok(())
+        }
+    };
     let deadline = Instant::now() + rendezvous_timeout;
     let stop = Arc::new(AtomicBool::new(false));
     let waiting_above = Arc::new(Mutex::new((rank + 1..world).collect::<BTreeSet<usize>>()));
+    let (done, finished) = mpsc::channel::<()>();
     let acceptor = {
         let (stop, token) = (stop.clone(), me.token.to_string());
         let (job, unix, shm, rdz) = (me.job, me.unix, me.shm, rendezvous_timeout);
@@ -84,20 +101,33 @@ pub(crate) fn connect_mesh(
                     shm,
                     prefix: &prefix,
                 };
-                accept_peers(listeners, &me, deadline, rdz, &stop, &waiting)
+                let accepted = accept_peers(listeners, &me, deadline, rdz, &stop, &waiting);
+                // Dropped on a panic too: either way, the wait for the acceptor ends.
+                let _ = done.send(());
+                accepted
             })
             .map_err(io_err("starting the peer acceptor"))?
     };
     let mut streams: Vec<Option<Conn>> = (0..world).map(|_| None).collect();
-    let connected: Result<()> = (0..rank).try_for_each(|peer| {
-        let value = store.get(&key(peer), rendezvous_timeout)?;
-        let text = String::from_utf8_lossy(&value);
-        let addr = PeerAddress::parse(&text).ok_or_else(|| Error::Rendezvous {
-            detail: format!("rank {peer} published an invalid address {text:?}"),
-        })?;
-        streams[peer] = Some(connect_peer(peer, &addr, me, deadline)?);
-        Ok(())
-    });
+    let connected: Result<()> = (0..rank)
+        .try_for_each(|peer| {
+            let value = store.get(&key(peer), rendezvous_timeout)?;
+            let text = String::from_utf8_lossy(&value);
+            let addr = PeerAddress::parse(&text).ok_or_else(|| Error::Rendezvous {
+                detail: format!("rank {peer} published an invalid address {text:?}"),
+            })?;
+            streams[peer] = Some(connect_peer(peer, &addr, me, deadline, &|| watch(&[peer]))?);
+            Ok(())
+        })
+        .and_then(|()| {
+            // The ranks above connect to this one: while they have not all, check that they
+            // still can.
+            while let Err(mpsc::RecvTimeoutError::Timeout) = finished.recv_timeout(WATCH_EVERY) {
+                let waiting: Vec<usize> = lock(&waiting_above).iter().copied().collect();
+                watch(&waiting)?;
+            }
+            Ok(())
+        });
     if connected.is_err() {
         stop.store(true, Ordering::SeqCst);
     }
@@ -187,12 +217,13 @@ fn share_memory(me: &Identity<'_>, _: &[Option<Conn>]) -> Vec<Option<ShmLink>> {
 
 /// Connects to `peer` and shakes hands. A peer that cannot be reached yet, or whose listener
 /// closes the connection during the handshake (it may be dropping strangers that hold its
-/// places), is tried again until `deadline`.
+/// places), is tried again until `deadline`, as long as `watch` says the job can still form.
 fn connect_peer(
     peer: usize,
     addr: &PeerAddress,
     me: &Identity<'_>,
     deadline: Instant,
+    watch: &dyn Fn() -> Result<()>,
 ) -> Result<Conn> {
     let at = format!("rank {peer} at {}", addr.tcp);
     loop {
@@ -208,6 +239,7 @@ fn connect_peer(
                 ),
             });
         }
+        watch()?;
         std::thread::sleep(Duration::from_millis(50));
     }
 }
