@@ -555,3 +555,55 @@ fn a_rank_killed_after_publishing_its_address_is_named_by_rank_0_within_seconds(
     eprintln!("rank 0 reported in {took:?}:\n{}", ended[0].output);
     assert!(took < Duration::from_secs(10), "rank 0 took {took:?}");
 }
+
+#[test]
+fn a_rank_killed_while_its_peers_connect_to_it_is_named_by_every_survivor() {
+    let test = "a_rank_killed_while_its_peers_connect_to_it_is_named_by_every_survivor";
+    if is_child() {
+        let r = Rendezvous::from_env().unwrap();
+        if r.rank == 1 {
+            // Claims its rank and publishes a listener that never answers: its peers wait on
+            // it, and the mesh cannot form before it is killed.
+            let store =
+                Store::connect(r.master_socket().unwrap(), &child_options().token, 1, LIMIT)
+                    .unwrap();
+            store.compare_set("rank/1", None, b"mine").unwrap();
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let at = format!("tcp={}", listener.local_addr().unwrap());
+            store.set("addr/1", at.as_bytes()).unwrap();
+            println!("published");
+            std::thread::sleep(Duration::from_secs(60));
+            return;
+        }
+        let err = ProcessGroup::new(&r, &Device::Cpu, child_options())
+            .unwrap_err()
+            .to_string();
+        println!("rank {}: {err}", r.rank);
+        assert!(err.contains("rank 1 left during the rendezvous"), "{err}");
+        done();
+        return;
+    }
+    let mut ranks = Ranks::world(test, 3);
+    ranks.wait_for(1, "published", LIMIT);
+    // Ranks 0 and 2 are connecting their mesh (rank 2 is in its handshake with rank 1).
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed = Instant::now();
+    ranks.kill(1);
+    let ended = ranks.wait(LIMIT);
+    let took = killed.elapsed();
+    for i in [0, 2] {
+        assert!(
+            ended[i].status.success() && ended[i].output.contains(DONE),
+            "rank {i}:\n{}",
+            ended[i].output
+        );
+    }
+    eprintln!(
+        "reported in {took:?}:\n{}{}",
+        ended[0].output, ended[2].output
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "the survivors took {took:?}"
+    );
+}
