@@ -583,10 +583,17 @@ fn a_rank_killed_while_its_peers_connect_to_it_is_named_by_every_survivor() {
         done();
         return;
     }
-    let mut ranks = Ranks::world(test, 3);
+    let port = common::free_port();
+    let mut ranks = Ranks::start(test, (0..3).map(|r| rank_env(r, 3, port)).collect());
     ranks.wait_for(1, "published", LIMIT);
-    // Ranks 0 and 2 are connecting their mesh (rank 2 is in its handshake with rank 1).
-    std::thread::sleep(Duration::from_millis(1500));
+    // Once ranks 0 and 2 published their addresses, they are connecting their mesh (rank 2 to
+    // rank 1, which never answers).
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let store = Store::connect(addr, &format!("test-token-{port}"), 9, LIMIT).unwrap();
+    published(&store, 0, "tcp=");
+    published(&store, 2, "tcp=");
+    drop(store);
+    std::thread::sleep(Duration::from_millis(300));
     let killed = Instant::now();
     ranks.kill(1);
     let ended = ranks.wait(LIMIT);

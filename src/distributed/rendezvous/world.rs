@@ -115,7 +115,7 @@ pub(crate) fn join_world(
 }
 
 /// How long rank 0 keeps the store up after its rendezvous failed, for the ranks still in it.
-const LINGER: Duration = Duration::from_secs(2);
+const LINGER: Duration = Duration::from_secs(5);
 
 /// Rank 0 hosts the store, and its going would leave the ranks still waiting in it with "the
 /// store stopped answering" rather than the reason: it waits (at most [`LINGER`]) until every
