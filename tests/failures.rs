@@ -553,3 +553,168 @@ fn a_rank_with_the_wrong_token_is_refused_and_named_by_the_rank_that_waited_for_
     envs[1].push(("CANDLE_PARALLEL_TOKEN".into(), "another-job".into()));
     Ranks::start(test, envs).assert_all_pass(LIMIT);
 }
+
+/// The address a rank published in the store, field by field ("tcp=", "unix=").
+fn published(store: &Store, rank: usize, field: &str) -> Option<String> {
+    let value = store.get(&format!("addr/{rank}"), LIMIT).unwrap();
+    String::from_utf8(value)
+        .unwrap()
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix(field).map(str::to_string))
+}
+
+#[test]
+fn idle_strangers_on_the_peer_listeners_never_keep_a_rank_out() {
+    let test = "idle_strangers_on_the_peer_listeners_never_keep_a_rank_out";
+    if is_child() {
+        let started = Instant::now();
+        let pg = join_child();
+        println!("joined in {} ms", started.elapsed().as_millis());
+        let y = pg
+            .all_reduce(&Tensor::new(&[1f32], &Device::Cpu).unwrap(), ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(y.to_vec1::<f32>().unwrap(), [3.0]);
+        done();
+        return;
+    }
+    let port = common::free_port();
+    let first = Ranks::start(test, vec![rank_env(0, 3, port), rank_env(1, 3, port)]);
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let store = Store::connect(addr, &format!("test-token-{port}"), 9, LIMIT).unwrap();
+    // More idle strangers than a listener has handshake places, on both of its sockets.
+    let mut tcp = Vec::new();
+    #[cfg(target_os = "linux")]
+    let mut unix = Vec::new();
+    for rank in 0..2 {
+        let at = published(&store, rank, "tcp=").unwrap();
+        tcp.extend((0..50).filter_map(|_| TcpStream::connect(&at).ok()));
+        #[cfg(target_os = "linux")]
+        if let Some(name) = published(&store, rank, "unix=") {
+            use std::os::linux::net::SocketAddrExt;
+            let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+            unix.extend(
+                (0..50).filter_map(|_| std::os::unix::net::UnixStream::connect_addr(&a).ok()),
+            );
+        }
+    }
+    let second = Ranks::start(test, vec![rank_env(2, 3, port)]);
+    let mut ended = first.wait(Duration::from_secs(60));
+    ended.extend(second.wait(Duration::from_secs(60)));
+    for (i, e) in ended.iter().enumerate() {
+        assert!(
+            e.status.success() && e.output.contains(DONE),
+            "rank {i} failed ({}):\n{}",
+            e.status,
+            e.output
+        );
+    }
+    // Rank 2 gets in at once, not once the strangers' handshakes time out (10 s).
+    let ms: u64 = ended[2]
+        .output
+        .split("joined in ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap();
+    eprintln!("rank 2 joined in {ms} ms");
+    assert!(ms < 9000, "rank 2 took {ms} ms to join");
+    drop((tcp, store));
+}
+
+#[test]
+fn a_rank_killed_after_publishing_its_address_is_named_by_rank_0_within_seconds() {
+    let test = "a_rank_killed_after_publishing_its_address_is_named_by_rank_0_within_seconds";
+    if is_child() {
+        if Rendezvous::from_env().unwrap().rank == 1 {
+            let _ = join_child();
+            return;
+        }
+        let err = ProcessGroup::new(
+            &Rendezvous::from_env().unwrap(),
+            &Device::Cpu,
+            child_options(),
+        )
+        .unwrap_err()
+        .to_string();
+        println!("rank 0: {err}");
+        assert!(err.contains("rank 1 left during the rendezvous"), "{err}");
+        done();
+        return;
+    }
+    let port = common::free_port();
+    let mut ranks = Ranks::start(test, vec![rank_env(0, 3, port), rank_env(1, 3, port)]);
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let store = Store::connect(addr, &format!("test-token-{port}"), 9, LIMIT).unwrap();
+    published(&store, 1, "tcp=");
+    drop(store);
+    let killed = Instant::now();
+    ranks.kill(1);
+    let ended = ranks.wait(LIMIT);
+    let took = killed.elapsed();
+    assert!(
+        ended[0].status.success() && ended[0].output.contains(DONE),
+        "rank 0:\n{}",
+        ended[0].output
+    );
+    eprintln!("rank 0 reported in {took:?}:\n{}", ended[0].output);
+    assert!(took < Duration::from_secs(10), "rank 0 took {took:?}");
+}
+
+#[test]
+fn a_rank_killed_while_its_peers_connect_to_it_is_named_by_every_survivor() {
+    let test = "a_rank_killed_while_its_peers_connect_to_it_is_named_by_every_survivor";
+    if is_child() {
+        let r = Rendezvous::from_env().unwrap();
+        if r.rank == 1 {
+            // Claims its rank and publishes a listener that never answers: its peers wait on
+            // it, and the mesh cannot form before it is killed.
+            let store =
+                Store::connect(r.master_socket().unwrap(), &child_options().token, 1, LIMIT)
+                    .unwrap();
+            store.compare_set("rank/1", None, b"mine").unwrap();
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let at = format!("tcp={}", listener.local_addr().unwrap());
+            store.set("addr/1", at.as_bytes()).unwrap();
+            println!("published");
+            std::thread::sleep(Duration::from_secs(60));
+            return;
+        }
+        let err = ProcessGroup::new(&r, &Device::Cpu, child_options())
+            .unwrap_err()
+            .to_string();
+        println!("rank {}: {err}", r.rank);
+        assert!(err.contains("rank 1 left during the rendezvous"), "{err}");
+        done();
+        return;
+    }
+    let port = common::free_port();
+    let mut ranks = Ranks::start(test, (0..3).map(|r| rank_env(r, 3, port)).collect());
+    ranks.wait_for(1, "published", LIMIT);
+    // Once ranks 0 and 2 published their addresses, they are connecting their mesh (rank 2 to
+    // rank 1, which never answers).
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let store = Store::connect(addr, &format!("test-token-{port}"), 9, LIMIT).unwrap();
+    published(&store, 0, "tcp=");
+    published(&store, 2, "tcp=");
+    drop(store);
+    std::thread::sleep(Duration::from_millis(300));
+    let killed = Instant::now();
+    ranks.kill(1);
+    let ended = ranks.wait(LIMIT);
+    let took = killed.elapsed();
+    for i in [0, 2] {
+        assert!(
+            ended[i].status.success() && ended[i].output.contains(DONE),
+            "rank {i}:\n{}",
+            ended[i].output
+        );
+    }
+    eprintln!(
+        "reported in {took:?}:\n{}{}",
+        ended[0].output, ended[2].output
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "the survivors took {took:?}"
+    );
+}

@@ -581,6 +581,7 @@ pub(crate) fn connect(r: &Rendezvous, device: &Device, options: &InitConfig) -> 
             &[(0, "nccl/id".into())],
             r.rank,
             options.rendezvous_timeout,
+            None,
         )?;
         if !waited.is_empty() {
             return Err(Error::Rendezvous {

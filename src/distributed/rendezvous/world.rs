@@ -9,8 +9,10 @@ use super::Rendezvous;
 use crate::distributed::config::InitConfig;
 use crate::distributed::transport::mesh::{Mesh, MeshOptions, OnLost};
 use crate::error::Result;
+use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// What it takes to connect a mesh of this job: for the world group, and again for every group
 /// made from it.
@@ -104,7 +106,38 @@ pub(crate) fn join_world(
         .inspect_err(|e| {
             joined
                 .store
-                .abort(&format!("rank {} could not join: {e}", r.rank))
+                .abort(&format!("rank {} could not join: {e}", r.rank));
+            if joined.server.is_some() {
+                let_waiting_ranks_read_why(&joined.store, r.world_size);
+            }
         })?;
     Ok((joined, context, mesh))
+}
+
+/// How long rank 0 keeps the store up after its rendezvous failed, for the ranks still in it.
+const LINGER: Duration = Duration::from_secs(5);
+
+/// Rank 0 hosts the store, and its going would leave the ranks still waiting in it with "the
+/// store stopped answering" rather than the reason: it waits (at most [`LINGER`]) until every
+/// rank that claimed its place has read the abort and left.
+fn let_waiting_ranks_read_why(store: &Store, world: usize) {
+    let started = Instant::now();
+    let keys: Vec<String> = (1..world)
+        .flat_map(|r| [format!("rank/{r}"), format!("gone/{r}")])
+        .collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    while started.elapsed() < LINGER {
+        let Ok(missing) = store.wait(&refs, Duration::ZERO) else {
+            return;
+        };
+        let missing: HashSet<&str> = missing.iter().map(String::as_str).collect();
+        let present = |k: &str| !missing.contains(k);
+        let still_in = refs
+            .chunks(2)
+            .any(|pair| present(pair[0]) && !present(pair[1]));
+        if !still_in {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

@@ -24,6 +24,19 @@ pub struct Store {
 /// The key where a rank that cannot go on writes why, for the others.
 pub(crate) const ABORT_KEY: &str = "abort";
 
+/// How long one store wait of a rank waiting for others lasts, before it checks that they
+/// are still there.
+const WAIT_SLICE: Duration = Duration::from_millis(500);
+
+/// "rank 1" or "ranks 1, 2", for messages.
+pub(crate) fn ranks_named(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    match list.len() {
+        1 => format!("rank {}", list[0]),
+        _ => format!("ranks {}", list.join(", ")),
+    }
+}
+
 /// How often a waiting rank says that it is still waiting: every 30 s, or four times in the
 /// whole wait when that is shorter.
 fn progress_every(timeout: Duration) -> Duration {
@@ -294,20 +307,24 @@ impl Store {
 
     /// Waits up to `timeout` for `keys`, each published by a rank (`(rank, key)`), and returns
     /// the ranks whose keys are still missing (none when all are there). Fails at once when the
-    /// job was aborted or a rank it waits for left (see [`Store::check_not_aborted`]); says every
-    /// 30 s (or quarter of `timeout`), naming rank `me`, whom it waits for.
+    /// job was aborted or one of the `watched` ranks left (by default those it waits for; see
+    /// [`Store::check_not_aborted`]); says every 30 s (or quarter of `timeout`), naming rank
+    /// `me`, whom it waits for.
     pub(crate) fn wait_for_ranks(
         &self,
         keys: &[(usize, String)],
         me: usize,
         timeout: Duration,
+        watched: Option<&[usize]>,
     ) -> Result<Vec<usize>> {
         let started = Instant::now();
         let mut said = Duration::ZERO;
         loop {
             let refs: Vec<&str> = keys.iter().map(|(_, k)| k.as_str()).collect();
             let left = timeout.saturating_sub(started.elapsed());
-            let missing = self.wait(&refs, left.min(Duration::from_secs(1)))?;
+            // In slices: a rank that left is noticed within two (the store notices the close
+            // once the left rank's own wait ends, this wait then ends too).
+            let missing = self.wait(&refs, left.min(WAIT_SLICE))?;
             let ranks: Vec<usize> = keys
                 .iter()
                 .filter(|(_, k)| missing.contains(k))
@@ -316,18 +333,17 @@ impl Store {
             if ranks.is_empty() {
                 return Ok(ranks);
             }
-            self.check_not_aborted(&ranks)?;
+            self.check_not_aborted(watched.unwrap_or(&ranks))?;
             let waited = started.elapsed();
             if waited >= timeout {
                 return Ok(ranks);
             }
             if waited >= said + progress_every(timeout) {
                 said = waited;
-                let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
                 log::info!(
-                    "rank {me} is still waiting for ranks {} to join, {} s so far; \
+                    "rank {me} is still waiting for {} to join, {} s so far; \
                      the rendezvous timeout is {} s{}",
-                    list.join(", "),
+                    ranks_named(&ranks),
                     waited.as_secs(),
                     timeout.as_secs(),
                     self.refusal_note()

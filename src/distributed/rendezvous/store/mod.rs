@@ -22,6 +22,7 @@
 mod client;
 mod server;
 
+pub(crate) use client::ranks_named;
 pub use client::Store;
 pub use server::StoreServer;
 
