@@ -166,17 +166,23 @@ fn a_stranger_trickling_its_hello_is_dropped_after_one_deadline() {
     );
 }
 
+/// A child's group with a peer timeout of 3 s, once joined (it says "joined").
+fn join_with_a_3_s_peer_timeout() -> ProcessGroup {
+    let o = InitConfig {
+        peer_timeout: Duration::from_secs(3),
+        ..child_options()
+    };
+    let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o).unwrap();
+    println!("joined");
+    pg
+}
+
 #[test]
 fn a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed() {
     // Also: an idle rank is kept alive by heartbeats past the peer timeout.
     let test = "a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed";
     if is_child() {
-        let o = InitConfig {
-            peer_timeout: Duration::from_secs(3),
-            ..child_options()
-        };
-        let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o).unwrap();
-        println!("joined");
+        let pg = join_with_a_3_s_peer_timeout();
         if pg.rank() == 1 {
             // Stopped here by the test, then resumed.
             std::thread::sleep(Duration::from_secs(12));
@@ -210,13 +216,8 @@ fn a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed
     ranks.wait_for(1, "joined", LIMIT);
     ranks.wait_for(0, "waiting", LIMIT);
     std::thread::sleep(Duration::from_millis(500));
-    let pid = ranks.pid(1).to_string();
     let stopped_at = now_ms();
-    assert!(std::process::Command::new("kill")
-        .args(["-STOP", &pid])
-        .status()
-        .unwrap()
-        .success());
+    ranks.signal(1, "STOP");
     ranks.wait_for(0, "lost at ", LIMIT);
     let out = ranks.output(0);
     let lost_at: u128 = out
@@ -228,24 +229,12 @@ fn a_stopped_rank_is_lost_within_the_peer_timeout_and_blames_itself_when_resumed
     // The documented bound: the peer timeout (3 s) from the last frame; some slack for a
     // loaded machine.
     assert!(took < Duration::from_millis(4500), "noticed after {took:?}");
-    assert!(std::process::Command::new("kill")
-        .args(["-CONT", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let ended = ranks.wait(LIMIT);
-    for (i, e) in ended.iter().enumerate() {
-        assert!(
-            e.status.success() && e.output.contains(DONE),
-            "rank {i}:\n{}",
-            e.output
-        );
-    }
+    ranks.signal(1, "CONT");
+    let out = ranks.assert_all_pass(LIMIT);
     assert!(
-        ended[1].output.contains("rank 1 itself did not run")
-            || ended[1].output.contains("rank 1 was lost"),
+        out[1].contains("rank 1 itself did not run") || out[1].contains("rank 1 was lost"),
         "{}",
-        ended[1].output
+        out[1]
     );
 }
 
@@ -356,12 +345,7 @@ fn a_program_on_the_master_port_that_hangs_up_at_once_is_named_as_such_within_10
 fn a_frozen_rank_0_once_resumed_says_that_it_itself_did_not_run() {
     let test = "a_frozen_rank_0_once_resumed_says_that_it_itself_did_not_run";
     if is_child() {
-        let o = InitConfig {
-            peer_timeout: Duration::from_secs(3),
-            ..child_options()
-        };
-        let pg = ProcessGroup::new(&Rendezvous::from_env().unwrap(), &Device::Cpu, o).unwrap();
-        println!("joined");
+        let pg = join_with_a_3_s_peer_timeout();
         if pg.rank() == 0 {
             // Stopped here by the test, then resumed.
             std::thread::sleep(Duration::from_secs(12));
@@ -386,32 +370,13 @@ fn a_frozen_rank_0_once_resumed_says_that_it_itself_did_not_run() {
     ranks.wait_for(0, "joined", LIMIT);
     ranks.wait_for(1, "waiting", LIMIT);
     std::thread::sleep(Duration::from_millis(300));
-    let pid = ranks.pid(0).to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-STOP", &pid])
-        .status()
-        .unwrap()
-        .success());
+    ranks.signal(0, "STOP");
     ranks.wait_for(1, "lost at ", LIMIT);
     // Frozen well past the peer timeout (3 s), whatever the machine's load.
     std::thread::sleep(Duration::from_secs(1));
-    assert!(std::process::Command::new("kill")
-        .args(["-CONT", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let ended = ranks.wait(LIMIT);
-    for (i, e) in ended.iter().enumerate() {
-        assert!(
-            e.status.success() && e.output.contains(DONE),
-            "rank {i}:\n{}",
-            e.output
-        );
-    }
-    let said = ended[0]
-        .output
-        .lines()
-        .find(|l| l.starts_with("resumed rank"));
+    ranks.signal(0, "CONT");
+    let out = ranks.assert_all_pass(LIMIT);
+    let said = out[0].lines().find(|l| l.starts_with("resumed rank"));
     println!("{}", said.unwrap_or_default());
 }
 
@@ -452,6 +417,15 @@ fn a_rank_with_another_world_size_fails_the_others_at_once_with_its_reason() {
     Ranks::start(test, envs).assert_all_pass(LIMIT);
 }
 
+/// A stand-in for rank 1: claims the rank in the job's store, as a joining rank does, and
+/// returns the connection.
+fn claim_rank_1_by_hand(r: &Rendezvous) -> Store {
+    let store =
+        Store::connect(r.master_socket().unwrap(), &child_options().token, 1, LIMIT).unwrap();
+    store.compare_set("rank/1", None, b"mine").unwrap();
+    store
+}
+
 #[test]
 fn a_rank_killed_during_the_rendezvous_is_named_by_the_others_at_once() {
     let test = "a_rank_killed_during_the_rendezvous_is_named_by_the_others_at_once";
@@ -459,10 +433,7 @@ fn a_rank_killed_during_the_rendezvous_is_named_by_the_others_at_once() {
         let r = Rendezvous::from_env().unwrap();
         if r.rank == 1 {
             // Claims its rank, then is killed before the others all arrive.
-            let store =
-                Store::connect(r.master_socket().unwrap(), &child_options().token, 1, LIMIT)
-                    .unwrap();
-            store.compare_set("rank/1", None, b"mine").unwrap();
+            let _store = claim_rank_1_by_hand(&r);
             println!("claimed");
             std::thread::sleep(Duration::from_secs(60));
             return;
@@ -668,10 +639,7 @@ fn a_rank_killed_while_its_peers_connect_to_it_is_named_by_every_survivor() {
         if r.rank == 1 {
             // Claims its rank and publishes a listener that never answers: its peers wait on
             // it, and the mesh cannot form before it is killed.
-            let store =
-                Store::connect(r.master_socket().unwrap(), &child_options().token, 1, LIMIT)
-                    .unwrap();
-            store.compare_set("rank/1", None, b"mine").unwrap();
+            let store = claim_rank_1_by_hand(&r);
             let listener = TcpListener::bind("127.0.0.1:0").unwrap();
             let at = format!("tcp={}", listener.local_addr().unwrap());
             store.set("addr/1", at.as_bytes()).unwrap();

@@ -355,6 +355,15 @@ impl Ranks {
     }
 
     /// Waits for every child and asserts each passed (printed `done` and exited 0).
+    /// Sends child `i` the signal `sig` (`"STOP"`, `"CONT"`, ...) with `kill`.
+    pub fn signal(&self, i: usize, sig: &str) {
+        let sent = Command::new("kill")
+            .args([format!("-{sig}"), self.pid(i).to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(sent.success(), "kill -{sig} child {i}");
+    }
+
     pub fn assert_all_pass(self, limit: Duration) -> Vec<String> {
         let ended = self.wait(limit);
         for (i, e) in ended.iter().enumerate() {
