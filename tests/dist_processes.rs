@@ -139,7 +139,7 @@ fn a_missing_rank_is_named_when_the_rendezvous_times_out() {
             .unwrap_err()
             .to_string();
         assert!(err.contains("2 of 3 ranks joined"), "{err}");
-        assert!(err.contains("missing ranks 1"), "{err}");
+        assert!(err.contains("missing rank 1"), "{err}");
         return done();
     }
     let port = common::free_port();

@@ -62,12 +62,11 @@ pub(crate) fn connect_mesh(
     let watched = me.prefix.is_empty().then_some(others.as_slice());
     let missing = store.wait_for_ranks(&keys, rank, rendezvous_timeout, watched)?;
     if !missing.is_empty() {
-        let ranks: Vec<String> = missing.iter().map(usize::to_string).collect();
         return Err(Error::Rendezvous {
             detail: format!(
-                "{} of {world} ranks joined within {rendezvous_timeout:?}; missing ranks {}{}",
+                "{} of {world} ranks joined within {rendezvous_timeout:?}; missing {}{}",
                 world - missing.len(),
-                ranks.join(", "),
+                ranks_named(&missing),
                 store.refusal_note()
             ),
         });
