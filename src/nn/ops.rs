@@ -136,7 +136,7 @@ fn kernel_backward(t: &Tensor) -> bool {
 }
 
 /// The dtype a backward computes in: f32, or f64 for f64.
-fn wide(dtype: DType) -> DType {
+pub(super) fn wide(dtype: DType) -> DType {
     if dtype == DType::F64 {
         DType::F64
     } else {

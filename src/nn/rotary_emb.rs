@@ -25,7 +25,7 @@
 //! # Ok(()) }
 //! ```
 
-use super::ops::check_float;
+use super::ops::{check_float, wide};
 use super::rows::{self, values, with_float_slices, Elem};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
@@ -219,12 +219,7 @@ impl Rope {
     /// candle ops in f32 (f64 for f64).
     fn table_grads(&self, x: &Tensor, grad: &Tensor, batched: bool) -> Result<(Tensor, Tensor)> {
         let dtype = x.dtype();
-        let wide = if dtype == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
-        };
-        let (x, g) = (x.to_dtype(wide)?, grad.to_dtype(wide)?);
+        let (x, g) = (x.to_dtype(wide(dtype))?, grad.to_dtype(wide(dtype))?);
         let half = x.dim(D::Minus1)? / 2;
         // The two members of each rotated pair, as tensors of the pairs' shape.
         let pair = |t: &Tensor| -> Result<(Tensor, Tensor)> {
