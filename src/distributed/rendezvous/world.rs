@@ -4,11 +4,11 @@
 use super::connect::{connect_mesh, Identity};
 use super::group_path::GroupPath;
 use super::join::{join, Joined};
-use super::store::Store;
+use super::store::{ranks_named, Store};
 use super::Rendezvous;
 use crate::distributed::config::InitConfig;
 use crate::distributed::transport::mesh::{Mesh, MeshOptions, OnLost};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -92,6 +92,7 @@ pub(crate) fn join_world(
     options: &InitConfig,
     on_lost: OnLost,
 ) -> Result<(Joined, MeshContext, Mesh)> {
+    let deadline = Instant::now() + options.rendezvous_timeout;
     let joined = join(r, options)?;
     let context = MeshContext {
         store_addr: joined.store.addr(),
@@ -108,7 +109,7 @@ pub(crate) fn join_world(
                 .store
                 .abort(&format!("rank {} could not join: {e}", r.rank));
             if joined.server.is_some() {
-                let_waiting_ranks_read_why(&joined.store, r.world_size);
+                let_waiting_ranks_read_why(&joined.store, r.world_size, deadline, e);
             }
         })?;
     Ok((joined, context, mesh))
@@ -117,16 +118,28 @@ pub(crate) fn join_world(
 /// How long rank 0 keeps the store up after its rendezvous failed, for the ranks still in it.
 const LINGER: Duration = Duration::from_secs(5);
 
+/// How long rank 0 keeps the store up after its rendezvous failed for ranks that have not
+/// arrived yet (never past the rendezvous deadline): a rank started a little later reads why
+/// at once instead of waiting its whole rendezvous timeout for a store that is gone.
+const LATE_GRACE: Duration = Duration::from_secs(10);
+
 /// Rank 0 hosts the store, and its going would leave the ranks still waiting in it with "the
-/// store stopped answering" rather than the reason: it waits (at most [`LINGER`]) until every
-/// rank that claimed its place has read the abort and left.
-fn let_waiting_ranks_read_why(store: &Store, world: usize) {
-    let started = Instant::now();
+/// store stopped answering", and the ranks still to start with `Unreachable` at the end of their
+/// rendezvous timeout, rather than the reason. It keeps the store up until every rank has
+/// claimed its place, read the abort and left: at most [`LINGER`] for ranks already in, and
+/// [`LATE_GRACE`] (never past `deadline`, when they would have timed out anyway) for ranks yet
+/// to come. It says so at once, so that its own reason is not held back with it.
+fn let_waiting_ranks_read_why(store: &Store, world: usize, deadline: Instant, why: &Error) {
+    let failed = Instant::now();
+    let late_until = deadline.min(failed + LATE_GRACE).max(failed);
+    // A rank that arrives at the last moment gets a second to read the abort.
+    let until = (failed + LINGER).max(late_until + Duration::from_secs(1));
     let keys: Vec<String> = (1..world)
         .flat_map(|r| [format!("rank/{r}"), format!("gone/{r}")])
         .collect();
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    while started.elapsed() < LINGER {
+    let mut said = false;
+    while Instant::now() < until {
         let Ok(missing) = store.wait(&refs, Duration::ZERO) else {
             return;
         };
@@ -135,8 +148,22 @@ fn let_waiting_ranks_read_why(store: &Store, world: usize) {
         let still_in = refs
             .chunks(2)
             .any(|pair| present(pair[0]) && !present(pair[1]));
-        if !still_in {
+        let to_come: Vec<usize> = (1..world).filter(|r| !present(refs[2 * (r - 1)])).collect();
+        let waits_for_late = !to_come.is_empty() && Instant::now() < late_until;
+        if !still_in && !waits_for_late {
             return;
+        }
+        if waits_for_late && !said {
+            said = true;
+            log::error!(
+                "rank 0 cannot form the job: {why}; it keeps the store up for {} s more so that \
+                 the ranks yet to arrive ({}) read why",
+                late_until
+                    .saturating_duration_since(Instant::now())
+                    .as_secs_f32()
+                    .ceil(),
+                ranks_named(&to_come)
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     }
