@@ -20,6 +20,7 @@
 //!   with CPU training kernels of our own.
 //! - [`optim`]: SGD with PyTorch's semantics (momentum, dampening, weight decay, Nesterov).
 //! - [`sampler`]: `DistributedSampler`, each rank's share of a dataset.
+//! - [`shard`]: flat shards, the layout ZeRO-2 and fully sharded training cut parameters by.
 //! - [`init`]: seeded, reproducible variable initialisation.
 //! - [`rng`]: a small seeded random generator that gives the same numbers everywhere.
 //! - [`checkpoint`]: saving variables as safetensors, atomically.
@@ -59,6 +60,7 @@ pub mod optim;
 pub mod parallel;
 pub mod rng;
 pub mod sampler;
+pub mod shard;
 mod util;
 
 pub use ddp::{vars_without_gradient, DdpConfig, DistributedDataParallel};
