@@ -60,6 +60,17 @@ pub(crate) fn check_same_model(
     device: &Device,
 ) -> Result<()> {
     let mine: Vec<String> = entries.iter().map(describe).collect();
+    check_same_descriptions(group, &mine, device)
+}
+
+/// Fails, on every rank and with the same message, unless every rank passed the same
+/// descriptions ("name kind dtype [shape]", one per variable, the name first) in the same
+/// order; the message names the first variable that differs and which ranks have what.
+pub(crate) fn check_same_descriptions(
+    group: &ProcessGroup,
+    mine: &[String],
+    device: &Device,
+) -> Result<()> {
     let all = all_gather_bytes(group, mine.join("\n").as_bytes(), device)?;
     let lists: Vec<Vec<String>> = all
         .iter()

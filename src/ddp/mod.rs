@@ -60,7 +60,7 @@ pub mod bucket;
 
 pub mod unused;
 
-mod agreement;
+pub(crate) mod agreement;
 mod compression;
 mod hook;
 mod integers;
