@@ -43,3 +43,46 @@ pub fn keep_freed_memory() -> bool {
         false
     }
 }
+
+/// What a rank holds for training, in bytes: parameters, gradients and optimizer state, as the
+/// sharded wrappers report them, and the process's peak resident memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// Parameters kept between steps.
+    pub parameters: usize,
+    /// Gradients handed to the optimizer.
+    pub gradients: usize,
+    /// The optimizer's state ([`optimizer_state_bytes`]).
+    pub optimizer: usize,
+    /// The process's peak resident memory so far ([`peak_rss_bytes`]), where known.
+    pub peak_rss: Option<usize>,
+}
+
+/// The process's peak resident memory so far, in bytes (`VmHWM` in `/proc/self/status`);
+/// `None` where there is no such file.
+///
+/// ```rust
+/// if let Some(peak) = candle_parallel::memory::peak_rss_bytes() {
+///     assert!(peak > 0);
+/// }
+/// ```
+pub fn peak_rss_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: usize = line
+        .trim_start_matches("VmHWM:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// The bytes of the elements of `tensors` (each as its shape and dtype say; views count whole).
+pub fn tensor_bytes<'a>(tensors: impl IntoIterator<Item = &'a candle_core::Tensor>) -> usize {
+    tensors
+        .into_iter()
+        .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+        .sum()
+}
