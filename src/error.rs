@@ -311,6 +311,25 @@ pub enum Error {
         summary: String,
     },
 
+    /// A fully sharded unit (`fsdp::unit`) was used in a way FullyShardedDataParallel cannot
+    /// shard: nested in another unit, without variables, sharing a variable with another unit
+    /// or the root, with parameters of several dtypes, or asked for differently by a later
+    /// build of the model.
+    #[error("FullyShardedDataParallel: unit `{unit}`: {detail}")]
+    FsdpUnit {
+        /// The unit's prefix (`"h.0"`), or `"(root)"` for the parameters outside every unit.
+        unit: String,
+        /// What was wrong and what to do.
+        detail: String,
+    },
+
+    /// `FullyShardedDataParallel::backward` ran with no training forward since the last one.
+    #[error(
+        "FullyShardedDataParallel: backward was called without a training forward before it: \
+         run forward_t(xs, true) before each backward"
+    )]
+    FsdpBackwardWithoutForward,
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

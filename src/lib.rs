@@ -1,7 +1,7 @@
 #![warn(missing_docs)]
 //! candle-parallel: PyTorch-style multi-device training for candle.
 //!
-//! The two wrappers, and the pieces under them:
+//! The wrappers, and the pieces under them:
 //! - [`DataParallel`]: one process, one model, every device (`torch.nn.DataParallel`). Its
 //!   pieces live in [`parallel`], as torch keeps `torch.nn.parallel`: [`comm`] (scatter, gather,
 //!   broadcast, reduce_add across devices, differentiable), [`replicate`], [`parallel_apply`],
@@ -9,6 +9,9 @@
 //! - [`DistributedDataParallel`] ([`ddp`]): one process per device, gradients averaged over the
 //!   world in buckets while backward runs (`torch.nn.parallel.DistributedDataParallel`), and
 //!   [`vars_without_gradient`], which names the variables that got no gradient.
+//! - [`FullyShardedDataParallel`] ([`fsdp`]): each rank keeps a shard of the parameters,
+//!   gradients and optimizer state, and gathers a unit's parameters only while it computes
+//!   (torch FSDP2's `fully_shard`).
 //! - [`distributed`] (also `dist`): process groups (TCP with shared memory, in-process, NCCL),
 //!   their rendezvous and collectives, blocking and asynchronous (`torch.distributed`).
 //! - [`launch`]: start N ranks (the `candle-run` launcher and its library entry).
@@ -24,7 +27,7 @@
 //! - [`init`]: seeded, reproducible variable initialisation.
 //! - [`rng`]: a small seeded random generator that gives the same numbers everywhere.
 //! - [`checkpoint`]: saving variables as safetensors, atomically.
-//! - [`memory`]: the C allocator tuned for training loops.
+//! - [`memory`]: the C allocator tuned for training loops, and what a rank holds in memory.
 //! - [`logging`]: the library talks through the `log` facade; [`logging::init`] shows its
 //!   messages on stderr.
 //!
@@ -50,6 +53,7 @@ pub mod cifar;
 pub mod ddp;
 pub mod distributed;
 mod error;
+pub mod fsdp;
 pub mod init;
 #[cfg(unix)]
 pub mod launch;
@@ -67,5 +71,6 @@ pub use ddp::{vars_without_gradient, DdpConfig, DistributedDataParallel};
 /// `torch.distributed`'s short name: the same module as [`distributed`].
 pub use distributed as dist;
 pub use error::{Error, Result};
+pub use fsdp::{FsdpConfig, FullyShardedDataParallel};
 pub use parallel::{comm, data_parallel, devices, parallel_apply, replicate};
 pub use parallel::{DataParallel, DataParallelConfig};

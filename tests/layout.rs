@@ -24,7 +24,7 @@ const LAYERS: &[&[&str]] = &[
         "shard",
     ],
     // The two wrappers.
-    &["ddp", "parallel"],
+    &["ddp", "fsdp", "parallel"],
     // Example support.
     &["cifar"],
     // Starting the ranks.

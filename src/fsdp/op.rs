@@ -1,0 +1,140 @@
+//! How a unit's output, computed without a graph, enters autograd's graph: [`UnitOp`], a custom
+//! op over the unit's input and its flat shard. Its forward hands on the output computed
+//! beforehand; its backward gathers the unit's parameters again, rebuilds the unit over fresh
+//! variables, recomputes the forward with a graph from the input, back-propagates the output's
+//! gradient through it, and reduce-scatters the parameters' gradient into this rank's shard.
+//!
+//! The shard is an argument so that the op is in the graph even when the input needs no
+//! gradient (a unit fed by the data). Its gradient is not returned to candle: it comes from a
+//! reduce-scatter still in flight, which `FullyShardedDataParallel::backward` waits for.
+
+use super::flat_param::FlatParam;
+use super::unit::Run;
+use crate::error::{Error, Result};
+use crate::util::sync::lock;
+use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor, Var};
+use std::sync::{Arc, Mutex};
+
+/// The op that puts a unit's output into the graph (see the [module documentation](self)).
+pub(crate) struct UnitOp {
+    param: Arc<FlatParam>,
+    run: Run,
+    /// The output, computed before the op is applied; its forward takes it.
+    out: Mutex<Option<Tensor>>,
+    /// The training forward this use belongs to.
+    iteration: u64,
+}
+
+impl UnitOp {
+    /// `out` (computed from `xs` without a graph) as the output of a `UnitOp` over `xs` and the
+    /// unit's shard.
+    pub fn attach(param: Arc<FlatParam>, run: Run, xs: &Tensor, out: Tensor) -> Result<Tensor> {
+        // The op's forward copies a compact tensor's storage.
+        let out = if out.is_contiguous() && out.layout().start_offset() == 0 {
+            out
+        } else {
+            out.copy()?
+        };
+        let shard = param.shard.as_tensor().clone();
+        let op = UnitOp {
+            iteration: param.iteration(),
+            param,
+            run,
+            out: Mutex::new(Some(out)),
+        };
+        Ok(xs.apply_op2(&shard, op)?)
+    }
+
+    fn take_out(&self) -> candle_core::Result<Tensor> {
+        lock(&self.out)
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("fsdp-unit op applied twice".into()))
+    }
+
+    /// The backward (see the [module documentation](self)): the input's gradient.
+    fn backward(&self, xs: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let now = self.param.iteration();
+        if now != self.iteration {
+            return Err(Error::FsdpUnit {
+                unit: self.param.name.clone(),
+                detail: format!(
+                    "a backward went through the graph of training forward {} while forward {now} \
+                     is the current one: run FullyShardedDataParallel::backward once after each \
+                     training forward, on the loss of that forward",
+                    self.iteration
+                ),
+            });
+        }
+        let tensors = self.param.gather()?;
+        let vars = tensors
+            .iter()
+            .map(Var::from_tensor)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        drop(tensors);
+        let vb = self
+            .param
+            .var_builder(vars.iter().map(|v| v.as_tensor().clone()).collect());
+        let input = Var::from_tensor(&xs.detach())?;
+        let out = (self.run)(vb, input.as_tensor())?;
+        let grads = (out * grad)?.sum_all()?.backward()?;
+        let grad_in = grads.get(input.as_tensor()).cloned();
+        let param_grads = vars
+            .iter()
+            .map(|v| grads.get(v.as_tensor()).cloned())
+            .collect();
+        drop(grads);
+        drop(vars);
+        self.param.reduce_scatter(param_grads)?;
+        Ok(grad_in)
+    }
+}
+
+impl candle_core::CustomOp2 for UnitOp {
+    fn name(&self) -> &'static str {
+        "fsdp-unit"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let out = self.take_out()?;
+        let (storage, layout) = out.storage_and_layout();
+        match &*storage {
+            Storage::Cpu(s) => crate::util::pass_through::cpu(s, layout),
+            _ => candle_core::bail!("fsdp-unit: the unit's output is not on the CPU"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let out = self.take_out()?;
+        let (storage, layout) = out.storage_and_layout();
+        match &*storage {
+            Storage::Cuda(s) => crate::util::pass_through::cuda(s, layout),
+            _ => candle_core::bail!("fsdp-unit: the unit's output is not on the GPU"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        xs: &Tensor,
+        _shard: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad_in = self
+            .backward(xs, grad)
+            .map_err(|e| self.param.shared.fail(e))?;
+        Ok((grad_in, None))
+    }
+}
