@@ -251,7 +251,7 @@ mod tests {
         let a = Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu).unwrap();
         let err = l.flatten(&[a.clone(), a.clone()]).unwrap_err().to_string();
         assert!(err.contains("tensor 1 has shape [3]"), "{err}");
-        let err = l.flatten(&[a.clone()]).unwrap_err().to_string();
+        let err = l.flatten(std::slice::from_ref(&a)).unwrap_err().to_string();
         assert!(err.contains("got 1 tensors"), "{err}");
         let err = l
             .unflatten(&a, &[vec![3], vec![4]])

@@ -66,9 +66,11 @@ mod hook;
 mod integers;
 mod iteration;
 mod reducer;
+mod sharding;
 
 pub use compression::Compression;
 pub use reducer::BackwardStats;
+pub use sharding::Sharding;
 pub use unused::{named_vars_without_gradient, vars_without_gradient, UnusedReport};
 
 use crate::distributed::ProcessGroup;
@@ -80,7 +82,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 use hook::{Entry, Kind, Registry};
 use reducer::{Param, Reducer, Setup};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -116,6 +118,9 @@ pub struct DdpConfig {
     /// prefixes of a whole path component (`"encoder"` covers `"encoder.l1.weight"`, not
     /// `"encoder2.weight"`). Default: none.
     pub frozen_parameters: Vec<String>,
+    /// Whether each rank keeps every gradient and optimizer state (default) or its shard of
+    /// them (ZeRO-2). See [`Sharding`].
+    pub sharding: Sharding,
 }
 
 impl Default for DdpConfig {
@@ -133,6 +138,7 @@ impl Default for DdpConfig {
             sync_batch_norm: false,
             unused_report: UnusedReport::Warn,
             frozen_parameters: Vec::new(),
+            sharding: Sharding::None,
         }
     }
 }
@@ -167,6 +173,8 @@ pub struct DistributedDataParallel<M> {
     sync_groups: Vec<ProcessGroup>,
     /// Open `no_sync` guards.
     no_sync: AtomicUsize,
+    /// Under ZeRO-2: the shards may have changed since the parameters were last gathered.
+    stale: AtomicBool,
 }
 
 impl<M> DistributedDataParallel<M> {
@@ -270,7 +278,8 @@ impl<M> DistributedDataParallel<M> {
                 .iter()
                 .map(|e| unused::is_declared(&e.name, &config.frozen_parameters))
                 .collect(),
-        });
+            sharding: config.sharding,
+        })?;
         Ok(Self {
             module,
             varmap: varmap.clone(),
@@ -283,6 +292,7 @@ impl<M> DistributedDataParallel<M> {
             broadcast_buffers: config.broadcast_buffers,
             sync_groups,
             no_sync: AtomicUsize::new(0),
+            stale: AtomicBool::new(false),
         })
     }
 
@@ -331,14 +341,38 @@ impl<M> DistributedDataParallel<M> {
         &self.varmap
     }
 
-    /// The trainable variables (buffers excluded), sorted by name: pass them to an optimizer.
+    /// What the optimizer steps: the trainable variables (buffers excluded), sorted by name;
+    /// under [`Sharding::Zero2`] this rank's shard of each bucket instead, in bucket order.
     pub fn parameters(&self) -> Vec<Var> {
-        self.sorted.iter().map(|(_, v)| v.clone()).collect()
+        match self.reducer.shard_vars() {
+            shards if !shards.is_empty() => shards,
+            _ => self.sorted.iter().map(|(_, v)| v.clone()).collect(),
+        }
     }
 
-    /// The names of [`DistributedDataParallel::parameters`], in the same order.
+    /// The names of [`DistributedDataParallel::parameters`], in the same order; under
+    /// [`Sharding::Zero2`], `zero2.bucket<b>` for bucket `b`'s shard.
     pub fn parameter_names(&self) -> Vec<String> {
-        self.sorted.iter().map(|(n, _)| n.clone()).collect()
+        match self.reducer.shard_vars().len() {
+            0 => self.sorted.iter().map(|(n, _)| n.clone()).collect(),
+            n => (0..n).map(|b| format!("zero2.bucket{b}")).collect(),
+        }
+    }
+
+    /// The model's trainable variables by name, sorted (whatever the sharding: under ZeRO-2
+    /// they hold the values of the last gather).
+    pub fn named_parameters(&self) -> Vec<(String, Var)> {
+        self.sorted.clone()
+    }
+
+    /// Under [`Sharding::Zero2`], puts every rank's updated shards together into the model's
+    /// parameters (an all-gather per bucket). Each forward does it when an optimizer step may
+    /// have changed the shards; call it on every rank before reading or saving the parameters
+    /// otherwise. Does nothing without sharding.
+    pub fn gather_parameters(&self) -> Result<()> {
+        self.reducer.gather_parameters()?;
+        self.stale.store(false, Ordering::SeqCst);
+        Ok(())
     }
 
     /// DDP's own process group (a second group over the same ranks as the one given).
@@ -408,7 +442,12 @@ impl<M> DistributedDataParallel<M> {
         for group in &self.sync_groups {
             nn::finish_backward(group)?;
         }
+        let synchronised = self.no_sync.load(Ordering::SeqCst) == 0;
         self.reducer.finalize_backward(&mut grads, started)?;
+        if synchronised {
+            // The optimizer steps the shards next.
+            self.stale.store(true, Ordering::SeqCst);
+        }
         Ok(grads)
     }
 }
@@ -435,6 +474,9 @@ impl<M: ModuleT> DistributedDataParallel<M> {
             .prepare_for_backward(self.no_sync.load(Ordering::SeqCst) == 0)?;
         if train && self.broadcast_buffers {
             self.sync_buffers()?;
+        }
+        if self.stale.load(Ordering::SeqCst) {
+            self.gather_parameters()?;
         }
         self.refresh_copies()?;
         Ok(self.module.forward_t(xs, train)?)
