@@ -1,11 +1,12 @@
-//! Sharded data parallel: ZeRO-2 inside DistributedDataParallel trains as plain DDP does, over
-//! thread ranks and real processes on 127.0.0.1, with tensor sizes no world divides.
+//! Sharded data parallel and uneven inputs: ZeRO-2 inside DistributedDataParallel trains as
+//! plain DDP does, and `join` lets ranks with fewer batches shadow the others, over thread ranks
+//! and real processes on 127.0.0.1, with tensor sizes no world divides.
 
 mod common;
 
 use candle_core::{DType, Device};
-use candle_nn::{loss, Optimizer, VarMap};
-use candle_parallel::ddp::{DdpConfig, Sharding};
+use candle_nn::{loss, Module, Optimizer, VarMap};
+use candle_parallel::ddp::{DdpConfig, JoinDivisor, Sharding};
 use candle_parallel::distributed::{self, ProcessGroup};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
@@ -100,4 +101,131 @@ fn zero2_over_2_and_3_processes_equals_ddp() {
     for world in 2..=3 {
         Ranks::world(test, world).assert_all_pass(LIMIT);
     }
+}
+
+/// Batches per rank in the join tests: 12 in all, the ranks running out at different steps.
+const BATCHES: [usize; 3] = [3, 5, 4];
+
+/// One process over the same 12 batches: at step t, the batches of the ranks that still have
+/// one, their losses summed and divided as `divisor` says.
+fn join_reference(divisor: JoinDivisor) -> Values {
+    let varmap = VarMap::new();
+    let model = mlp_uneven(seeded_var_builder(&varmap, 7, DType::F32, &Device::Cpu)).unwrap();
+    let mut opt = Sgd::new(varmap.all_vars(), SGD).unwrap();
+    for step in 0..*BATCHES.iter().max().unwrap() {
+        let active: Vec<usize> = (0..3).filter(|&r| BATCHES[r] > step).collect();
+        let mut total: Option<candle_core::Tensor> = None;
+        for &r in &active {
+            let (x, y) = share(step, 3, PER, r);
+            let l = loss::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+            total = Some(match total {
+                None => l,
+                Some(t) => (t + l).unwrap(),
+            });
+        }
+        let by = match divisor {
+            JoinDivisor::World => 3.0,
+            JoinDivisor::Active => active.len() as f64,
+        };
+        opt.backward_step(&(total.unwrap() / by).unwrap()).unwrap();
+    }
+    values(&varmap)
+}
+
+/// This rank's `BATCHES[rank]` steps inside `join`.
+fn join_train(
+    pg: &ProcessGroup,
+    sharding: Sharding,
+    divisor: JoinDivisor,
+) -> candle_parallel::Result<Values> {
+    let varmap = VarMap::new();
+    mlp_uneven(seeded_var_builder(&varmap, 7, DType::F32, &Device::Cpu))?;
+    let model = DistributedDataParallel::with_config(
+        &varmap,
+        pg,
+        &Device::Cpu,
+        config(sharding),
+        mlp_uneven,
+    )?;
+    let mut opt = Sgd::new(model.parameters(), SGD)?;
+    model.join(&mut opt, divisor, |opt| {
+        for step in 0..BATCHES[pg.rank()] {
+            let (x, y) = share(step, 3, PER, pg.rank());
+            let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
+            opt.step(&model.backward(&l)?)?;
+        }
+        Ok(())
+    })?;
+    model.gather_parameters()?;
+    Ok(values(&varmap))
+}
+
+fn join_equals_one_process(pg: &ProcessGroup) {
+    for divisor in [JoinDivisor::World, JoinDivisor::Active] {
+        let want = join_reference(divisor);
+        for sharding in [Sharding::None, Sharding::Zero2] {
+            let got = join_train(pg, sharding, divisor).unwrap();
+            let d = max_diff(&got, &want);
+            assert!(
+                d <= 1e-5,
+                "rank {} ({sharding:?}, {divisor:?}): joined training differs from one process \
+                 by {d}",
+                pg.rank()
+            );
+        }
+    }
+}
+
+#[test]
+fn ranks_with_3_5_and_4_batches_inside_join_equal_one_process_over_the_12() {
+    distributed::spawn_threads(3, |pg| {
+        join_equals_one_process(&pg);
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn processes_with_3_5_and_4_batches_inside_join_equal_one_process_over_the_12() {
+    let test = "processes_with_3_5_and_4_batches_inside_join_equal_one_process_over_the_12";
+    if is_child() {
+        join_equals_one_process(&join_child());
+        done();
+        return;
+    }
+    Ranks::world(test, 3).assert_all_pass(LIMIT);
+}
+
+#[test]
+fn an_evaluation_or_no_sync_forward_inside_join_is_an_error_naming_the_rank() {
+    distributed::spawn_threads(1, |pg| {
+        let varmap = VarMap::new();
+        let model = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, mlp_uneven)?;
+        let mut opt = Sgd::new(model.parameters(), SGD)?;
+        let (x, _) = share(0, 1, PER, 0);
+        let err = model
+            .join(&mut opt, JoinDivisor::World, |_| model.forward_t(&x, false))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rank 0: an evaluation forward inside join"),
+            "{err}"
+        );
+        let err = model
+            .join(&mut opt, JoinDivisor::World, |_| {
+                let _local = model.no_sync();
+                model.forward_t(&x, true)
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rank 0: a no_sync forward inside join"),
+            "{err}"
+        );
+        // The model is usable again once join returned.
+        let l = loss::cross_entropy(&model.forward_t(&x, true)?, &share(0, 1, PER, 0).1)?;
+        opt.step(&model.backward(&l)?)?;
+        Ok(())
+    })
+    .unwrap();
 }

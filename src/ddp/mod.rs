@@ -65,10 +65,12 @@ mod compression;
 mod hook;
 mod integers;
 mod iteration;
+mod join;
 mod reducer;
 mod sharding;
 
 pub use compression::Compression;
+pub use join::JoinDivisor;
 pub use reducer::BackwardStats;
 pub use sharding::Sharding;
 pub use unused::{named_vars_without_gradient, vars_without_gradient, UnusedReport};
@@ -76,6 +78,7 @@ pub use unused::{named_vars_without_gradient, vars_without_gradient, UnusedRepor
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::nn;
+use crate::util::sync::lock;
 use agreement::{broadcast_from_rank_0, check_same_model, travels};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
@@ -175,6 +178,10 @@ pub struct DistributedDataParallel<M> {
     no_sync: AtomicUsize,
     /// Under ZeRO-2: the shards may have changed since the parameters were last gathered.
     stale: AtomicBool,
+    /// Inside `join`: how an iteration with joined ranks averages.
+    joining: std::sync::Mutex<Option<JoinDivisor>>,
+    /// Where the parameters live.
+    device: Device,
 }
 
 impl<M> DistributedDataParallel<M> {
@@ -293,6 +300,8 @@ impl<M> DistributedDataParallel<M> {
             sync_groups,
             no_sync: AtomicUsize::new(0),
             stale: AtomicBool::new(false),
+            joining: std::sync::Mutex::new(None),
+            device: device.clone(),
         })
     }
 
@@ -453,6 +462,19 @@ impl<M> DistributedDataParallel<M> {
 }
 
 impl<M> DistributedDataParallel<M> {
+    /// What every forward does before the model runs (and a joined rank's shadow of it): take
+    /// rank 0's buffers in training, gather the shards after a step (ZeRO-2), and refresh the
+    /// model's parameter copies.
+    fn before_forward(&self, train: bool) -> Result<()> {
+        if train && self.broadcast_buffers {
+            self.sync_buffers()?;
+        }
+        if self.stale.load(Ordering::SeqCst) {
+            self.gather_parameters()?;
+        }
+        self.refresh_copies()
+    }
+
     /// Overwrites this rank's buffers (BatchNorm's running statistics) with rank 0's, on every
     /// rank: what each training forward does first (unless `broadcast_buffers` is off). Call it
     /// before evaluating or saving on every rank, for every rank to hold rank 0's statistics.
@@ -472,13 +494,11 @@ impl<M: ModuleT> DistributedDataParallel<M> {
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
         self.reducer
             .prepare_for_backward(self.no_sync.load(Ordering::SeqCst) == 0)?;
-        if train && self.broadcast_buffers {
-            self.sync_buffers()?;
+        let joining = *lock(&self.joining);
+        if let Some(divisor) = joining {
+            self.join_iteration(divisor, train)?;
         }
-        if self.stale.load(Ordering::SeqCst) {
-            self.gather_parameters()?;
-        }
-        self.refresh_copies()?;
+        self.before_forward(train)?;
         Ok(self.module.forward_t(xs, train)?)
     }
 }

@@ -152,6 +152,9 @@ struct State {
     reported: HashSet<Vec<usize>>,
     /// Under ZeRO-2, this rank's shard of each bucket's parameters, which the optimizer steps.
     shards: Vec<Var>,
+    /// What the world's average is multiplied by in the next synchronised backward (under
+    /// `join`, world / active ranks, to average over the ranks still training).
+    scale: f64,
 }
 
 /// The reducer. Made empty, so that the model's `GradReady` ops can point at it while the
@@ -181,8 +184,16 @@ impl Reducer {
             unused: Vec::new(),
             reported: HashSet::new(),
             shards,
+            scale: 1.0,
         });
         Ok(())
+    }
+
+    /// Multiplies the averages of the next synchronised backward by `scale` (1 after it).
+    pub fn scale_next_average(&self, scale: f64) {
+        if let Some(st) = lock(&self.state).as_mut() {
+            st.scale = scale;
+        }
     }
 
     /// Under ZeRO-2, this rank's shard of each bucket, in bucket order; empty otherwise.
@@ -454,16 +465,19 @@ impl State {
             None => used_here,
         };
         self.unused = (0..n).filter(|&i| !used_anywhere[i]).collect();
+        let scale = std::mem::replace(&mut self.scale, 1.0);
+        let scaled =
+            |g: Tensor| -> Result<Tensor> { Ok(if scale == 1.0 { g } else { (g * scale)? }) };
         for (i, g) in averaged.into_iter().enumerate() {
             let var = &self.setup.params[i].var;
             if let Some(g) = g.filter(|_| used_anywhere[i]) {
-                grads.insert(var.as_tensor(), g.to_dtype(var.dtype())?);
+                grads.insert(var.as_tensor(), scaled(g.to_dtype(var.dtype())?)?);
             }
         }
         // Under ZeRO-2 the gradient of a parameter used on no rank is zeros within its shard:
         // a flat shard cannot leave out part of itself (as torch's FSDP).
         for (shard, g) in self.shards.iter().zip(shard_grads) {
-            grads.insert(shard.as_tensor(), g.to_dtype(shard.dtype())?);
+            grads.insert(shard.as_tensor(), scaled(g.to_dtype(shard.dtype())?)?);
         }
         self.stats = BackwardStats {
             autograd: autograd_done - started,
