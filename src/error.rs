@@ -330,6 +330,63 @@ pub enum Error {
     )]
     FsdpBackwardWithoutForward,
 
+    /// An optimizer state does not fit the optimizer it is loaded into: another number of
+    /// variables, a state or scalar this optimizer does not keep, or one it needs missing.
+    #[error(
+        "{optimizer}: cannot load the optimizer state: {detail}; load a state saved from the \
+         same kind of optimizer, with the same options, over the same variables in the same order"
+    )]
+    OptimizerStateMismatch {
+        /// The optimizer ("AdamW", "Sgd").
+        optimizer: &'static str,
+        /// What does not fit, naming the variable's index and the state.
+        detail: String,
+    },
+
+    /// A state tensor's shape differs from its variable's.
+    #[error(
+        "{optimizer}: cannot load the optimizer state: `{state}` of variable {variable} has shape \
+         {found:?}, but the variable has shape {expected:?}; load a state saved from an optimizer \
+         over the same variables in the same order"
+    )]
+    OptimizerStateShape {
+        /// The optimizer ("AdamW", "Sgd").
+        optimizer: &'static str,
+        /// The variable's index in the optimizer's `vars()`.
+        variable: usize,
+        /// The state's name ("exp_avg", "momentum_buffer", ...).
+        state: &'static str,
+        /// The variable's shape.
+        expected: Vec<usize>,
+        /// The state tensor's shape.
+        found: Vec<usize>,
+    },
+
+    /// An optimizer's variable is not in the `VarMap` a training state is saved from or loaded
+    /// into, so it has no name.
+    #[error(
+        "the optimizer's variable {index} (shape {shape:?}) is not in the VarMap, so it has no \
+         name in the checkpoint; build the optimizer from the VarMap's own variables \
+         (`varmap.all_vars()`)"
+    )]
+    VariableNotInVarMap {
+        /// The variable's index in the optimizer's `vars()`.
+        index: usize,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+
+    /// A checkpoint lacks a tensor it must have, or holds one that does not fit.
+    #[error("checkpoint {path}: {detail}")]
+    Checkpoint {
+        /// The tensor's key in the file.
+        key: String,
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it, and what to do.
+        detail: String,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -21,7 +21,8 @@
 //!   transformer layers with a backward ([`nn::ops`], [`nn::rotary_emb`], [`nn::LayerNorm`],
 //!   [`nn::RmsNorm`]; candle 0.11's have none, candle issue #2168); `Conv2d` and `max_pool2d`
 //!   with CPU training kernels of our own.
-//! - [`optim`]: SGD with PyTorch's semantics (momentum, dampening, weight decay, Nesterov).
+//! - [`optim`]: SGD and AdamW with PyTorch's semantics, and their state as tensors
+//!   ([`optim::OptimizerState`]) for checkpoints and sharding.
 //! - [`sampler`]: `DistributedSampler`, each rank's share of a dataset.
 //! - [`shard`]: flat shards, the layout ZeRO-2 and fully sharded training cut parameters by.
 //! - [`init`]: seeded, reproducible variable initialisation.

@@ -1,34 +1,6 @@
-//! Stochastic gradient descent with PyTorch's semantics: momentum, dampening, weight decay,
-//! Nesterov momentum and maximisation.
-//!
-//! candle-nn's `SGD` has no momentum. [`Sgd`] follows `torch.optim.SGD` step for step; for each
-//! parameter `p` with gradient `g`:
-//!
-//! ```text
-//! g = g + weight_decay * p
-//! buf = g                                    (first step)
-//! buf = momentum * buf + (1 - dampening) * g (later steps)
-//! g = g + momentum * buf  if nesterov, else  g = buf
-//! p = p - lr * g
-//! ```
-//!
-//! ```rust
-//! use candle_core::{Device, Var};
-//! use candle_nn::Optimizer;
-//! use candle_parallel::optim::{Sgd, SgdConfig};
-//! # fn main() -> candle_core::Result<()> {
-//! let p = Var::new(&[1f64], &Device::Cpu)?;
-//! let config = SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() };
-//! let mut opt = Sgd::new(vec![p.clone()], config)?;
-//! for _ in 0..2 {
-//!     let loss = (p.as_tensor().sqr()? * 0.5)?.sum_all()?; // gradient = p
-//!     opt.backward_step(&loss)?;
-//! }
-//! // p: 1 -> 0.9 (buf 1) -> 0.72 (buf 0.9 * 1 + 0.9 = 1.8)
-//! assert!((p.to_vec1::<f64>()?[0] - 0.72).abs() < 1e-12);
-//! # Ok(()) }
-//! ```
+//! `torch.optim.SGD`.
 
+use super::{checked_state, ElementwiseOptimizer, OptimizerState};
 use crate::error::Error;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
@@ -96,7 +68,38 @@ impl SgdConfig {
     }
 }
 
-/// `torch.optim.SGD` for candle: implements `candle_nn::Optimizer`.
+/// `torch.optim.SGD` for candle: stochastic gradient descent with PyTorch's semantics: momentum, dampening, weight decay,
+/// Nesterov momentum and maximisation.
+///
+/// candle-nn's `SGD` has no momentum. [`Sgd`] follows `torch.optim.SGD` step for step; for each
+/// parameter `p` with gradient `g`:
+///
+/// ```text
+/// g = g + weight_decay * p
+/// buf = g                                    (first step)
+/// buf = momentum * buf + (1 - dampening) * g (later steps)
+/// g = g + momentum * buf  if nesterov, else  g = buf
+/// p = p - lr * g
+/// ```
+///
+/// ```rust
+/// use candle_core::{Device, Var};
+/// use candle_nn::Optimizer;
+/// use candle_parallel::optim::{Sgd, SgdConfig};
+/// # fn main() -> candle_core::Result<()> {
+/// let p = Var::new(&[1f64], &Device::Cpu)?;
+/// let config = SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() };
+/// let mut opt = Sgd::new(vec![p.clone()], config)?;
+/// for _ in 0..2 {
+///     let loss = (p.as_tensor().sqr()? * 0.5)?.sum_all()?; // gradient = p
+///     opt.backward_step(&loss)?;
+/// }
+/// // p: 1 -> 0.9 (buf 1) -> 0.72 (buf 0.9 * 1 + 0.9 = 1.8)
+/// assert!((p.to_vec1::<f64>()?[0] - 0.72).abs() < 1e-12);
+/// # Ok(()) }
+/// ```
+///
+/// Its state is `momentum_buffer` per variable (once it has one), in the variable's dtype.
 #[derive(Debug)]
 pub struct Sgd {
     vars: Vec<Var>,
@@ -177,6 +180,45 @@ impl Optimizer for Sgd {
         self.config.lr = lr
     }
 }
+
+impl ElementwiseOptimizer for Sgd {
+    fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    fn state(&self) -> OptimizerState {
+        let per_var = self
+            .momentum_buffers
+            .iter()
+            .map(|buf| {
+                buf.iter()
+                    .map(|b| (MOMENTUM_BUFFER.to_string(), b.clone()))
+                    .collect()
+            })
+            .collect();
+        OptimizerState {
+            scalars: Default::default(),
+            per_var,
+        }
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> crate::Result<()> {
+        let names: &[&str] = if self.config.momentum != 0.0 {
+            &[MOMENTUM_BUFFER]
+        } else {
+            &[]
+        };
+        let loaded = checked_state("Sgd", &self.vars, state, names, &[], |v| v.dtype())?;
+        self.momentum_buffers = loaded
+            .into_iter()
+            .map(|t| t.and_then(|t| t.into_iter().next()))
+            .collect();
+        Ok(())
+    }
+}
+
+/// The name of [`Sgd`]'s per-variable state.
+const MOMENTUM_BUFFER: &str = "momentum_buffer";
 
 #[cfg(test)]
 mod tests {
@@ -281,6 +323,68 @@ mod tests {
         assert_eq!(unused.to_vec1::<f32>()?, [5.0]);
         assert!(opt.momentum_buffers()[0].is_some());
         assert!(opt.momentum_buffers()[1].is_none());
+        Ok(())
+    }
+
+    #[test]
+    fn a_loaded_momentum_buffer_continues_bit_for_bit() -> candle_core::Result<()> {
+        let c = SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            dampening: 0.1,
+            weight_decay: 0.01,
+            ..Default::default()
+        };
+        let loss = |p: &Var| (p.as_tensor().powf(3.0)? - p.as_tensor())?.sum_all();
+        let p = Var::new(&[0.7f32, -1.3, 2.0], &Device::Cpu)?;
+        let mut opt = Sgd::new(vec![p.clone()], c)?;
+        for _ in 0..3 {
+            opt.backward_step(&loss(&p)?)?;
+        }
+        let state = opt.state();
+        assert_eq!(
+            state.per_var[0].keys().collect::<Vec<_>>(),
+            ["momentum_buffer"]
+        );
+        let resumed = Var::from_tensor(&p.as_tensor().copy()?)?;
+        let mut fresh = Sgd::new(vec![resumed.clone()], c)?;
+        fresh.load_state(&state).map_err(Error::into_candle)?;
+        for _ in 0..4 {
+            opt.backward_step(&loss(&p)?)?;
+            fresh.backward_step(&loss(&resumed)?)?;
+        }
+        assert_eq!(p.to_vec1::<f32>()?, resumed.to_vec1::<f32>()?);
+        Ok(())
+    }
+
+    #[test]
+    fn a_momentum_buffer_of_another_shape_is_refused() -> candle_core::Result<()> {
+        let c = SgdConfig {
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let mut opt = Sgd::new(vec![Var::new(&[0f32; 3], &Device::Cpu)?], c)?;
+        let mut state = OptimizerState {
+            per_var: vec![Default::default()],
+            ..Default::default()
+        };
+        state.per_var[0].insert(
+            MOMENTUM_BUFFER.into(),
+            Tensor::zeros((3, 1), candle_core::DType::F32, &Device::Cpu)?,
+        );
+        let err = opt.load_state(&state).unwrap_err();
+        assert!(
+            matches!(&err, Error::OptimizerStateShape { variable: 0, state, expected, found, .. }
+                if *state == "momentum_buffer" && expected == &[3] && found == &[3, 1]),
+            "{err}"
+        );
+        // Without momentum there is no buffer to load.
+        let mut plain = Sgd::new(
+            vec![Var::new(&[0f32; 3], &Device::Cpu)?],
+            Default::default(),
+        )?;
+        let err = plain.load_state(&state).unwrap_err().to_string();
+        assert!(err.contains("momentum_buffer"), "{err}");
         Ok(())
     }
 
