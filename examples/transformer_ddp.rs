@@ -20,19 +20,35 @@
 //! with the same global batch (`--batch-size` times N times K) take the same steps and print the
 //! same losses, to float noise.
 //!
+//! `--sharding` chooses what each rank keeps: everything (`none`, DDP), a shard of the gradients
+//! and optimizer state (`zero2`, ZeRO-2 inside DDP), or a shard of the parameters too (`full`,
+//! FullyShardedDataParallel, each block a unit). The training loop is the same for all three.
+//! The run ends with `memory per rank: parameters P MiB, gradients G MiB, optimizer O MiB, peak
+//! RSS R MiB`, each the largest over the ranks. `--memory-budget MIB` checks first that what a
+//! rank keeps (parameters, gradients, AdamW's two moments) fits: on 4 ranks,
+//!
+//!     cargo run --release --example transformer_ddp -- --nproc 4 --sharding full \
+//!         --layers 8 --dim 256 --memory-budget 40 --epochs 1 --train-size 1024
+//!
+//! trains a model whose unsharded AdamW state (97 MiB) would not fit 40 MiB per rank.
+//!
 //! For `scripts/torch_transformer_bench.py`: `--dump-step FILE` writes the initial weights, one
 //! batch, its loss and every gradient, and exits; `--time-steps N` times N training steps.
 
 use anyhow::{Context, Result};
+use candle_core::backprop::GradStore;
+use candle_core::Var;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
-use candle_parallel::ddp::{Compression, DdpConfig};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
+use candle_parallel::ddp::{Compression, DdpConfig, NoSync, Sharding};
 use candle_parallel::devices::gpu_count;
 use candle_parallel::distributed::{ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::launch::{self, LaunchConfig};
+use candle_parallel::memory::{self, MemoryReport};
+use candle_parallel::optim::{AdamW, AdamWConfig};
 use candle_parallel::sampler::{DistributedSampler, SamplerConfig};
-use candle_parallel::{checkpoint, DistributedDataParallel};
+use candle_parallel::{checkpoint, DistributedDataParallel, FsdpConfig, FullyShardedDataParallel};
 use clap::{Parser, ValueEnum};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -91,6 +107,14 @@ struct Args {
     /// How gradients travel between processes.
     #[arg(long, value_enum, default_value_t = Compress::None)]
     compression: Compress,
+    /// What each rank keeps: everything (DDP), a shard of the gradients and optimizer state
+    /// (ZeRO-2), or a shard of the parameters too (fully sharded, each block a unit).
+    #[arg(long, value_enum, default_value_t = ShardingArg::None)]
+    sharding: ShardingArg,
+    /// Per-rank memory budget in MiB for what training keeps (parameters, gradients and AdamW's
+    /// two moments): checked before training, which stops when the chosen sharding does not fit.
+    #[arg(long)]
+    memory_budget: Option<f64>,
     /// Processes to spawn when not started by candle-run, torchrun or srun (then this process
     /// is one rank of the job they started).
     #[arg(long, default_value_t = 1)]
@@ -110,6 +134,13 @@ struct Args {
     /// and exit.
     #[arg(long)]
     time_steps: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ShardingArg {
+    None,
+    Zero2,
+    Full,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -139,6 +170,10 @@ fn main() -> Result<()> {
         args.warmup
     );
     args.config().check().map_err(anyhow::Error::msg)?;
+    anyhow::ensure!(
+        args.accumulate == 1 || args.sharding != ShardingArg::Full,
+        "--accumulate needs no_sync, which --sharding full does not have: use --accumulate 1"
+    );
     // Rank 0 alone prints, so the ranks' lines need no prefix.
     let config = LaunchConfig {
         nproc_per_node: args.nproc,
@@ -168,11 +203,11 @@ impl Args {
         }
     }
 
-    fn adamw(&self) -> ParamsAdamW {
-        ParamsAdamW {
+    fn adamw(&self) -> AdamWConfig {
+        AdamWConfig {
             lr: self.lr,
             weight_decay: self.weight_decay,
-            ..ParamsAdamW::default()
+            ..AdamWConfig::default()
         }
     }
 }
@@ -228,15 +263,8 @@ fn rank_main(args: &Args) -> Result<()> {
             args.batch_size * world * args.accumulate
         );
     }
-    let varmap = VarMap::new();
-    let build = move |vb: VarBuilder| Transformer::new(config, vb);
-    // Seeded initial weights; DDP makes every rank take rank 0's anyway.
-    build(seeded_var_builder(&varmap, args.seed, DType::F32, &device))?;
-    let ddp_config = DdpConfig {
-        compression: args.compression(),
-        ..DdpConfig::default()
-    };
-    let model = DistributedDataParallel::with_config(&varmap, &pg, &device, ddp_config, build)?;
+    check_budget(args, config.parameters(), world, rank)?;
+    let model = Model::new(args, &pg, &device)?;
     let mut opt = AdamW::new(model.parameters(), args.adamw())?;
     let options = SamplerConfig {
         seed: args.seed,
@@ -248,7 +276,10 @@ fn rank_main(args: &Args) -> Result<()> {
             world == 1,
             "--dump-step writes one process's step: drop --nproc"
         );
-        return dump_step(&model, &train, &sampler, args, path, &device);
+        let Model::Ddp(model) = &model else {
+            anyhow::bail!("--dump-step writes a DDP step: drop --sharding");
+        };
+        return dump_step(model, &train, &sampler, args, path, &device);
     }
 
     let micro = args.batch_size;
@@ -300,11 +331,37 @@ fn rank_main(args: &Args) -> Result<()> {
     }
     if rank == 0 {
         println!("Finished in {:.1}s", started.elapsed().as_secs_f64());
-        if let Some(path) = &args.save {
-            checkpoint::save_varmap(model.varmap(), path)
+    }
+    if let Some(path) = &args.save {
+        // Every rank takes part in gathering the weights; rank 0 writes them.
+        let weights = model.full_weights()?;
+        if rank == 0 {
+            checkpoint::save(&weights, path)
                 .with_context(|| format!("saving the model to {}", path.display()))?;
             println!("Saved the model to {}", path.display());
         }
+    }
+    let report = MemoryReport {
+        optimizer: memory::optimizer_state_bytes(&opt),
+        ..model.memory_report()
+    };
+    let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
+    let mine = [
+        report.parameters,
+        report.gradients,
+        report.optimizer,
+        report.peak_rss.unwrap_or(0),
+    ]
+    .map(|b| mib(b));
+    let most = pg
+        .all_reduce(&Tensor::new(&mine, &device)?, ReduceOp::Max)?
+        .to_vec1::<f64>()?;
+    if rank == 0 {
+        println!(
+            "memory per rank: parameters {:.2} MiB, gradients {:.2} MiB, optimizer {:.2} MiB, \
+             peak RSS {:.1} MiB",
+            most[0], most[1], most[2], most[3]
+        );
     }
     // Nobody leaves before rank 0 has saved.
     pg.barrier()?;
@@ -317,8 +374,156 @@ fn all_reduce_mean(pg: &ProcessGroup, value: f64, device: &Device) -> Result<f64
     Ok(pg.all_reduce(&t, ReduceOp::Avg)?.to_vec1::<f64>()?[0])
 }
 
-/// The DDP model in evaluation mode, for code written against `Module`.
-struct Eval<'a>(&'a DistributedDataParallel<Transformer>);
+/// The model under the chosen sharding: DDP (none, ZeRO-2) or fully sharded. The training loop
+/// is the same for each.
+enum Model {
+    Ddp(DistributedDataParallel<Transformer>),
+    Full(FullyShardedDataParallel<Transformer>),
+}
+
+impl Model {
+    fn new(args: &Args, pg: &ProcessGroup, device: &Device) -> Result<Self> {
+        let config = args.config();
+        let build = move |vb: VarBuilder| Transformer::new(config, vb);
+        let varmap = VarMap::new();
+        if args.sharding == ShardingArg::Full {
+            // The same seeded weights, created unit by unit: no rank ever holds the whole model.
+            let fsdp = FsdpConfig {
+                seed: Some(args.seed),
+                ..FsdpConfig::default()
+            };
+            return Ok(Self::Full(FullyShardedDataParallel::with_config(
+                &varmap, pg, device, fsdp, build,
+            )?));
+        }
+        // Seeded initial weights; DDP makes every rank take rank 0's anyway.
+        build(seeded_var_builder(&varmap, args.seed, DType::F32, device))?;
+        let ddp_config = DdpConfig {
+            compression: args.compression(),
+            sharding: match args.sharding {
+                ShardingArg::Zero2 => Sharding::Zero2,
+                _ => Sharding::None,
+            },
+            ..DdpConfig::default()
+        };
+        Ok(Self::Ddp(DistributedDataParallel::with_config(
+            &varmap, pg, device, ddp_config, build,
+        )?))
+    }
+
+    fn parameters(&self) -> Vec<Var> {
+        match self {
+            Self::Ddp(m) => m.parameters(),
+            Self::Full(m) => m.parameters(),
+        }
+    }
+
+    fn forward_t(&self, xs: &Tensor, train: bool) -> candle_parallel::Result<Tensor> {
+        match self {
+            Self::Ddp(m) => m.forward_t(xs, train),
+            Self::Full(m) => m.forward_t(xs, train),
+        }
+    }
+
+    fn backward(&self, loss: &Tensor) -> candle_parallel::Result<GradStore> {
+        match self {
+            Self::Ddp(m) => m.backward(loss),
+            Self::Full(m) => m.backward(loss),
+        }
+    }
+
+    /// Local gradient accumulation (DDP only: `main` refuses --accumulate with full sharding).
+    fn no_sync(&self) -> Option<NoSync<'_>> {
+        match self {
+            Self::Ddp(m) => Some(m.no_sync()),
+            Self::Full(_) => None,
+        }
+    }
+
+    /// Every weight by name, whole (every rank must call it).
+    fn full_weights(&self) -> Result<HashMap<String, Tensor>> {
+        Ok(match self {
+            Self::Ddp(m) => {
+                m.gather_parameters()?;
+                m.named_parameters()
+                    .into_iter()
+                    .map(|(n, v)| (n, v.as_tensor().clone()))
+                    .collect()
+            }
+            Self::Full(m) => m.full_parameters()?.into_iter().collect(),
+        })
+    }
+
+    /// What this rank keeps for the parameters and gradients, and its peak memory.
+    fn memory_report(&self) -> MemoryReport {
+        match self {
+            Self::Full(m) => m.memory_report(),
+            Self::Ddp(m) => {
+                let full =
+                    memory::tensor_bytes(m.named_parameters().iter().map(|(_, v)| v.as_tensor()));
+                // Under ZeRO-2 the optimizer steps shards of their own, beside the model's
+                // full parameters; the gradients it gets are the shards'.
+                let stepped = memory::tensor_bytes(m.parameters().iter().map(|v| v.as_tensor()));
+                let sharded = stepped != full;
+                MemoryReport {
+                    parameters: if sharded { full + stepped } else { full },
+                    gradients: stepped,
+                    optimizer: 0,
+                    peak_rss: memory::peak_rss_bytes(),
+                }
+            }
+        }
+    }
+}
+
+/// What a rank keeps for training, in bytes, by sharding: parameters, gradients and AdamW's two
+/// moments, f32, for `n` parameters over `world` ranks.
+fn kept_bytes(sharding: ShardingArg, n: usize, world: usize) -> f64 {
+    let (n, world) = (n as f64 * 4.0, world as f64);
+    match sharding {
+        ShardingArg::None => 4.0 * n,
+        ShardingArg::Zero2 => n + 3.0 * n / world,
+        ShardingArg::Full => 4.0 * n / world,
+    }
+}
+
+/// Checks `--memory-budget` against what each sharding keeps per rank, says so (rank 0), and
+/// fails when the chosen one does not fit.
+fn check_budget(args: &Args, parameters: usize, world: usize, rank: usize) -> Result<()> {
+    let Some(budget) = args.memory_budget else {
+        return Ok(());
+    };
+    let mib = |b: f64| b / (1 << 20) as f64;
+    let unsharded = mib(kept_bytes(ShardingArg::None, parameters, 1));
+    let chosen = mib(kept_bytes(args.sharding, parameters, world));
+    let fits = |need: f64| {
+        if need <= budget {
+            "fits"
+        } else {
+            "does not fit"
+        }
+    };
+    if rank == 0 {
+        println!(
+            "Memory budget {budget:.1} MiB per rank: the full AdamW state (parameters, gradients, \
+             2 moments) takes {unsharded:.1} MiB and {}; with --sharding {:?} over {world} \
+             ranks each keeps {chosen:.1} MiB, which {}",
+            fits(unsharded),
+            args.sharding,
+            fits(chosen)
+        );
+    }
+    anyhow::ensure!(
+        chosen <= budget,
+        "--sharding {:?} keeps {chosen:.1} MiB per rank, over the --memory-budget of {budget:.1} \
+         MiB: shard more (--sharding full), or use more ranks",
+        args.sharding
+    );
+    Ok(())
+}
+
+/// The model in evaluation mode, for code written against `Module`.
+struct Eval<'a>(&'a Model);
 
 impl Module for Eval<'_> {
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
@@ -331,7 +536,7 @@ impl Module for Eval<'_> {
 /// How many held-out samples the model sorts exactly, and how many there are: each rank
 /// decodes every `world`-th sample (none twice), and the counts are all-reduced.
 fn evaluate(
-    model: &DistributedDataParallel<Transformer>,
+    model: &Model,
     pg: &ProcessGroup,
     test: &SortTask,
     device: &Device,

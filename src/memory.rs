@@ -86,3 +86,10 @@ pub fn tensor_bytes<'a>(tensors: impl IntoIterator<Item = &'a candle_core::Tenso
         .map(|t| t.elem_count() * t.dtype().size_in_bytes())
         .sum()
 }
+
+/// The bytes of an optimizer's state: every per-variable state tensor (momentum buffers,
+/// AdamW's moments) of [`crate::optim::ElementwiseOptimizer::state`].
+pub fn optimizer_state_bytes(optimizer: &impl crate::optim::ElementwiseOptimizer) -> usize {
+    let state = optimizer.state();
+    tensor_bytes(state.per_var.iter().flat_map(|m| m.values()))
+}

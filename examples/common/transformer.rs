@@ -12,6 +12,7 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear, Embedding, Linear, VarBuilder};
+use candle_parallel::fsdp::{self, Unit};
 use candle_parallel::nn::ops::softmax_last_dim;
 use candle_parallel::nn::{layer_norm, LayerNorm};
 use candle_parallel::rng::Rng;
@@ -131,7 +132,9 @@ impl Block {
 pub struct Transformer {
     tok_emb: Embedding,
     pos_emb: Embedding,
-    blocks: Vec<Block>,
+    /// Each block is a unit of fully sharded training (gathered, used and freed on its own);
+    /// anywhere else a unit is just the block.
+    blocks: Vec<Unit<Block>>,
     ln_f: LayerNorm,
     head: Linear,
     max_len: usize,
@@ -142,8 +145,13 @@ impl Transformer {
     /// `h.{i}.{ln1,attn.qkv,attn.proj,ln2,mlp.fc1,mlp.fc2}.{weight,bias}`, `ln_f.*`, `head.*`.
     pub fn new(config: Config, vb: VarBuilder) -> Result<Self> {
         config.check().map_err(candle_core::Error::msg)?;
+        let (dim, heads) = (config.dim, config.heads);
         let blocks = (0..config.layers)
-            .map(|i| Block::new(config.dim, config.heads, vb.pp(format!("h.{i}"))))
+            .map(|i| {
+                fsdp::unit(vb.pp(format!("h.{i}")), move |vb| {
+                    Block::new(dim, heads, vb)
+                })
+            })
             .collect::<Result<_>>()?;
         Ok(Self {
             tok_emb: embedding(config.vocab, config.dim, vb.pp("tok_emb"))?,
@@ -185,7 +193,8 @@ impl Module for Transformer {
             .broadcast_add(&positions.apply(&self.pos_emb)?)?;
         let mask = causal_mask(t, tokens.device())?;
         for block in &self.blocks {
-            x = block.forward(&x, &mask)?;
+            let mask = mask.clone();
+            x = block.forward_with(&x, move |b, x| b.forward(x, &mask))?;
         }
         x.apply(&self.ln_f)?.apply(&self.head)
     }
