@@ -143,6 +143,16 @@ enum ShardingArg {
     Full,
 }
 
+impl std::fmt::Display for ShardingArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::None => "none",
+            Self::Zero2 => "zero2",
+            Self::Full => "full",
+        })
+    }
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Compress {
     None,
@@ -505,9 +515,9 @@ fn check_budget(args: &Args, parameters: usize, world: usize, rank: usize) -> Re
     };
     if rank == 0 {
         println!(
-            "Memory budget {budget:.1} MiB per rank: the full AdamW state (parameters, gradients, \
-             2 moments) takes {unsharded:.1} MiB and {}; with --sharding {:?} over {world} \
-             ranks each keeps {chosen:.1} MiB, which {}",
+            "Memory budget {budget:.2} MiB per rank: the full AdamW state (parameters, gradients, \
+             2 moments) takes {unsharded:.2} MiB and {}; with --sharding {} over {world} \
+             ranks each keeps {chosen:.2} MiB, which {}",
             fits(unsharded),
             args.sharding,
             fits(chosen)
@@ -515,7 +525,7 @@ fn check_budget(args: &Args, parameters: usize, world: usize, rank: usize) -> Re
     }
     anyhow::ensure!(
         chosen <= budget,
-        "--sharding {:?} keeps {chosen:.1} MiB per rank, over the --memory-budget of {budget:.1} \
+        "--sharding {} keeps {chosen:.2} MiB per rank, over the --memory-budget of {budget:.2} \
          MiB: shard more (--sharding full), or use more ranks",
         args.sharding
     );

@@ -187,3 +187,69 @@ fn a_width_that_heads_do_not_divide_is_an_error_naming_the_flags() {
         "{err}"
     );
 }
+
+/// The numbers of the run's last line, `memory per rank: parameters P MiB, gradients G MiB,
+/// optimizer O MiB, peak RSS R MiB`.
+fn memory_line(out: &str) -> [f64; 4] {
+    let line = out
+        .lines()
+        .find_map(|l| l.strip_prefix("memory per rank: "))
+        .unwrap_or_else(|| panic!("no memory line:\n{out}"));
+    let values: Vec<f64> = line
+        .split(", ")
+        .map(|part| {
+            let words: Vec<&str> = part.split(' ').collect();
+            words[words.len() - 2].parse().unwrap()
+        })
+        .collect();
+    values.try_into().unwrap()
+}
+
+#[test]
+fn fully_sharded_takes_the_steps_of_ddp_and_keeps_a_shard_of_the_state() {
+    let ddp = epochs(&["--nproc", "2", "--batch-size", "16"]);
+    let full = epochs(&["--nproc", "2", "--batch-size", "16", "--sharding", "full"]);
+    assert_same_steps(&ddp, &full);
+    let (d, f) = (memory_line(&ddp.2), memory_line(&full.2));
+    // Parameters, gradients and AdamW's moments: each rank keeps about half.
+    for i in 0..3 {
+        assert!(
+            (f[i] - d[i] / 2.0).abs() <= 0.01 * d[i] + 0.01,
+            "memory column {i}: {} with full sharding, {} without:\n{}",
+            f[i],
+            d[i],
+            full.2
+        );
+    }
+    assert!(f[3] > 0.0, "no peak RSS:\n{}", full.2);
+}
+
+#[test]
+fn a_memory_budget_that_only_full_sharding_fits_is_checked_and_said() {
+    // 13,739 parameters: 0.21 MiB of AdamW state unsharded, 0.10 MiB per rank over 2.
+    let args = [
+        "--nproc",
+        "2",
+        "--batch-size",
+        "16",
+        "--memory-budget",
+        "0.15",
+    ];
+    let mut cmd = Command::new(common::example("transformer_ddp"));
+    cmd.args(SMALL).args(args);
+    let out = common::run(cmd, Duration::from_secs(120));
+    assert!(!out.status.success(), "DDP ran over its budget");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("over the --memory-budget of 0.15 MiB"),
+        "{err}"
+    );
+    let (_, _, out) = epochs(&[&args[..], &["--sharding", "full"]].concat());
+    assert!(
+        out.contains(
+            "takes 0.21 MiB and does not fit; with --sharding full over 2 ranks each keeps 0.10 MiB, \
+             which fits"
+        ),
+        "{out}"
+    );
+}
