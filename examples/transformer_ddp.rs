@@ -362,7 +362,7 @@ fn rank_main(args: &Args) -> Result<()> {
         report.optimizer,
         report.peak_rss.unwrap_or(0),
     ]
-    .map(|b| mib(b));
+    .map(mib);
     let most = pg
         .all_reduce(&Tensor::new(&mine, &device)?, ReduceOp::Max)?
         .to_vec1::<f64>()?;
