@@ -18,6 +18,9 @@ use std::sync::{Arc, Mutex};
 /// The name of the parameters outside every unit, in messages.
 pub(crate) const ROOT: &str = "(root)";
 
+/// The name of a unit built at the root of the `VarBuilder`, in messages.
+pub(crate) const UNPREFIXED: &str = "(unprefixed)";
+
 /// What every flat parameter of one wrapper shares: its group, and the iteration under way.
 pub(crate) struct Shared {
     pub group: ProcessGroup,
@@ -258,7 +261,7 @@ impl FlatParam {
     /// A `VarBuilder` at the unit's prefix serving `tensors` (full, in flat order) under the
     /// variables' names: what the unit's constructor is given at each use.
     pub fn var_builder(&self, tensors: Vec<Tensor>) -> candle_nn::VarBuilder<'static> {
-        let prefix = if self.id == 0 || self.name == super::unit::UNPREFIXED {
+        let prefix = if self.id == 0 || self.name == UNPREFIXED {
             ""
         } else {
             self.name.as_str()

@@ -9,11 +9,14 @@
 //! reduce-scatter still in flight, which `FullyShardedDataParallel::backward` waits for.
 
 use super::flat_param::FlatParam;
-use super::unit::Run;
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
 use candle_core::{CpuStorage, Layout, Shape, Storage, Tensor, Var};
 use std::sync::{Arc, Mutex};
+
+/// Builds a unit's module over a `VarBuilder` and runs it on an input.
+pub(crate) type Run =
+    Arc<dyn Fn(candle_nn::VarBuilder, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
 
 /// The op that puts a unit's output into the graph (see the [module documentation](self)).
 pub(crate) struct UnitOp {

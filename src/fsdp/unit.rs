@@ -8,8 +8,8 @@
 //! model definition serves every way of training.
 
 use super::backend::{Recording, Source};
-use super::flat_param::{FlatParam, Shared};
-use super::op::UnitOp;
+use super::flat_param::{FlatParam, Shared, UNPREFIXED};
+use super::op::{Run, UnitOp};
 use crate::error::{Error, Result};
 use candle_core::{Module, ModuleT, Tensor};
 use candle_nn::VarBuilder;
@@ -18,9 +18,6 @@ use std::sync::Arc;
 
 /// Builds a unit's module from a `VarBuilder`.
 type Build<M> = Arc<dyn Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync>;
-
-/// Builds a unit's module over a `VarBuilder` and runs it on an input.
-pub(crate) type Run = Arc<dyn Fn(VarBuilder, &Tensor) -> candle_core::Result<Tensor> + Send + Sync>;
 
 /// A part of a model that FullyShardedDataParallel shards as one (see [`unit`]).
 pub struct Unit<M> {
@@ -129,9 +126,6 @@ where
         }
     }
 }
-
-/// The name of a unit built at the root of the `VarBuilder`.
-pub(crate) const UNPREFIXED: &str = "(unprefixed)";
 
 /// A unit's name in messages: its prefix, or [`UNPREFIXED`].
 fn unit_name(prefix: &str) -> &str {
