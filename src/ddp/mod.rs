@@ -58,6 +58,8 @@
 
 pub mod bucket;
 
+mod checkpoint;
+
 pub mod unused;
 
 mod agreement;
