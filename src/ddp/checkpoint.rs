@@ -40,7 +40,9 @@ impl<M> DistributedDataParallel<M> {
             0 => crate::checkpoint::save(&tensors, path),
             _ => Ok(()),
         };
-        self.agree_on(written, || format!("rank 0 could not write {}", path.display()))
+        self.agree_on(written, || {
+            format!("rank 0 could not write {}", path.display())
+        })
     }
 
     /// Loads a file written by [`save_checkpoint`](Self::save_checkpoint) (at any world size,
@@ -53,13 +55,12 @@ impl<M> DistributedDataParallel<M> {
         path: impl AsRef<Path>,
     ) -> Result<()> {
         let path = path.as_ref();
-        let tensors = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| {
-            Error::Checkpoint {
+        let tensors =
+            candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| Error::Checkpoint {
                 key: String::new(),
                 path: path.to_path_buf(),
                 detail: format!("cannot read it: {e}"),
-            }
-        })?;
+            })?;
         self.apply(opt, &tensors, path)
     }
 
@@ -82,7 +83,9 @@ impl<M> DistributedDataParallel<M> {
                 source,
             })
             .and_then(|()| self.my_share(opt))
-            .and_then(|tensors| crate::checkpoint::save(&tensors, dir.join(file_name(rank, world))));
+            .and_then(|tensors| {
+                crate::checkpoint::save(&tensors, dir.join(file_name(rank, world)))
+            });
         self.agree_on(written, || {
             format!("a rank could not write its part into {}", dir.display())
         })
@@ -102,12 +105,13 @@ impl<M> DistributedDataParallel<M> {
         let mut whole: HashMap<String, Tensor> = HashMap::new();
         let mut parts: HashMap<String, Vec<(usize, Tensor)>> = HashMap::new();
         for file in &files {
-            let tensors =
-                candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| Error::Checkpoint {
+            let tensors = candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| {
+                Error::Checkpoint {
                     key: String::new(),
                     path: file.clone(),
                     detail: format!("cannot read it: {e}"),
-                })?;
+                }
+            })?;
             for (key, t) in tensors {
                 match key.rsplit_once('@').map(|(k, s)| (k, s.parse::<usize>())) {
                     Some((base, Ok(start))) => {
@@ -178,7 +182,10 @@ impl<M> DistributedDataParallel<M> {
         for (j, slot) in slots.iter().enumerate() {
             for (name, t) in &state.per_var[j] {
                 if !sharded {
-                    out.insert(format!("{STATE}{}.{name}", self.params[*slot].name), t.clone());
+                    out.insert(
+                        format!("{STATE}{}.{name}", self.params[*slot].name),
+                        t.clone(),
+                    );
                     continue;
                 }
                 let (layout, members) = &buckets[*slot];
@@ -211,7 +218,9 @@ impl<M> DistributedDataParallel<M> {
             let range = layout.shard_range(rank);
             // This rank's part of the bucket: the shard it holds, or cut from the whole.
             let mine = |whole: Vec<Tensor>| -> Result<Tensor> {
-                Ok(layout.flatten(&whole)?.narrow(0, range.start, range.len())?)
+                Ok(layout
+                    .flatten(&whole)?
+                    .narrow(0, range.start, range.len())?)
             };
             let value = match shards.get(b) {
                 Some(shard) => shard.as_tensor().clone(),
@@ -219,8 +228,15 @@ impl<M> DistributedDataParallel<M> {
             };
             let mut keyed = vec![(String::new(), value)];
             if sharded {
-                let j = slots.iter().position(|&s| s == b).ok_or_else(|| missing_shard(b))?;
-                keyed.extend(state.per_var[j].iter().map(|(n, t)| (format!(".{n}"), t.clone())));
+                let j = slots
+                    .iter()
+                    .position(|&s| s == b)
+                    .ok_or_else(|| missing_shard(b))?;
+                keyed.extend(
+                    state.per_var[j]
+                        .iter()
+                        .map(|(n, t)| (format!(".{n}"), t.clone())),
+                );
             } else {
                 // A state of a parameter the optimizer has not stepped yet is absent everywhere.
                 let names: Vec<String> = slots
@@ -273,9 +289,19 @@ impl<M> DistributedDataParallel<M> {
             path: path.to_path_buf(),
             detail,
         };
-        for (name, var) in lock(self.varmap.data()).iter() {
+        // Everything is checked before anything is written: a bad file leaves the model as it
+        // was.
+        let vars: Vec<(String, Var)> = lock(self.varmap.data())
+            .iter()
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+        let mut values = Vec::with_capacity(vars.len());
+        for (name, var) in &vars {
             let t = tensors.get(name).ok_or_else(|| {
-                missing(name, format!("no variable `{name}`: saved from another model?"))
+                missing(
+                    name,
+                    format!("no variable `{name}`: saved from another model?"),
+                )
             })?;
             if t.dims() != var.dims() {
                 return Err(missing(
@@ -287,19 +313,22 @@ impl<M> DistributedDataParallel<M> {
                     ),
                 ));
             }
-            var.set(&t.to_device(var.device())?.to_dtype(var.dtype())?)?;
+            values.push(t.to_device(var.device())?.to_dtype(var.dtype())?);
         }
-        self.reducer.recut_shards()?;
         // The optimizer's state: per parameter, by state name.
         let mut by_param: HashMap<&str, BTreeMap<String, Tensor>> = HashMap::new();
         let mut state = OptimizerState::default();
         for (key, t) in tensors {
             if let Some((param, name)) = key.strip_prefix(STATE).and_then(|k| k.rsplit_once('.')) {
-                by_param.entry(param).or_default().insert(name.to_string(), t.clone());
+                by_param
+                    .entry(param)
+                    .or_default()
+                    .insert(name.to_string(), t.clone());
             } else if let Some(scalar) = key.strip_prefix(SCALAR) {
-                let value = t.to_dtype(DType::F64)?.to_scalar::<f64>().map_err(|e| {
-                    missing(key, format!("`{key}` is not a scalar: {e}"))
-                })?;
+                let value = t
+                    .to_dtype(DType::F64)?
+                    .to_scalar::<f64>()
+                    .map_err(|e| missing(key, format!("`{key}` is not a scalar: {e}")))?;
                 state.scalars.insert(scalar.to_string(), value);
             }
         }
@@ -308,9 +337,11 @@ impl<M> DistributedDataParallel<M> {
         let sharded = !self.reducer.shard_vars().is_empty();
         for &slot in &self.optimizer_slots(opt)? {
             if !sharded {
-                state
-                    .per_var
-                    .push(by_param.remove(self.params[slot].name.as_str()).unwrap_or_default());
+                state.per_var.push(
+                    by_param
+                        .remove(self.params[slot].name.as_str())
+                        .unwrap_or_default(),
+                );
                 continue;
             }
             let (layout, members) = &buckets[slot];
@@ -325,25 +356,34 @@ impl<M> DistributedDataParallel<M> {
                     .iter()
                     .map(|&i| {
                         let p = &self.params[i].name;
-                        by_param.get(p.as_str()).and_then(|m| m.get(&name)).cloned().ok_or_else(
-                            || {
+                        by_param
+                            .get(p.as_str())
+                            .and_then(|m| m.get(&name))
+                            .cloned()
+                            .ok_or_else(|| {
                                 missing(
                                     &format!("{STATE}{p}.{name}"),
                                     format!(
                                         "no `{name}` for `{p}`, though other parameters have one"
                                     ),
                                 )
-                            },
-                        )
+                            })
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let range = layout.shard_range(rank);
-                let shard = layout.flatten(&whole)?.narrow(0, range.start, range.len())?;
+                let shard = layout
+                    .flatten(&whole)?
+                    .narrow(0, range.start, range.len())?;
                 map.insert(name, shard);
             }
             state.per_var.push(map);
         }
-        opt.load_state(&state)
+        // The optimizer checks its state before taking it; the variables cannot fail.
+        opt.load_state(&state)?;
+        for ((_, var), t) in vars.iter().zip(&values) {
+            var.set(t)?;
+        }
+        self.reducer.recut_shards()
     }
 
     /// For each of the optimizer's variables: the parameter it is (its index in `params`), or
