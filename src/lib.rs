@@ -21,6 +21,7 @@
 //! - [`optim`]: SGD and AdamW with PyTorch's semantics, and their state as tensors
 //!   ([`optim::OptimizerState`]) for checkpoints and sharding.
 //! - [`sampler`]: `DistributedSampler`, each rank's share of a dataset.
+//! - [`shard`]: flat shards, the layout ZeRO-2 and fully sharded training cut parameters by.
 //! - [`init`]: seeded, reproducible variable initialisation.
 //! - [`rng`]: a small seeded random generator that gives the same numbers everywhere.
 //! - [`checkpoint`]: saving variables as safetensors, atomically.
@@ -60,6 +61,7 @@ pub mod optim;
 pub mod parallel;
 pub mod rng;
 pub mod sampler;
+pub mod shard;
 mod util;
 
 pub use ddp::{vars_without_gradient, DdpConfig, DistributedDataParallel};

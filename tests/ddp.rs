@@ -11,96 +11,13 @@ use candle_parallel::ddp::{Compression, DdpConfig};
 use candle_parallel::distributed::{self, ProcessGroup};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
-use candle_parallel::rng::Rng;
 use candle_parallel::{DistributedDataParallel, Error};
+use common::models::{self, batch, max_diff, mlp, share, values, CLASSES, IN};
 use common::{done, is_child, join_child, max_abs_diff, Ranks};
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
-const IN: usize = 8;
-const CLASSES: usize = 4;
-const SGD: SgdConfig = SgdConfig {
-    lr: 0.05,
-    momentum: 0.9,
-    dampening: 0.0,
-    weight_decay: 0.0,
-    nesterov: false,
-    maximize: false,
-};
-
-/// A three-layer perceptron.
-struct Mlp {
-    l1: Linear,
-    l2: Linear,
-    l3: Linear,
-}
-
-fn mlp(vb: VarBuilder) -> candle_core::Result<Mlp> {
-    Ok(Mlp {
-        l1: linear(IN, 16, vb.pp("l1"))?,
-        l2: linear(16, 16, vb.pp("l2"))?,
-        l3: linear(16, CLASSES, vb.pp("l3"))?,
-    })
-}
-
-impl Module for Mlp {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.apply(&self.l1)?
-            .relu()?
-            .apply(&self.l2)?
-            .relu()?
-            .apply(&self.l3)
-    }
-}
-
-/// Step `step`'s whole batch of `rows` rows, the same on every rank.
-fn batch(step: usize, rows: usize) -> (Tensor, Tensor) {
-    let mut rng = Rng::new(1000 + step as u64);
-    let xs: Vec<f32> = (0..rows * IN).map(|_| rng.normal() as f32).collect();
-    let ys: Vec<u32> = (0..rows)
-        .map(|_| rng.below(CLASSES as u64) as u32)
-        .collect();
-    (
-        Tensor::from_vec(xs, (rows, IN), &Device::Cpu).unwrap(),
-        Tensor::from_vec(ys, rows, &Device::Cpu).unwrap(),
-    )
-}
-
-/// Rank `rank`'s share (rows `rank * per..`) of step `step`'s batch of `world * per` rows.
-fn share(step: usize, world: usize, per: usize, rank: usize) -> (Tensor, Tensor) {
-    let (x, y) = batch(step, world * per);
-    (
-        x.narrow(0, rank * per, per).unwrap(),
-        y.narrow(0, rank * per, per).unwrap(),
-    )
-}
-
-/// The variables of `varmap`, sorted by name, as flat f32 vectors.
-fn values(varmap: &VarMap) -> Vec<(String, Vec<f32>)> {
-    let mut all: Vec<(String, Vec<f32>)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| {
-            let flat = v.flatten_all().unwrap().to_dtype(DType::F32).unwrap();
-            (k.clone(), flat.to_vec1::<f32>().unwrap())
-        })
-        .collect();
-    all.sort_by(|a, b| a.0.cmp(&b.0));
-    all
-}
-
-fn max_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .flat_map(|((na, va), (nb, vb))| {
-            assert_eq!(na, nb);
-            va.iter().zip(vb).map(|(x, y)| (x - y).abs())
-        })
-        .fold(0.0, f32::max)
-}
+const SGD: SgdConfig = models::SGD;
 
 /// One process training on the whole batch of `world * per` rows for `steps` steps.
 fn reference(world: usize, per: usize, steps: usize) -> Vec<(String, Vec<f32>)> {

@@ -14,7 +14,15 @@ const LAYERS: &[&[&str]] = &[
     // Process groups, rendezvous, transports, collectives.
     &["distributed"],
     // Layers and training utilities.
-    &["nn", "optim", "init", "checkpoint", "memory", "sampler"],
+    &[
+        "nn",
+        "optim",
+        "init",
+        "checkpoint",
+        "memory",
+        "sampler",
+        "shard",
+    ],
     // The two wrappers.
     &["ddp", "parallel"],
     // Example support.

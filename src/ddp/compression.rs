@@ -41,4 +41,23 @@ impl Compression {
             }
         }
     }
+
+    /// Issues the average of the flat buffer `flat` over `group`'s world, of which this rank
+    /// gets its shard (a reduce-scatter), in the travelling dtype.
+    pub(crate) fn reduce_scatter_async(
+        self,
+        group: &ProcessGroup,
+        flat: &Tensor,
+    ) -> Result<Work<Tensor>> {
+        let world = group.world_size() as f64;
+        match self {
+            Compression::None => group.reduce_scatter_async(flat, ReduceOp::Avg),
+            Compression::Bf16 => {
+                group.reduce_scatter_async(&(flat / world)?.to_dtype(DType::BF16)?, ReduceOp::Sum)
+            }
+            Compression::F16 => {
+                group.reduce_scatter_async(&(flat / world)?.to_dtype(DType::F16)?, ReduceOp::Sum)
+            }
+        }
+    }
 }

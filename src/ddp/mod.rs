@@ -58,6 +58,8 @@
 
 pub mod bucket;
 
+mod checkpoint;
+
 pub mod unused;
 
 mod agreement;
@@ -65,22 +67,27 @@ mod compression;
 mod hook;
 mod integers;
 mod iteration;
+mod join;
 mod reducer;
+mod sharding;
 
 pub use compression::Compression;
+pub use join::JoinDivisor;
 pub use reducer::BackwardStats;
+pub use sharding::Sharding;
 pub use unused::{named_vars_without_gradient, vars_without_gradient, UnusedReport};
 
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::nn;
+use crate::util::sync::lock;
 use agreement::{broadcast_from_rank_0, check_same_model, travels};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 use hook::{Entry, Kind, Registry};
 use reducer::{Param, Reducer, Setup};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -116,6 +123,9 @@ pub struct DdpConfig {
     /// prefixes of a whole path component (`"encoder"` covers `"encoder.l1.weight"`, not
     /// `"encoder2.weight"`). Default: none.
     pub frozen_parameters: Vec<String>,
+    /// Whether each rank keeps every gradient and optimizer state (default) or its shard of
+    /// them (ZeRO-2). See [`Sharding`].
+    pub sharding: Sharding,
 }
 
 impl Default for DdpConfig {
@@ -133,6 +143,7 @@ impl Default for DdpConfig {
             sync_batch_norm: false,
             unused_report: UnusedReport::Warn,
             frozen_parameters: Vec::new(),
+            sharding: Sharding::None,
         }
     }
 }
@@ -167,6 +178,12 @@ pub struct DistributedDataParallel<M> {
     sync_groups: Vec<ProcessGroup>,
     /// Open `no_sync` guards.
     no_sync: AtomicUsize,
+    /// Under ZeRO-2: the shards may have changed since the parameters were last gathered.
+    stale: AtomicBool,
+    /// Inside `join`: how an iteration with joined ranks averages.
+    joining: std::sync::Mutex<Option<JoinDivisor>>,
+    /// Where the parameters live.
+    device: Device,
 }
 
 impl<M> DistributedDataParallel<M> {
@@ -270,7 +287,8 @@ impl<M> DistributedDataParallel<M> {
                 .iter()
                 .map(|e| unused::is_declared(&e.name, &config.frozen_parameters))
                 .collect(),
-        });
+            sharding: config.sharding,
+        })?;
         Ok(Self {
             module,
             varmap: varmap.clone(),
@@ -283,6 +301,9 @@ impl<M> DistributedDataParallel<M> {
             broadcast_buffers: config.broadcast_buffers,
             sync_groups,
             no_sync: AtomicUsize::new(0),
+            stale: AtomicBool::new(false),
+            joining: std::sync::Mutex::new(None),
+            device: device.clone(),
         })
     }
 
@@ -331,14 +352,38 @@ impl<M> DistributedDataParallel<M> {
         &self.varmap
     }
 
-    /// The trainable variables (buffers excluded), sorted by name: pass them to an optimizer.
+    /// What the optimizer steps: the trainable variables (buffers excluded), sorted by name;
+    /// under [`Sharding::Zero2`] this rank's shard of each bucket instead, in bucket order.
     pub fn parameters(&self) -> Vec<Var> {
-        self.sorted.iter().map(|(_, v)| v.clone()).collect()
+        match self.reducer.shard_vars() {
+            shards if !shards.is_empty() => shards,
+            _ => self.sorted.iter().map(|(_, v)| v.clone()).collect(),
+        }
     }
 
-    /// The names of [`DistributedDataParallel::parameters`], in the same order.
+    /// The names of [`DistributedDataParallel::parameters`], in the same order; under
+    /// [`Sharding::Zero2`], `zero2.bucket<b>` for bucket `b`'s shard.
     pub fn parameter_names(&self) -> Vec<String> {
-        self.sorted.iter().map(|(n, _)| n.clone()).collect()
+        match self.reducer.shard_vars().len() {
+            0 => self.sorted.iter().map(|(n, _)| n.clone()).collect(),
+            n => (0..n).map(|b| format!("zero2.bucket{b}")).collect(),
+        }
+    }
+
+    /// The model's trainable variables by name, sorted (whatever the sharding: under ZeRO-2
+    /// they hold the values of the last gather).
+    pub fn named_parameters(&self) -> Vec<(String, Var)> {
+        self.sorted.clone()
+    }
+
+    /// Under [`Sharding::Zero2`], puts every rank's updated shards together into the model's
+    /// parameters (an all-gather per bucket). Each forward does it when an optimizer step may
+    /// have changed the shards; call it on every rank before reading or saving the parameters
+    /// otherwise. Does nothing without sharding.
+    pub fn gather_parameters(&self) -> Result<()> {
+        self.reducer.gather_parameters()?;
+        self.stale.store(false, Ordering::SeqCst);
+        Ok(())
     }
 
     /// DDP's own process group (a second group over the same ranks as the one given).
@@ -408,12 +453,30 @@ impl<M> DistributedDataParallel<M> {
         for group in &self.sync_groups {
             nn::finish_backward(group)?;
         }
+        let synchronised = self.no_sync.load(Ordering::SeqCst) == 0;
         self.reducer.finalize_backward(&mut grads, started)?;
+        if synchronised {
+            // The optimizer steps the shards next.
+            self.stale.store(true, Ordering::SeqCst);
+        }
         Ok(grads)
     }
 }
 
 impl<M> DistributedDataParallel<M> {
+    /// What every forward does before the model runs (and a joined rank's shadow of it): take
+    /// rank 0's buffers in training, gather the shards after a step (ZeRO-2), and refresh the
+    /// model's parameter copies.
+    fn before_forward(&self, train: bool) -> Result<()> {
+        if train && self.broadcast_buffers {
+            self.sync_buffers()?;
+        }
+        if self.stale.load(Ordering::SeqCst) {
+            self.gather_parameters()?;
+        }
+        self.refresh_copies()
+    }
+
     /// Overwrites this rank's buffers (BatchNorm's running statistics) with rank 0's, on every
     /// rank: what each training forward does first (unless `broadcast_buffers` is off). Call it
     /// before evaluating or saving on every rank, for every rank to hold rank 0's statistics.
@@ -433,10 +496,11 @@ impl<M: ModuleT> DistributedDataParallel<M> {
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
         self.reducer
             .prepare_for_backward(self.no_sync.load(Ordering::SeqCst) == 0)?;
-        if train && self.broadcast_buffers {
-            self.sync_buffers()?;
+        let joining = *lock(&self.joining);
+        if let Some(divisor) = joining {
+            self.join_iteration(divisor, train)?;
         }
-        self.refresh_copies()?;
+        self.before_forward(train)?;
         Ok(self.module.forward_t(xs, train)?)
     }
 }

@@ -30,8 +30,10 @@ use super::compression::Compression;
 use super::integers;
 use super::iteration::{Iteration, Phase};
 use super::unused::{describe, UnusedReport};
+use super::Sharding;
 use crate::distributed::{ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
+use crate::shard::FlatLayout;
 use crate::util::sync::lock;
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
@@ -65,6 +67,9 @@ pub(crate) struct Setup {
     pub unused_report: UnusedReport,
     /// Per parameter: declared frozen, so never reported.
     pub frozen: Vec<bool>,
+    /// Whether gradients are all-reduced (every rank keeps them all) or reduce-scattered
+    /// (each rank keeps its shard of each bucket).
+    pub sharding: Sharding,
 }
 
 /// Timings of the last synchronised backward (for benchmarks).
@@ -89,6 +94,8 @@ struct Layout {
     buckets: Vec<Vec<usize>>,
     /// Per parameter, its bucket.
     bucket_of: Vec<usize>,
+    /// Per bucket, its parameters laid end to end and cut into one shard per rank.
+    flat: Vec<FlatLayout>,
 }
 
 impl Layout {
@@ -109,7 +116,22 @@ impl Layout {
                 bucket_of[i] = b;
             }
         }
-        Self { buckets, bucket_of }
+        let world = setup.group.world_size();
+        let flat = buckets
+            .iter()
+            .map(|members| {
+                let numels: Vec<usize> = members
+                    .iter()
+                    .map(|&i| setup.params[i].var.elem_count())
+                    .collect();
+                FlatLayout::new(&numels, world)
+            })
+            .collect();
+        Self {
+            buckets,
+            bucket_of,
+            flat,
+        }
     }
 }
 
@@ -128,6 +150,11 @@ struct State {
     unused: Vec<usize>,
     /// The sets of such parameters reported so far (each once).
     reported: HashSet<Vec<usize>>,
+    /// Under ZeRO-2, this rank's shard of each bucket's parameters, which the optimizer steps.
+    shards: Vec<Var>,
+    /// What the world's average is multiplied by in the next synchronised backward (under
+    /// `join`, world / active ranks, to average over the ranks still training).
+    scale: f64,
 }
 
 /// The reducer. Made empty, so that the model's `GradReady` ops can point at it while the
@@ -138,10 +165,15 @@ pub(crate) struct Reducer {
 }
 
 impl Reducer {
-    /// Gives the reducer its parameters and their initial buckets.
-    pub fn configure(&self, setup: Setup) {
+    /// Gives the reducer its parameters and their initial buckets; under ZeRO-2 cuts this
+    /// rank's shards from the parameters' current values.
+    pub fn configure(&self, setup: Setup) -> Result<()> {
         let layout = Layout::new(&setup, &setup.expected_order);
         let n = setup.params.len();
+        let shards = match setup.sharding {
+            Sharding::None => Vec::new(),
+            Sharding::Zero2 => cut_shards(&setup, &layout)?,
+        };
         *lock(&self.state) = Some(State {
             setup,
             layout,
@@ -151,7 +183,91 @@ impl Reducer {
             stats: BackwardStats::default(),
             unused: Vec::new(),
             reported: HashSet::new(),
+            shards,
+            scale: 1.0,
         });
+        Ok(())
+    }
+
+    /// Multiplies the averages of the next synchronised backward by `scale` (1 after it).
+    pub fn scale_next_average(&self, scale: f64) {
+        if let Some(st) = lock(&self.state).as_mut() {
+            st.scale = scale;
+        }
+    }
+
+    /// Under ZeRO-2, this rank's shard of each bucket, in bucket order; empty otherwise.
+    pub fn shard_vars(&self) -> Vec<Var> {
+        lock(&self.state)
+            .as_ref()
+            .map(|st| st.shards.clone())
+            .unwrap_or_default()
+    }
+
+    /// Each bucket's flat layout and its parameters' indices, in bucket order.
+    pub fn flat_buckets(&self) -> Vec<(FlatLayout, Vec<usize>)> {
+        let guard = lock(&self.state);
+        let Some(st) = guard.as_ref() else {
+            return Vec::new();
+        };
+        st.layout
+            .flat
+            .iter()
+            .cloned()
+            .zip(st.layout.buckets.iter().cloned())
+            .collect()
+    }
+
+    /// Under ZeRO-2, cuts this rank's shards again from the parameters' current values (after
+    /// they were loaded); does nothing without sharding.
+    pub fn recut_shards(&self) -> Result<()> {
+        let guard = lock(&self.state);
+        let Some(st) = guard.as_ref().filter(|st| !st.shards.is_empty()) else {
+            return Ok(());
+        };
+        for (shard, cut) in st.shards.iter().zip(cut_shards(&st.setup, &st.layout)?) {
+            shard.set(cut.as_tensor())?;
+        }
+        Ok(())
+    }
+
+    /// Under ZeRO-2, puts every rank's shards together into the parameters: one all-gather per
+    /// bucket, all issued before the first is waited for, so that they follow each other on
+    /// the backend's thread. Every rank must call it. Does nothing without sharding.
+    pub fn gather_parameters(&self) -> Result<()> {
+        let guard = lock(&self.state);
+        let Some(st) = guard.as_ref().filter(|st| !st.shards.is_empty()) else {
+            return Ok(());
+        };
+        let group = &st.setup.group;
+        let works = st
+            .shards
+            .iter()
+            .map(|s| {
+                if group.world_size() == 1 {
+                    return Ok(None);
+                }
+                group.all_gather_async(s.as_tensor()).map(Some)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (b, work) in works.into_iter().enumerate() {
+            let flat = match work {
+                Some(work) => Tensor::cat(&work.wait()?, 0)?,
+                None => st.shards[b].as_tensor().clone(),
+            };
+            let members = &st.layout.buckets[b];
+            let shapes: Vec<Vec<usize>> = members
+                .iter()
+                .map(|&i| st.setup.params[i].var.dims().to_vec())
+                .collect();
+            for (&i, t) in members
+                .iter()
+                .zip(st.layout.flat[b].unflatten(&flat, &shapes)?)
+            {
+                st.setup.params[i].var.set(&t)?;
+            }
+        }
+        Ok(())
     }
 
     /// The buckets' parameter names, in bucket order.
@@ -268,9 +384,10 @@ impl State {
     /// `mark_bucket_ready`): one all-reduce of the bucket's gradients, so that backward is not
     /// held up copying them. With one rank the average is the gradient itself: nothing is sent.
     fn issue_ready_buckets(&mut self) -> Result<()> {
-        let group = &self.setup.group;
+        let (group, compression) = (&self.setup.group, self.setup.compression);
         let it = &mut self.iteration;
         while let Some(bucket) = it.buckets.get_mut(it.next).filter(|b| b.pending == 0) {
+            let b = it.next;
             it.next += 1;
             if group.world_size() == 1 {
                 continue;
@@ -280,7 +397,19 @@ impl State {
                 .iter()
                 .map(|&i| it.grads[i].clone().expect("the bucket is complete"))
                 .collect();
-            bucket.work = Some(self.setup.compression.all_reduce_async(group, &grads)?);
+            bucket.work = Some(match self.setup.sharding {
+                Sharding::None => compression.all_reduce_async(group, &grads)?,
+                Sharding::Zero2 => {
+                    let flat = self.layout.flat[b].flatten(&grads)?;
+                    // The flat copy travels: the gradients themselves are no longer needed.
+                    for &i in &bucket.params {
+                        it.grads[i] = None;
+                    }
+                    compression
+                        .reduce_scatter_async(group, &flat)?
+                        .map(|shard| Ok(vec![shard]))
+                }
+            });
         }
         Ok(())
     }
@@ -289,7 +418,8 @@ impl State {
     /// taken here) contributes its no_sync sums, or zeros.
     fn fill_missing_gradients(&mut self) -> Result<()> {
         let it = &mut self.iteration;
-        for bucket in &mut it.buckets {
+        // The buckets already issued had every gradient.
+        for bucket in it.buckets.iter_mut().skip(it.next) {
             for &i in &bucket.params {
                 if it.grads[i].is_none() {
                     let g = match self.accumulated[i].take() {
@@ -325,19 +455,33 @@ impl State {
         let issued_during_autograd = self.iteration.next;
         let n = self.setup.params.len();
         // A gradient now, or sums from no_sync micro-steps: either counts as one.
-        let used_here: Vec<bool> = (0..n)
-            .map(|i| self.iteration.grads[i].is_some() || self.accumulated[i].is_some())
-            .collect();
+        let mut used_here: Vec<bool> = (0..n).map(|i| self.accumulated[i].is_some()).collect();
+        for &i in &self.iteration.ready_order {
+            used_here[i] = true;
+        }
         self.fill_missing_gradients()?;
         self.issue_ready_buckets()?;
         // After the last bucket, on every rank: which parameters got a gradient anywhere.
         let used_anywhere = self.all_reduce_local_used_map(&used_here)?;
         let mut averaged: Vec<Option<Tensor>> = vec![None; n];
+        let mut shard_grads = Vec::with_capacity(self.shards.len());
         let it = &mut self.iteration;
-        for bucket in &mut it.buckets {
+        for (b, bucket) in it.buckets.iter_mut().enumerate() {
             let reduced = bucket.wait(&mut it.grads)?;
-            for (&i, g) in bucket.params.iter().zip(reduced) {
-                averaged[i] = Some(g);
+            match self.setup.sharding {
+                Sharding::None => {
+                    for (&i, g) in bucket.params.iter().zip(reduced) {
+                        averaged[i] = Some(g);
+                    }
+                }
+                Sharding::Zero2 => {
+                    // With one rank nothing travelled: the shard is the whole bucket.
+                    let shard = match self.setup.group.world_size() {
+                        1 => self.layout.flat[b].flatten(&reduced)?,
+                        _ => reduced.into_iter().next().expect("one shard per bucket"),
+                    };
+                    shard_grads.push(shard);
+                }
             }
         }
         let used_anywhere: Vec<bool> = match used_anywhere {
@@ -347,15 +491,20 @@ impl State {
                 .collect(),
             None => used_here,
         };
-        self.unused = Vec::new();
+        self.unused = (0..n).filter(|&i| !used_anywhere[i]).collect();
+        let scale = std::mem::replace(&mut self.scale, 1.0);
+        let scaled =
+            |g: Tensor| -> Result<Tensor> { Ok(if scale == 1.0 { g } else { (g * scale)? }) };
         for (i, g) in averaged.into_iter().enumerate() {
             let var = &self.setup.params[i].var;
-            match g {
-                Some(g) if used_anywhere[i] => {
-                    grads.insert(var.as_tensor(), g.to_dtype(var.dtype())?);
-                }
-                _ => self.unused.push(i),
+            if let Some(g) = g.filter(|_| used_anywhere[i]) {
+                grads.insert(var.as_tensor(), scaled(g.to_dtype(var.dtype())?)?);
             }
+        }
+        // Under ZeRO-2 the gradient of a parameter used on no rank is zeros within its shard:
+        // a flat shard cannot leave out part of itself (as torch's FSDP).
+        for (shard, g) in self.shards.iter().zip(shard_grads) {
+            grads.insert(shard.as_tensor(), scaled(g.to_dtype(shard.dtype())?)?);
         }
         self.stats = BackwardStats {
             autograd: autograd_done - started,
@@ -363,7 +512,8 @@ impl State {
             buckets: self.layout.buckets.len(),
             issued_during_autograd,
         };
-        if self.setup.rebuild_buckets && !self.rebuilt {
+        // The shards, which the optimizer holds, are cut along the first buckets: they stay.
+        if self.setup.rebuild_buckets && !self.rebuilt && self.shards.is_empty() {
             self.rebuild_buckets()?;
         }
         self.report_unused()
@@ -451,6 +601,28 @@ impl State {
     }
 }
 
+/// This rank's shard of each bucket's parameters, as new variables.
+fn cut_shards(setup: &Setup, layout: &Layout) -> Result<Vec<Var>> {
+    let rank = setup.group.rank();
+    layout
+        .buckets
+        .iter()
+        .zip(&layout.flat)
+        .map(|(members, flat)| {
+            let values: Vec<Tensor> = members
+                .iter()
+                .map(|&i| setup.params[i].var.as_tensor().clone())
+                .collect();
+            let range = flat.shard_range(rank);
+            let shard = flat
+                .flatten(&values)?
+                .narrow(0, range.start, range.len())?
+                .copy()?;
+            Ok(Var::from_tensor(&shard)?)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -460,20 +632,23 @@ mod tests {
     /// A reducer of one parameter `w`, as DistributedDataParallel configures it.
     fn reducer(group: ProcessGroup, w: &Var) -> Reducer {
         let reducer = Reducer::default();
-        reducer.configure(Setup {
-            group,
-            params: vec![Param {
-                name: "w".into(),
-                var: w.clone(),
-            }],
-            expected_order: vec![0],
-            first_bucket_bytes: 1 << 20,
-            bucket_bytes: 25 << 20,
-            compression: Compression::None,
-            rebuild_buckets: true,
-            unused_report: UnusedReport::Warn,
-            frozen: vec![false],
-        });
+        reducer
+            .configure(Setup {
+                group,
+                params: vec![Param {
+                    name: "w".into(),
+                    var: w.clone(),
+                }],
+                expected_order: vec![0],
+                first_bucket_bytes: 1 << 20,
+                bucket_bytes: 25 << 20,
+                compression: Compression::None,
+                rebuild_buckets: true,
+                unused_report: UnusedReport::Warn,
+                frozen: vec![false],
+                sharding: Sharding::None,
+            })
+            .unwrap();
         reducer
     }
 

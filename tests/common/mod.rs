@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod collectives;
+pub mod models;
 
 use std::io::Read;
 use std::path::PathBuf;
