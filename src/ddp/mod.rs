@@ -48,6 +48,11 @@
 //! see it); [`DistributedDataParallel::unused_parameters`] names them, and
 //! [`DdpConfig::frozen_parameters`] declares those frozen on purpose.
 //!
+//! [`DdpConfig::sharding`] = [`Sharding::Zero2`] shards gradients and optimizer state over the
+//! ranks with the same training loop; [`DistributedDataParallel::join`] lets ranks with fewer
+//! batches shadow the others ([`JoinDivisor`]); `save_checkpoint`/`load_checkpoint` and their
+//! sharded twins save and load the whole training state, with or without sharding.
+//!
 //! Differences from torch, on purpose: no `find_unused_parameters` knob, since the check that
 //! it enables costs one small all-reduce per backward here and is always on (torch errors
 //! without the knob and is silent with it; we report by default); the gradients come back in a
@@ -57,6 +62,8 @@
 //! copies at each call.
 
 pub mod bucket;
+
+mod checkpoint;
 
 pub mod unused;
 
@@ -315,7 +322,9 @@ impl<M> DistributedDataParallel<M> {
     /// as each [`forward_t`](Self::forward_t) does: one pass over the model's bytes, small
     /// beside a forward. Take the reference once per evaluation, not once per batch, when that
     /// copy matters. (Refreshing after each step instead would need a hook in the optimizer;
-    /// keeping the copies current at each access needs none.)
+    /// keeping the copies current at each access needs none.) Under [`Sharding::Zero2`] the
+    /// parameters are those of the last gather: call
+    /// [`gather_parameters`](Self::gather_parameters) on every rank after a step first.
     pub fn module(&self) -> &M {
         if let Err(e) = self.refresh_copies() {
             // Only a device failure can get here (the copies have the variables' shapes and

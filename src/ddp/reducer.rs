@@ -204,6 +204,33 @@ impl Reducer {
             .unwrap_or_default()
     }
 
+    /// Each bucket's flat layout and its parameters' indices, in bucket order.
+    pub fn flat_buckets(&self) -> Vec<(FlatLayout, Vec<usize>)> {
+        let guard = lock(&self.state);
+        let Some(st) = guard.as_ref() else {
+            return Vec::new();
+        };
+        st.layout
+            .flat
+            .iter()
+            .cloned()
+            .zip(st.layout.buckets.iter().cloned())
+            .collect()
+    }
+
+    /// Under ZeRO-2, cuts this rank's shards again from the parameters' current values (after
+    /// they were loaded); does nothing without sharding.
+    pub fn recut_shards(&self) -> Result<()> {
+        let guard = lock(&self.state);
+        let Some(st) = guard.as_ref().filter(|st| !st.shards.is_empty()) else {
+            return Ok(());
+        };
+        for (shard, cut) in st.shards.iter().zip(cut_shards(&st.setup, &st.layout)?) {
+            shard.set(cut.as_tensor())?;
+        }
+        Ok(())
+    }
+
     /// Under ZeRO-2, puts every rank's shards together into the parameters: one all-gather per
     /// bucket, all issued before the first is waited for, so that they follow each other on
     /// the backend's thread. Every rank must call it. Does nothing without sharding.

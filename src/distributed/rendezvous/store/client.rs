@@ -71,7 +71,7 @@ impl Store {
     /// may start after the others), while the store of a job that just ended on this port is
     /// shutting down, and while it is busy; says every 30 s (or every quarter of `timeout`, when
     /// shorter) that it is still waiting. A program that is not the store fails it: at once
-    /// when it answers, within [`HELLO_TIMEOUT`] when it is silent, within [`HANG_UP_LIMIT`]
+    /// when it answers, within `HELLO_TIMEOUT` when it is silent, within `HANG_UP_LIMIT`
     /// when it closes every connection without a word. `rank` only names this client in the
     /// store's view and in messages.
     pub fn connect(addr: SocketAddr, token: &str, rank: usize, timeout: Duration) -> Result<Self> {

@@ -1,0 +1,537 @@
+//! Training-state checkpoints of DistributedDataParallel, with or without ZeRO-2: the full state
+//! gathered into one file by rank 0 (torch's `consolidate_state_dict`), or one file per rank
+//! that loads back at any world size.
+//!
+//! Both hold the training state in one format (that of
+//! [`crate::checkpoint::save_training_state`]): each variable under its name, each optimizer
+//! state of a parameter under `optimizer.state.<parameter>.<state>`, each optimizer scalar under
+//! `optimizer.<scalar>`. A sharded file holds this rank's share of each flat bucket: the part
+//! of a tensor that starts at element `s` of it (flattened) under `<key>@<s>`, and the buffers
+//! and scalars whole.
+
+use super::DistributedDataParallel;
+use crate::error::{Error, Result};
+use crate::optim::{ElementwiseOptimizer, OptimizerState};
+use crate::util::sync::lock;
+use candle_core::{DType, Device, Tensor, Var};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+const STATE: &str = "optimizer.state.";
+const SCALAR: &str = "optimizer.";
+
+impl<M> DistributedDataParallel<M> {
+    /// Saves the whole training state (every variable, and the optimizer's state of every
+    /// parameter, gathered from the shards under ZeRO-2) into one safetensors file at `path`,
+    /// written atomically by rank 0. A one-process run loads it with
+    /// [`crate::checkpoint::load_training_state`] (its weights with `VarMap::load`), and a job of
+    /// any world size with [`load_checkpoint`](Self::load_checkpoint). Every rank must call it;
+    /// every rank gets rank 0's error if the write fails. `opt` is the optimizer made over
+    /// [`parameters`](Self::parameters).
+    pub fn save_checkpoint(
+        &self,
+        opt: &impl ElementwiseOptimizer,
+        path: impl AsRef<Path>,
+    ) -> Result<()> {
+        let path = path.as_ref();
+        let mut tensors = self.full_state(opt)?;
+        tensors.extend(self.variables());
+        let written = match self.group.rank() {
+            0 => crate::checkpoint::save(&tensors, path),
+            _ => Ok(()),
+        };
+        self.agree_on(written, || {
+            format!("rank 0 could not write {}", path.display())
+        })
+    }
+
+    /// Loads a file written by [`save_checkpoint`](Self::save_checkpoint) (at any world size,
+    /// or by a one-process run's [`crate::checkpoint::save_training_state`]) into the variables,
+    /// this rank's shards and `opt`. Every rank reads `path`, which must be readable on every
+    /// rank; every rank must call it.
+    pub fn load_checkpoint(
+        &self,
+        opt: &mut impl ElementwiseOptimizer,
+        path: impl AsRef<Path>,
+    ) -> Result<()> {
+        let path = path.as_ref();
+        let tensors =
+            candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| Error::Checkpoint {
+                key: String::new(),
+                path: path.to_path_buf(),
+                detail: format!("cannot read it: {e}"),
+            })?;
+        self.apply(opt, &tensors, path)
+    }
+
+    /// Saves this rank's share of the training state into `dir` (created if missing) as
+    /// `rank-<r>-of-<world>.safetensors`: its part of each flat bucket of parameters and
+    /// optimizer state, which under ZeRO-2 is the shard it holds, and the buffers and scalars.
+    /// Every rank must call it; [`load_sharded_checkpoint`](Self::load_sharded_checkpoint)
+    /// loads the files back at any world size.
+    pub fn save_sharded_checkpoint(
+        &self,
+        opt: &impl ElementwiseOptimizer,
+        dir: impl AsRef<Path>,
+    ) -> Result<()> {
+        let dir = dir.as_ref();
+        let (rank, world) = (self.group.rank(), self.group.world_size());
+        let written = std::fs::create_dir_all(dir)
+            .map_err(|source| Error::File {
+                action: "creating the checkpoint folder",
+                path: dir.to_path_buf(),
+                source,
+            })
+            .and_then(|()| self.my_share(opt))
+            .and_then(|tensors| {
+                crate::checkpoint::save(&tensors, dir.join(file_name(rank, world)))
+            });
+        self.agree_on(written, || {
+            format!("a rank could not write its part into {}", dir.display())
+        })
+    }
+
+    /// Loads the files [`save_sharded_checkpoint`](Self::save_sharded_checkpoint) wrote into
+    /// `dir`, at the world size they were written at or any other: every rank reads every file
+    /// (so `dir` must be readable on every rank) and takes what it holds. Fails, naming the
+    /// tensor, when a file is missing or a part of a tensor is not in any file.
+    pub fn load_sharded_checkpoint(
+        &self,
+        opt: &mut impl ElementwiseOptimizer,
+        dir: impl AsRef<Path>,
+    ) -> Result<()> {
+        let dir = dir.as_ref();
+        let files = sharded_files(dir)?;
+        let mut whole: HashMap<String, Tensor> = HashMap::new();
+        let mut parts: HashMap<String, Vec<(usize, Tensor)>> = HashMap::new();
+        for file in &files {
+            let tensors = candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| {
+                Error::Checkpoint {
+                    key: String::new(),
+                    path: file.clone(),
+                    detail: format!("cannot read it: {e}"),
+                }
+            })?;
+            for (key, t) in tensors {
+                match key.rsplit_once('@').map(|(k, s)| (k, s.parse::<usize>())) {
+                    Some((base, Ok(start))) => {
+                        parts.entry(base.to_string()).or_default().push((start, t))
+                    }
+                    _ => {
+                        whole.insert(key, t);
+                    }
+                }
+            }
+        }
+        let shapes = self.shapes_by_key(parts.keys());
+        for (key, mut pieces) in parts {
+            let shape = shapes.get(&key).ok_or_else(|| Error::Checkpoint {
+                key: key.clone(),
+                path: dir.to_path_buf(),
+                detail: format!("`{key}` is not a parameter of this model or its optimizer state"),
+            })?;
+            pieces.sort_by_key(|(start, _)| *start);
+            let mut next = 0;
+            for (start, t) in &pieces {
+                if *start != next {
+                    return Err(Error::Checkpoint {
+                        key: key.clone(),
+                        path: dir.to_path_buf(),
+                        detail: format!(
+                            "`{key}` has no part at elements {next}..{start}: a rank's file of \
+                             this checkpoint is missing or from another save"
+                        ),
+                    });
+                }
+                next += t.elem_count();
+            }
+            let numel: usize = shape.iter().product();
+            if next != numel {
+                return Err(Error::Checkpoint {
+                    key: key.clone(),
+                    path: dir.to_path_buf(),
+                    detail: format!(
+                        "`{key}` has parts for {next} of its {numel} elements: a rank's file is \
+                         missing or from another save"
+                    ),
+                });
+            }
+            let flat: Vec<Tensor> = pieces.into_iter().map(|(_, t)| t).collect();
+            whole.insert(key, Tensor::cat(&flat, 0)?.reshape(shape.as_slice())?);
+        }
+        self.apply(opt, &whole, dir)
+    }
+
+    /// Every variable of the model's `VarMap` (under ZeRO-2, as of the last gather), by name.
+    fn variables(&self) -> HashMap<String, Tensor> {
+        lock(self.varmap.data())
+            .iter()
+            .map(|(name, var)| (name.clone(), var.as_tensor().clone()))
+            .collect()
+    }
+
+    /// The optimizer's whole state, keyed as in the file, with the variables gathered: under
+    /// ZeRO-2 each bucket's shards of each state are all-gathered (on every rank).
+    fn full_state(&self, opt: &impl ElementwiseOptimizer) -> Result<HashMap<String, Tensor>> {
+        self.gather_parameters()?;
+        let state = opt.state();
+        let slots = self.optimizer_slots(opt)?;
+        let mut out = scalars(&state)?;
+        let buckets = self.reducer.flat_buckets();
+        let sharded = !self.reducer.shard_vars().is_empty();
+        for (j, slot) in slots.iter().enumerate() {
+            for (name, t) in &state.per_var[j] {
+                if !sharded {
+                    out.insert(
+                        format!("{STATE}{}.{name}", self.params[*slot].name),
+                        t.clone(),
+                    );
+                    continue;
+                }
+                let (layout, members) = &buckets[*slot];
+                let flat = Tensor::cat(&self.group.all_gather(t)?, 0)?;
+                let shapes = self.member_shapes(members);
+                for (&i, t) in members.iter().zip(layout.unflatten(&flat, &shapes)?) {
+                    out.insert(format!("{STATE}{}.{name}", self.params[i].name), t);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// This rank's part of each flat bucket, of the parameters and of each optimizer state,
+    /// keyed `<key>@<start>`; the buffers and the optimizer's scalars whole.
+    fn my_share(&self, opt: &impl ElementwiseOptimizer) -> Result<HashMap<String, Tensor>> {
+        let rank = self.group.rank();
+        let state = opt.state();
+        let slots = self.optimizer_slots(opt)?;
+        let sharded = !self.reducer.shard_vars().is_empty();
+        let mut out = scalars(&state)?;
+        let parameters: Vec<&str> = self.params.iter().map(|e| e.name.as_str()).collect();
+        out.extend(
+            self.variables()
+                .into_iter()
+                .filter(|(name, _)| !parameters.contains(&name.as_str())),
+        );
+        let shards = self.reducer.shard_vars();
+        for (b, (layout, members)) in self.reducer.flat_buckets().iter().enumerate() {
+            let range = layout.shard_range(rank);
+            // This rank's part of the bucket: the shard it holds, or cut from the whole.
+            let mine = |whole: Vec<Tensor>| -> Result<Tensor> {
+                Ok(layout
+                    .flatten(&whole)?
+                    .narrow(0, range.start, range.len())?)
+            };
+            let value = match shards.get(b) {
+                Some(shard) => shard.as_tensor().clone(),
+                None => mine(self.member_values(members))?,
+            };
+            let mut keyed = vec![(String::new(), value)];
+            if sharded {
+                let j = slots
+                    .iter()
+                    .position(|&s| s == b)
+                    .ok_or_else(|| missing_shard(b))?;
+                keyed.extend(
+                    state.per_var[j]
+                        .iter()
+                        .map(|(n, t)| (format!(".{n}"), t.clone())),
+                );
+            } else {
+                // A state of a parameter the optimizer has not stepped yet is absent everywhere.
+                let names: Vec<String> = slots
+                    .iter()
+                    .zip(&state.per_var)
+                    .filter(|(s, _)| members.contains(s))
+                    .flat_map(|(_, m)| m.keys().cloned())
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
+                    .collect();
+                for name in names {
+                    let whole = members
+                        .iter()
+                        .map(|&i| {
+                            let j = slots.iter().position(|&s| s == i);
+                            match j.and_then(|j| state.per_var[j].get(&name)) {
+                                Some(t) => Ok(t.clone()),
+                                None => Ok(self.params[i].var.zeros_like()?),
+                            }
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    keyed.push((format!(".{name}"), mine(whole)?));
+                }
+            }
+            for (suffix, part) in keyed {
+                for piece in layout.pieces(rank) {
+                    let name = &self.params[members[piece.tensor]].name;
+                    let key = match suffix.as_str() {
+                        "" => name.clone(),
+                        s => format!("{STATE}{name}{s}"),
+                    };
+                    let t = part.narrow(0, piece.in_shard.start, piece.in_shard.len())?;
+                    out.insert(format!("{key}@{}", piece.within.start), t.copy()?);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Puts a whole training state (keyed as in the file) into the variables, this rank's
+    /// shards and `opt`.
+    fn apply(
+        &self,
+        opt: &mut impl ElementwiseOptimizer,
+        tensors: &HashMap<String, Tensor>,
+        path: &Path,
+    ) -> Result<()> {
+        let missing = |key: &str, detail: String| Error::Checkpoint {
+            key: key.to_string(),
+            path: path.to_path_buf(),
+            detail,
+        };
+        // Everything is checked before anything is written: a bad file leaves the model as it
+        // was.
+        let vars: Vec<(String, Var)> = lock(self.varmap.data())
+            .iter()
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+        let mut values = Vec::with_capacity(vars.len());
+        for (name, var) in &vars {
+            let t = tensors.get(name).ok_or_else(|| {
+                missing(
+                    name,
+                    format!("no variable `{name}`: saved from another model?"),
+                )
+            })?;
+            if t.dims() != var.dims() {
+                return Err(missing(
+                    name,
+                    format!(
+                        "`{name}` has shape {:?} in the file and {:?} in the model",
+                        t.dims(),
+                        var.dims()
+                    ),
+                ));
+            }
+            values.push(t.to_device(var.device())?.to_dtype(var.dtype())?);
+        }
+        // The optimizer's state: per parameter, by state name.
+        let mut by_param: HashMap<&str, BTreeMap<String, Tensor>> = HashMap::new();
+        let mut state = OptimizerState::default();
+        for (key, t) in tensors {
+            if let Some((param, name)) = key.strip_prefix(STATE).and_then(|k| k.rsplit_once('.')) {
+                by_param
+                    .entry(param)
+                    .or_default()
+                    .insert(name.to_string(), t.clone());
+            } else if let Some(scalar) = key.strip_prefix(SCALAR) {
+                let value = t
+                    .to_dtype(DType::F64)?
+                    .to_scalar::<f64>()
+                    .map_err(|e| missing(key, format!("`{key}` is not a scalar: {e}")))?;
+                state.scalars.insert(scalar.to_string(), value);
+            }
+        }
+        let rank = self.group.rank();
+        let buckets = self.reducer.flat_buckets();
+        let sharded = !self.reducer.shard_vars().is_empty();
+        for &slot in &self.optimizer_slots(opt)? {
+            if !sharded {
+                state.per_var.push(
+                    by_param
+                        .remove(self.params[slot].name.as_str())
+                        .unwrap_or_default(),
+                );
+                continue;
+            }
+            let (layout, members) = &buckets[slot];
+            let names: std::collections::BTreeSet<String> = members
+                .iter()
+                .filter_map(|&i| by_param.get(self.params[i].name.as_str()))
+                .flat_map(|m| m.keys().cloned())
+                .collect();
+            let mut map = BTreeMap::new();
+            for name in names {
+                let whole = members
+                    .iter()
+                    .map(|&i| {
+                        let p = &self.params[i].name;
+                        by_param
+                            .get(p.as_str())
+                            .and_then(|m| m.get(&name))
+                            .cloned()
+                            .ok_or_else(|| {
+                                missing(
+                                    &format!("{STATE}{p}.{name}"),
+                                    format!(
+                                        "no `{name}` for `{p}`, though other parameters have one"
+                                    ),
+                                )
+                            })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let range = layout.shard_range(rank);
+                let shard = layout
+                    .flatten(&whole)?
+                    .narrow(0, range.start, range.len())?;
+                map.insert(name, shard);
+            }
+            state.per_var.push(map);
+        }
+        // The optimizer checks its state before taking it; the variables cannot fail.
+        opt.load_state(&state)?;
+        for ((_, var), t) in vars.iter().zip(&values) {
+            var.set(t)?;
+        }
+        self.reducer.recut_shards()
+    }
+
+    /// For each of the optimizer's variables: the parameter it is (its index in `params`), or
+    /// under ZeRO-2 the bucket whose shard it is.
+    fn optimizer_slots(&self, opt: &impl ElementwiseOptimizer) -> Result<Vec<usize>> {
+        let shards = self.reducer.shard_vars();
+        let ours: Vec<&Var> = if shards.is_empty() {
+            self.params.iter().map(|e| &e.var).collect()
+        } else {
+            shards.iter().collect()
+        };
+        opt.vars()
+            .iter()
+            .enumerate()
+            .map(|(index, v)| {
+                ours.iter()
+                    .position(|o| o.as_tensor().id() == v.as_tensor().id())
+                    .ok_or_else(|| Error::VariableNotInVarMap {
+                        index,
+                        shape: v.dims().to_vec(),
+                    })
+            })
+            .collect()
+    }
+
+    fn member_shapes(&self, members: &[usize]) -> Vec<Vec<usize>> {
+        members
+            .iter()
+            .map(|&i| self.params[i].var.dims().to_vec())
+            .collect()
+    }
+
+    fn member_values(&self, members: &[usize]) -> Vec<Tensor> {
+        members
+            .iter()
+            .map(|&i| self.params[i].var.as_tensor().clone())
+            .collect()
+    }
+
+    /// The shapes of the keys a sharded file may hold in parts: parameters and their states.
+    fn shapes_by_key<'a>(
+        &self,
+        keys: impl Iterator<Item = &'a String>,
+    ) -> HashMap<String, Vec<usize>> {
+        let by_name: HashMap<&str, &[usize]> = self
+            .params
+            .iter()
+            .map(|e| (e.name.as_str(), e.var.dims()))
+            .collect();
+        keys.filter_map(|key| {
+            let param = match key.strip_prefix(STATE) {
+                Some(k) => k.rsplit_once('.')?.0,
+                None => key.as_str(),
+            };
+            by_name.get(param).map(|s| (key.clone(), s.to_vec()))
+        })
+        .collect()
+    }
+
+    /// Makes every rank return an error when one failed (this rank's own, or `why`).
+    fn agree_on(&self, result: Result<()>, why: impl Fn() -> String) -> Result<()> {
+        let failed = super::integers::to_tensor([usize::from(result.is_err())], &self.device)?;
+        let failed = super::integers::from_tensor(
+            &self
+                .group
+                .all_reduce(&failed, crate::distributed::ReduceOp::Max)?,
+        )?[0];
+        match result {
+            Err(e) => Err(e),
+            Ok(()) if failed > 0 => Err(Error::Checkpoint {
+                key: String::new(),
+                path: PathBuf::new(),
+                detail: why(),
+            }),
+            Ok(()) => Ok(()),
+        }
+    }
+}
+
+fn missing_shard(bucket: usize) -> Error {
+    Error::InvalidArgument {
+        what: "sharded checkpoint",
+        detail: format!(
+            "the optimizer does not step the shard of bucket {bucket}: make it over \
+             DistributedDataParallel::parameters()"
+        ),
+    }
+}
+
+/// The optimizer's scalars as 0-dim f64 tensors, keyed as in the file.
+fn scalars(state: &OptimizerState) -> Result<HashMap<String, Tensor>> {
+    state
+        .scalars
+        .iter()
+        .map(|(k, v)| Ok((format!("{SCALAR}{k}"), Tensor::new(*v, &Device::Cpu)?)))
+        .collect()
+}
+
+fn file_name(rank: usize, world: usize) -> String {
+    format!("rank-{rank}-of-{world}.safetensors")
+}
+
+/// The files of a sharded checkpoint in `dir`, in rank order: all of one world size, none
+/// missing.
+fn sharded_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let entries = std::fs::read_dir(dir).map_err(|source| Error::File {
+        action: "reading the checkpoint folder",
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut found: BTreeMap<usize, (usize, PathBuf)> = BTreeMap::new();
+    let mut worlds = std::collections::BTreeSet::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let parsed = name
+            .strip_prefix("rank-")
+            .and_then(|n| n.strip_suffix(".safetensors"))
+            .and_then(|n| n.split_once("-of-"))
+            .and_then(|(r, w)| Some((r.parse::<usize>().ok()?, w.parse::<usize>().ok()?)));
+        if let Some((rank, world)) = parsed {
+            worlds.insert(world);
+            found.insert(rank, (world, entry.path()));
+        }
+    }
+    let checkpoint_error = |detail: String| Error::Checkpoint {
+        key: String::new(),
+        path: dir.to_path_buf(),
+        detail,
+    };
+    let world = match worlds.len() {
+        0 => {
+            return Err(checkpoint_error(
+                "no rank-<r>-of-<world>.safetensors files: not a sharded checkpoint".into(),
+            ))
+        }
+        1 => *worlds.iter().next().expect("one world size"),
+        _ => {
+            return Err(checkpoint_error(format!(
+                "files of world sizes {worlds:?}: two sharded checkpoints in one folder"
+            )))
+        }
+    };
+    (0..world)
+        .map(|r| {
+            found
+                .remove(&r)
+                .map(|(_, p)| p)
+                .ok_or_else(|| checkpoint_error(format!("{} is missing", file_name(r, world))))
+        })
+        .collect()
+}
