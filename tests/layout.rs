@@ -23,7 +23,7 @@ const LAYERS: &[&[&str]] = &[
         "sampler",
         "shard",
     ],
-    // The two wrappers.
+    // The wrappers.
     &["ddp", "fsdp", "parallel"],
     // Example support.
     &["cifar"],

@@ -295,14 +295,7 @@ impl ModuleT for Model {
     }
 }
 
-const SGD: SgdConfig = SgdConfig {
-    lr: 0.05,
-    momentum: 0.9,
-    dampening: 0.0,
-    weight_decay: 0.0,
-    nesterov: false,
-    maximize: false,
-};
+const SGD: SgdConfig = common::models::SGD;
 
 fn labels(rows: usize) -> Tensor {
     Tensor::from_vec(
