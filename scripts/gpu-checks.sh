@@ -75,4 +75,8 @@ done
 # The transformer example on NCCL at world size 1, then PyTorch's same model on the same GPU.
 run transformer_ddp ./transformer_ddp --epochs 2
 run torch_transformer python3 torch_transformer_bench.py --device cuda --rust ./transformer_ddp
+# Sharded at world size 1 on NCCL (ZeRO-2, fully sharded: their CUDA paths), beside PyTorch's.
+run transformer_zero2 ./transformer_ddp --epochs 1 --sharding zero2
+run transformer_full ./transformer_ddp --epochs 1 --sharding full
+run torch_sharding python3 torch_sharding_bench.py --device cuda --worlds 1 --rust ./transformer_ddp
 echo "log: $LOG"

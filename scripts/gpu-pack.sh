@@ -64,7 +64,8 @@ LIBRARY_PATH="$cudnn_lib${LIBRARY_PATH:+:$LIBRARY_PATH}" CARGO_TARGET_DIR=target
   pack .gpu "${name}_cudnn" "$exe"
 done
 cp scripts/gpu-checks.sh scripts/torch_net_bench.py scripts/torch_ddp_bench.py .gpu/
-cp scripts/gpu-checks.sh scripts/torch_layers_check.py scripts/torch_transformer_bench.py .gpu-b/
+cp scripts/gpu-checks.sh scripts/torch_layers_check.py scripts/torch_transformer_bench.py \
+  scripts/torch_sharding_bench.py .gpu-b/
 for dir in .gpu .gpu-b; do
   du -sh "$dir"
   total=$(du -sk "$dir" | cut -f1)

@@ -22,7 +22,8 @@ the same run, and their `memory per rank:` line and last epoch's tokens/s fill t
     python3 scripts/torch_sharding_bench.py --worlds 1 2 4 --rust target/release/examples/transformer_ddp
 
 Threads: each process gets --threads (default 1) intra-op threads, as the Rust ranks get
-RAYON_NUM_THREADS.
+RAYON_NUM_THREADS. `--device cuda` runs world size 1 on NCCL on one GPU instead (the Rust
+binary built with `--features cuda,nccl`), with the GPU's peak allocated bytes in the last column.
 """
 import argparse
 import os
@@ -70,10 +71,13 @@ def optimizer_bytes(opt):
 
 def worker(rank, world, mode, a, port, out):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cuda = a.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    if cuda:
+        torch.cuda.set_device(rank)
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    model = Transformer(a.layers, a.dim, a.heads, 2 * a.digits)
+    model = Transformer(a.layers, a.dim, a.heads, 2 * a.digits).to(a.device)
     adamw = dict(lr=a.lr, weight_decay=0.01)
     if mode in ("none", "zero1"):
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -94,7 +98,7 @@ def worker(rank, world, mode, a, port, out):
     g = torch.Generator().manual_seed(a.seed * 1000 + rank)
 
     def step():
-        tokens, answers = sort_batch(a.batch_size, a.digits, "cpu", g)
+        tokens, answers = sort_batch(a.batch_size, a.digits, a.device, g)
         loss = sort_loss(model(tokens), answers)
         loss.backward()
         opt.step()
@@ -115,14 +119,16 @@ def worker(rank, world, mode, a, port, out):
             sum(local_bytes(p) for p in params),
             sum(local_bytes(p.grad) for p in params),
             optimizer_bytes(opt),
+            torch.cuda.max_memory_allocated() if cuda else
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         ],
         dtype=torch.float64,
+        device=a.device,
     )
     dist.all_reduce(kept, op=dist.ReduceOp.MAX)
     if rank == 0:
         tokens = a.steps * a.batch_size * world * 2 * a.digits
-        out.put((tokens / elapsed, *(kept / MIB).tolist()))
+        out.put((tokens / elapsed, *(kept.cpu() / MIB).tolist()))
     dist.destroy_process_group()
 
 
@@ -149,7 +155,7 @@ TOKENS = re.compile(r"([\d.]+) tokens/s")
 
 def run_rust(exe, mode, world, a):
     cmd = [
-        exe, "--cpu", "--nproc", str(world), "--sharding", mode,
+        exe, *(["--cpu"] if a.device == "cpu" else []), "--nproc", str(world), "--sharding", mode,
         "--layers", str(a.layers), "--dim", str(a.dim), "--heads", str(a.heads),
         "--digits", str(a.digits), "--batch-size", str(a.batch_size),
         "--epochs", "1", "--train-size", str(a.batch_size * world * (a.steps + a.warmup)),
@@ -181,7 +187,10 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args()
+    if a.device == "cuda" and a.worlds != [1]:
+        p.error("--device cuda runs world size 1 on one GPU: pass --worlds 1")
     rows = []
     for world in a.worlds:
         for mode in a.modes:
@@ -191,8 +200,9 @@ def main():
                 rows.append(("candle", mode, world, run_rust(a.rust, mode, world, a)))
     n = sum(p.numel() for p in Transformer(a.layers, a.dim, a.heads, 2 * a.digits).parameters())
     print(f"\ntransformer: {a.layers} layers, dim {a.dim}, {n / 1e6:.2f} M parameters; "
-          f"batch {a.batch_size} per rank; {a.threads} thread(s) per rank; torch {torch.__version__}\n")
-    print("| framework | sharding | world | tokens/s | parameters MiB | gradients MiB | optimizer MiB | peak RSS MiB |")
+          f"batch {a.batch_size} per rank; {a.threads} thread(s) per rank; {a.device}; torch {torch.__version__}\n")
+    peak = "peak GPU MiB (candle: peak RSS)" if a.device == "cuda" else "peak RSS MiB"
+    print(f"| framework | sharding | world | tokens/s | parameters MiB | gradients MiB | optimizer MiB | {peak} |")
     print("|---|---|---|---|---|---|---|---|")
     for fw, mode, world, r in rows:
         if r is None:
