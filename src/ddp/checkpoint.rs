@@ -10,15 +10,15 @@
 //! and scalars whole.
 
 use super::DistributedDataParallel;
+use crate::checkpoint::{optimizer_state_from, optimizer_tensors};
 use crate::error::{Error, Result};
 use crate::optim::{ElementwiseOptimizer, OptimizerState};
 use crate::util::sync::lock;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 const STATE: &str = "optimizer.state.";
-const SCALAR: &str = "optimizer.";
 
 impl<M> DistributedDataParallel<M> {
     /// Saves the whole training state (every variable, and the optimizer's state of every
@@ -176,27 +176,27 @@ impl<M> DistributedDataParallel<M> {
         self.gather_parameters()?;
         let state = opt.state();
         let slots = self.optimizer_slots(opt)?;
-        let mut out = scalars(&state)?;
+        if self.reducer.shard_vars().is_empty() {
+            let names: Vec<String> = slots.iter().map(|&i| self.params[i].name.clone()).collect();
+            return optimizer_tensors(&names, &state);
+        }
+        // Per parameter, from each bucket's shards of each state.
+        let mut full = OptimizerState {
+            scalars: state.scalars.clone(),
+            per_var: vec![BTreeMap::new(); self.params.len()],
+        };
         let buckets = self.reducer.flat_buckets();
-        let sharded = !self.reducer.shard_vars().is_empty();
-        for (j, slot) in slots.iter().enumerate() {
+        for (j, &bucket) in slots.iter().enumerate() {
+            let (layout, members) = &buckets[bucket];
             for (name, t) in &state.per_var[j] {
-                if !sharded {
-                    out.insert(
-                        format!("{STATE}{}.{name}", self.params[*slot].name),
-                        t.clone(),
-                    );
-                    continue;
-                }
-                let (layout, members) = &buckets[*slot];
                 let flat = Tensor::cat(&self.group.all_gather(t)?, 0)?;
                 let shapes = self.member_shapes(members);
                 for (&i, t) in members.iter().zip(layout.unflatten(&flat, &shapes)?) {
-                    out.insert(format!("{STATE}{}.{name}", self.params[i].name), t);
+                    full.per_var[i].insert(name.clone(), t);
                 }
             }
         }
-        Ok(out)
+        optimizer_tensors(&self.parameter_names_in_order(), &full)
     }
 
     /// This rank's part of each flat bucket, of the parameters and of each optimizer state,
@@ -206,7 +206,11 @@ impl<M> DistributedDataParallel<M> {
         let state = opt.state();
         let slots = self.optimizer_slots(opt)?;
         let sharded = !self.reducer.shard_vars().is_empty();
-        let mut out = scalars(&state)?;
+        let scalars_only = OptimizerState {
+            scalars: state.scalars.clone(),
+            per_var: Vec::new(),
+        };
+        let mut out = optimizer_tensors(&[], &scalars_only)?;
         let parameters: Vec<&str> = self.params.iter().map(|e| e.name.as_str()).collect();
         out.extend(
             self.variables()
@@ -316,39 +320,23 @@ impl<M> DistributedDataParallel<M> {
             values.push(t.to_device(var.device())?.to_dtype(var.dtype())?);
         }
         // The optimizer's state: per parameter, by state name.
-        let mut by_param: HashMap<&str, BTreeMap<String, Tensor>> = HashMap::new();
-        let mut state = OptimizerState::default();
-        for (key, t) in tensors {
-            if let Some((param, name)) = key.strip_prefix(STATE).and_then(|k| k.rsplit_once('.')) {
-                by_param
-                    .entry(param)
-                    .or_default()
-                    .insert(name.to_string(), t.clone());
-            } else if let Some(scalar) = key.strip_prefix(SCALAR) {
-                let value = t
-                    .to_dtype(DType::F64)?
-                    .to_scalar::<f64>()
-                    .map_err(|e| missing(key, format!("`{key}` is not a scalar: {e}")))?;
-                state.scalars.insert(scalar.to_string(), value);
-            }
-        }
+        let full = optimizer_state_from(&self.parameter_names_in_order(), tensors, path)?;
+        let mut state = OptimizerState {
+            scalars: full.scalars,
+            per_var: Vec::new(),
+        };
         let rank = self.group.rank();
         let buckets = self.reducer.flat_buckets();
         let sharded = !self.reducer.shard_vars().is_empty();
         for &slot in &self.optimizer_slots(opt)? {
             if !sharded {
-                state.per_var.push(
-                    by_param
-                        .remove(self.params[slot].name.as_str())
-                        .unwrap_or_default(),
-                );
+                state.per_var.push(full.per_var[slot].clone());
                 continue;
             }
             let (layout, members) = &buckets[slot];
             let names: std::collections::BTreeSet<String> = members
                 .iter()
-                .filter_map(|&i| by_param.get(self.params[i].name.as_str()))
-                .flat_map(|m| m.keys().cloned())
+                .flat_map(|&i| full.per_var[i].keys().cloned())
                 .collect();
             let mut map = BTreeMap::new();
             for name in names {
@@ -356,18 +344,12 @@ impl<M> DistributedDataParallel<M> {
                     .iter()
                     .map(|&i| {
                         let p = &self.params[i].name;
-                        by_param
-                            .get(p.as_str())
-                            .and_then(|m| m.get(&name))
-                            .cloned()
-                            .ok_or_else(|| {
-                                missing(
-                                    &format!("{STATE}{p}.{name}"),
-                                    format!(
-                                        "no `{name}` for `{p}`, though other parameters have one"
-                                    ),
-                                )
-                            })
+                        full.per_var[i].get(&name).cloned().ok_or_else(|| {
+                            missing(
+                                &format!("{STATE}{p}.{name}"),
+                                format!("no `{name}` for `{p}`, though other parameters have one"),
+                            )
+                        })
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let range = layout.shard_range(rank);
@@ -407,6 +389,11 @@ impl<M> DistributedDataParallel<M> {
                     })
             })
             .collect()
+    }
+
+    /// The parameters' names, in the reducer's (the model's) order.
+    fn parameter_names_in_order(&self) -> Vec<String> {
+        self.params.iter().map(|e| e.name.clone()).collect()
     }
 
     fn member_shapes(&self, members: &[usize]) -> Vec<Vec<usize>> {
@@ -471,15 +458,6 @@ fn missing_shard(bucket: usize) -> Error {
              DistributedDataParallel::parameters()"
         ),
     }
-}
-
-/// The optimizer's scalars as 0-dim f64 tensors, keyed as in the file.
-fn scalars(state: &OptimizerState) -> Result<HashMap<String, Tensor>> {
-    state
-        .scalars
-        .iter()
-        .map(|(k, v)| Ok((format!("{SCALAR}{k}"), Tensor::new(*v, &Device::Cpu)?)))
-        .collect()
 }
 
 fn file_name(rank: usize, world: usize) -> String {
