@@ -124,6 +124,21 @@ pub fn save_training_state(
     save(&tensors, path)
 }
 
+/// Reads every tensor of the safetensors file at `path` onto the CPU: an I/O failure is
+/// [`Error::File`], contents that are not safetensors [`Error::Checkpoint`].
+pub(crate) fn read(path: &Path) -> Result<HashMap<String, Tensor>> {
+    let bytes = std::fs::read(path).map_err(|source| Error::File {
+        action: "reading",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| Error::Checkpoint {
+        key: String::new(),
+        path: path.to_path_buf(),
+        detail: format!("not a safetensors file: {e}"),
+    })
+}
+
 /// Loads a training state saved by [`save_training_state`] into `varmap`'s variables and into
 /// `opt`, whose variables must be `varmap`'s (in any order: the state follows the names).
 /// Every variable of `varmap` and every scalar `opt` keeps must be in the file; nothing is
@@ -135,12 +150,7 @@ pub fn load_training_state(
     path: impl AsRef<Path>,
 ) -> Result<()> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|source| Error::File {
-        action: "reading",
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let tensors = candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)?;
+    let tensors = read(path)?;
     let names = var_names(varmap, opt.vars())?;
     let vars: Vec<(String, Var)> = lock(varmap.data())
         .iter()

@@ -14,7 +14,7 @@ use crate::checkpoint::{optimizer_state_from, optimizer_tensors};
 use crate::error::{Error, Result};
 use crate::optim::{ElementwiseOptimizer, OptimizerState};
 use crate::util::sync::lock;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Tensor, Var};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -55,12 +55,7 @@ impl<M> DistributedDataParallel<M> {
         path: impl AsRef<Path>,
     ) -> Result<()> {
         let path = path.as_ref();
-        let tensors =
-            candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| Error::Checkpoint {
-                key: String::new(),
-                path: path.to_path_buf(),
-                detail: format!("cannot read it: {e}"),
-            })?;
+        let tensors = crate::checkpoint::read(path)?;
         self.apply(opt, &tensors, path)
     }
 
@@ -105,13 +100,7 @@ impl<M> DistributedDataParallel<M> {
         let mut whole: HashMap<String, Tensor> = HashMap::new();
         let mut parts: HashMap<String, Vec<(usize, Tensor)>> = HashMap::new();
         for file in &files {
-            let tensors = candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| {
-                Error::Checkpoint {
-                    key: String::new(),
-                    path: file.clone(),
-                    detail: format!("cannot read it: {e}"),
-                }
-            })?;
+            let tensors = crate::checkpoint::read(file)?;
             for (key, t) in tensors {
                 match key.rsplit_once('@').map(|(k, s)| (k, s.parse::<usize>())) {
                     Some((base, Ok(start))) => {
