@@ -1,27 +1,46 @@
-//! TCP backend all-reduce bandwidth, beside the machine's loopback TCP throughput.
+//! Host all-reduce bandwidth (shared memory / Unix sockets, and TCP only) beside gloo's and
+//! the machine's loopback TCP throughput, measured side by side in one run.
 //!
 //!     cargo bench --bench allreduce_bandwidth
-//!     cargo bench --bench allreduce_bandwidth -- --world 3 --min-kib 1024 --max-mib 16
+//!     cargo bench --bench allreduce_bandwidth -- --min-kib 1024 --repeat 3
+//!     cargo bench --bench allreduce_bandwidth -- --world 3 --max-mib 16 --only tcp --no-gloo
 //!
-//! First measures loopback TCP (one stream, and two streams in opposite directions at once, the
-//! pattern of a two-rank ring). Then, twice, starts `--world` ranks (default 2) on 127.0.0.1
-//! with `launch::spawn_with_config`: once as they run by default (Unix-domain sockets between ranks of
-//! one machine) and once with TCP only (`CANDLE_PARALLEL_UNIX_SOCKETS=0`). Each job times f32
-//! `all_reduce(sum)` of CPU tensors from 4 KiB to `--max-mib` MiB and prints algorithm and bus
-//! bandwidth (nccl-tests' definitions: bus = algorithm × 2(n-1)/n). Reports; asserts nothing.
+//! Each round first measures loopback TCP (one stream, and two streams in opposite directions
+//! at once, the pattern of a two-rank ring). Then it starts `--world` ranks (default 2) on
+//! 127.0.0.1 with `launch::spawn_with_config`, twice: once as they run by default (shared
+//! memory or Unix-domain sockets between ranks of one machine) and once with TCP only
+//! (`CANDLE_PARALLEL_UNIX_SOCKETS=0`). Each job times f32 `all_reduce(sum)` of CPU tensors from
+//! `--min-kib` KiB to `--max-mib` MiB (sizes growing 4×): 3 warm-up calls, then 5 trials of
+//! clamp(64 MiB / size, 3, 500) calls, the median trial reported as algorithm and bus
+//! bandwidth (nccl-tests' definitions: bus = algorithm × 2(n-1)/n). Last it runs gloo, through
+//! `scripts/torch_allreduce_bench.py` (torch.distributed, the same sizes and trials), when
+//! `python3 -c "import torch"` works; else it says why it skips it.
+//!
+//! With `--repeat N` it does all that N times, interleaved, and the summary table gives each
+//! figure's median over the rounds. Reports; asserts nothing.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_parallel::distributed::{ProcessGroup, ReduceOp};
 use candle_parallel::launch::{self, LaunchConfig};
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Instant;
+
+/// Where rank 0 writes its figures for the launching process: one `SIZE BUSBW` line per size.
+const OUT_VAR: &str = "ALLREDUCE_BENCH_OUT";
 
 struct Options {
     world: usize,
     min_kib: usize,
     max_mib: usize,
+    repeat: usize,
+    /// Which of our transports to run: "all", "default" or "tcp".
+    only: String,
+    gloo: bool,
 }
 
 fn parse() -> Result<Options> {
@@ -29,25 +48,37 @@ fn parse() -> Result<Options> {
         world: 2,
         min_kib: 4,
         max_mib: 64,
+        repeat: 1,
+        only: "all".into(),
+        gloo: true,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
-        let mut value = |flag: &str| -> Result<usize> {
-            let v = args
-                .next()
-                .with_context(|| format!("{flag} needs a value"))?;
+        let mut value = |flag: &str| -> Result<String> {
+            args.next().with_context(|| format!("{flag} needs a value"))
+        };
+        let number = |flag: &str, v: String| -> Result<usize> {
             v.parse().with_context(|| format!("{flag}: {v:?}"))
         };
         match a.as_str() {
-            "--world" => o.world = value("--world")?,
-            "--min-kib" => o.min_kib = value("--min-kib")?,
-            "--max-mib" => o.max_mib = value("--max-mib")?,
+            "--world" => o.world = number("--world", value("--world")?)?,
+            "--min-kib" => o.min_kib = number("--min-kib", value("--min-kib")?)?,
+            "--max-mib" => o.max_mib = number("--max-mib", value("--max-mib")?)?,
+            "--repeat" => o.repeat = number("--repeat", value("--repeat")?)?,
+            "--only" => o.only = value("--only")?,
+            "--no-gloo" => o.gloo = false,
             "--bench" => {}
-            other => bail!("unknown argument {other:?}"),
+            other => bail!(
+                "unknown argument {other:?} (known: --world N --min-kib N --max-mib N \
+                 --repeat N --only all|default|tcp --no-gloo)"
+            ),
         }
     }
-    if o.world < 2 || o.max_mib == 0 || o.min_kib == 0 {
-        bail!("--world must be at least 2, --min-kib and --max-mib positive");
+    if o.world < 2 || o.max_mib == 0 || o.min_kib == 0 || o.repeat == 0 {
+        bail!("--world must be at least 2, --min-kib, --max-mib and --repeat positive");
+    }
+    if !["all", "default", "tcp"].contains(&o.only.as_str()) {
+        bail!("--only must be all, default or tcp, not {:?}", o.only);
     }
     Ok(o)
 }
@@ -110,9 +141,24 @@ fn loopback(streams: usize) -> Result<f64> {
     Ok(received as f64 / started.elapsed().as_secs_f64() / 1e9)
 }
 
+fn sizes(o: &Options) -> Vec<usize> {
+    std::iter::successors(Some(o.min_kib << 10), |s| Some(s * 4))
+        .take_while(|&s| s <= o.max_mib << 20)
+        .collect()
+}
+
+fn label(size: usize) -> String {
+    if size >= 1 << 20 {
+        format!("{} MiB", size >> 20)
+    } else {
+        format!("{} KiB", size >> 10)
+    }
+}
+
 fn rank_main(o: &Options) -> Result<()> {
     let pg = ProcessGroup::from_env(&Device::Cpu)?;
     let n = pg.world_size();
+    let mut out = String::new();
     if pg.rank() == 0 {
         let links: Vec<&str> = pg.transports().into_iter().flatten().collect();
         println!(
@@ -125,8 +171,7 @@ fn rank_main(o: &Options) -> Result<()> {
         );
     }
     pg.barrier()?;
-    let mut size = o.min_kib << 10;
-    while size <= o.max_mib << 20 {
+    for size in sizes(o) {
         let x = Tensor::ones(size / 4, DType::F32, &Device::Cpu)?;
         let iters = ((64usize << 20) / size).clamp(3, 500);
         for _ in 0..3 {
@@ -150,38 +195,204 @@ fn rank_main(o: &Options) -> Result<()> {
         if pg.rank() == 0 {
             let algbw = size as f64 / secs / 1e9;
             let busbw = algbw * 2.0 * (n - 1) as f64 / n as f64;
-            let label = if size >= 1 << 20 {
-                format!("{} MiB", size >> 20)
-            } else {
-                format!("{} KiB", size >> 10)
-            };
             println!(
-                "{label:>10} {iters:>7} {:>10.1}us {algbw:>12.3} {busbw:>12.3}",
+                "{:>10} {iters:>7} {:>10.1}us {algbw:>12.3} {busbw:>12.3}",
+                label(size),
                 secs * 1e6
             );
+            out.push_str(&format!("{size} {busbw}\n"));
         }
-        size *= 4;
+    }
+    if let (0, Some(path)) = (pg.rank(), std::env::var_os(OUT_VAR)) {
+        std::fs::write(&path, out).with_context(|| format!("writing {path:?}"))?;
     }
     Ok(())
 }
 
-fn main() -> Result<()> {
-    let o = parse()?;
-    if std::env::var_os("RANK").is_none() {
-        println!(
-            "loopback TCP: one stream {:.2} GB/s; two streams, opposite directions {:.2} GB/s",
-            loopback(1)?,
-            loopback(2)?
+/// Bus bandwidth by size, from `SIZE BUSBW` lines (after `prefix`, when given).
+fn parse_figures(text: &str, prefix: Option<&str>) -> BTreeMap<usize, f64> {
+    text.lines()
+        .filter_map(|l| match prefix {
+            Some(p) => l.strip_prefix(p),
+            None => Some(l),
+        })
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Runs our ranks, by default (`unix` true) or over TCP only, and returns rank 0's figures.
+fn ours(o: &Options, unix: bool, scratch: &Path) -> Result<BTreeMap<usize, f64>> {
+    let file = scratch.join(if unix { "default" } else { "tcp" });
+    let _ = std::fs::remove_file(&file);
+    let config = LaunchConfig {
+        nproc_per_node: o.world,
+        prefix_output: false,
+        env: vec![
+            (
+                "CANDLE_PARALLEL_UNIX_SOCKETS".into(),
+                if unix { "1" } else { "0" }.into(),
+            ),
+            (OUT_VAR.into(), file.clone().into()),
+        ],
+        ..LaunchConfig::default()
+    };
+    launch::spawn_with_config(&config, |_rank| rank_main(o))?;
+    let text = std::fs::read_to_string(&file).with_context(|| format!("reading {file:?}"))?;
+    Ok(parse_figures(&text, None))
+}
+
+/// Why gloo cannot run here, if it cannot.
+fn gloo_missing(script: &Path) -> Option<String> {
+    if !script.exists() {
+        return Some(format!("{} is missing", script.display()));
+    }
+    match Command::new("python3")
+        .args(["-c", "import torch"])
+        .output()
+    {
+        Ok(out) if out.status.success() => None,
+        Ok(_) => Some("python3 cannot import torch".into()),
+        Err(e) => Some(format!("python3 does not run ({e})")),
+    }
+}
+
+/// gloo's figures, from the twin script.
+fn gloo(o: &Options, script: &Path) -> Result<BTreeMap<usize, f64>> {
+    let out = Command::new("python3")
+        .arg(script)
+        .args(["--world", &o.world.to_string()])
+        .args(["--min-kib", &o.min_kib.to_string()])
+        .args(["--max-mib", &o.max_mib.to_string()])
+        .output()
+        .context("running the gloo twin")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "{} failed ({}): {}",
+            script.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
         );
     }
-    for unix in ["1", "0"] {
-        let config = LaunchConfig {
-            nproc_per_node: o.world,
-            prefix_output: false,
-            env: vec![("CANDLE_PARALLEL_UNIX_SOCKETS".into(), unix.into())],
-            ..LaunchConfig::default()
-        };
-        launch::spawn_with_config(&config, |_rank| rank_main(&o))?;
+    print!(
+        "{}",
+        text.lines()
+            .filter(|l| !l.starts_with("gloo "))
+            .map(|l| format!("{l}\n"))
+            .collect::<String>()
+    );
+    Ok(parse_figures(&text, Some("gloo ")))
+}
+
+fn median(mut xs: Vec<f64>) -> Option<f64> {
+    if xs.is_empty() {
+        return None;
     }
+    xs.sort_by(f64::total_cmp);
+    let m = xs.len() / 2;
+    Some(if xs.len() % 2 == 1 {
+        xs[m]
+    } else {
+        (xs[m - 1] + xs[m]) / 2.0
+    })
+}
+
+/// One figure per round, by column and size.
+#[derive(Default)]
+struct Figures {
+    default: BTreeMap<usize, Vec<f64>>,
+    tcp: BTreeMap<usize, Vec<f64>>,
+    gloo: BTreeMap<usize, Vec<f64>>,
+    stream: Vec<f64>,
+}
+
+fn add(to: &mut BTreeMap<usize, Vec<f64>>, from: BTreeMap<usize, f64>) {
+    for (size, v) in from {
+        to.entry(size).or_default().push(v);
+    }
+}
+
+fn main() -> Result<()> {
+    let o = parse()?;
+    if std::env::var_os("RANK").is_some() {
+        // A rank: runs `rank_main` and exits.
+        return launch::spawn_with_config(&LaunchConfig::default(), |_rank| rank_main(&o))
+            .map_err(Into::into);
+    }
+    let scratch = std::env::temp_dir().join(format!("allreduce-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/torch_allreduce_bench.py");
+    let gloo_skip = if o.gloo {
+        gloo_missing(&script)
+    } else {
+        Some("--no-gloo".into())
+    };
+    if let Some(why) = &gloo_skip {
+        println!("gloo: skipped, {why}");
+    }
+    let mut figs = Figures::default();
+    for round in 1..=o.repeat {
+        if o.repeat > 1 {
+            println!("\n=== round {round} of {} ===", o.repeat);
+        }
+        let (one, two) = (loopback(1)?, loopback(2)?);
+        println!(
+            "loopback TCP: one stream {one:.2} GB/s; two streams, opposite directions {two:.2} GB/s"
+        );
+        figs.stream.push(one);
+        if o.only != "tcp" {
+            add(&mut figs.default, ours(&o, true, &scratch)?);
+        }
+        if o.only != "default" {
+            add(&mut figs.tcp, ours(&o, false, &scratch)?);
+        }
+        if gloo_skip.is_none() {
+            add(&mut figs.gloo, gloo(&o, &script)?);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&scratch);
+    summary(&o, &figs);
     Ok(())
+}
+
+fn summary(o: &Options, figs: &Figures) {
+    let stream = median(figs.stream.clone()).unwrap_or(f64::NAN);
+    let rounds = if o.repeat > 1 {
+        format!(", medians of {} rounds", o.repeat)
+    } else {
+        String::new()
+    };
+    println!(
+        "\nbus bandwidth, GB/s: all_reduce(sum), f32, {} ranks{rounds}; one loopback TCP stream \
+         {stream:.2} GB/s",
+        o.world
+    );
+    println!(
+        "{:>10} {:>14} {:>14} {:>8} {:>12} {:>14}",
+        "size", "ours default", "ours TCP", "gloo", "TCP / gloo", "TCP / stream"
+    );
+    let get = |m: &BTreeMap<usize, Vec<f64>>, s: usize| m.get(&s).and_then(|v| median(v.clone()));
+    let cell = |v: Option<f64>, w: usize, p: usize| match v {
+        Some(v) => format!("{v:>w$.p$}"),
+        None => format!("{:>w$}", "-"),
+    };
+    for size in sizes(o) {
+        let (d, t, g) = (
+            get(&figs.default, size),
+            get(&figs.tcp, size),
+            get(&figs.gloo, size),
+        );
+        println!(
+            "{:>10} {} {} {} {} {}",
+            label(size),
+            cell(d, 14, 3),
+            cell(t, 14, 3),
+            cell(g, 8, 3),
+            cell(t.zip(g).map(|(t, g)| t / g), 11, 2) + "x",
+            cell(t.map(|t| t / stream * 100.0), 13, 0) + "%",
+        );
+    }
 }
