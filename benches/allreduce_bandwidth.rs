@@ -166,8 +166,8 @@ fn rank_main(o: &Options) -> Result<()> {
             links.join(", ")
         );
         println!(
-            "{:>10} {:>7} {:>12} {:>12} {:>12}",
-            "size", "iters", "median/op", "algbw GB/s", "busbw GB/s"
+            "{:>10} {:>7} {:>12} {:>12} {:>12} {:>9}",
+            "size", "iters", "median/op", "algbw GB/s", "busbw GB/s", "rank0 cpu"
         );
     }
     pg.barrier()?;
@@ -180,6 +180,7 @@ fn rank_main(o: &Options) -> Result<()> {
         // The machine is shared and noisy: the median of several trials.
         let mut trials = Vec::with_capacity(TRIALS);
         let mut y = x.clone();
+        let (cpu0, wall0) = (cpu_seconds(), Instant::now());
         for _ in 0..TRIALS {
             pg.barrier()?;
             let started = Instant::now();
@@ -188,17 +189,24 @@ fn rank_main(o: &Options) -> Result<()> {
             }
             trials.push(started.elapsed().as_secs_f64() / iters as f64);
         }
+        // This process's CPU time (every thread) over the trials' wall time: near the
+        // machine's core count divided by the ranks, the collective is CPU-bound.
+        let cpu = (cpu_seconds() - cpu0) / wall0.elapsed().as_secs_f64();
         trials.sort_by(f64::total_cmp);
         let secs = trials[TRIALS / 2];
-        anyhow::ensure!(y.to_vec1::<f32>()?[0] == n as f32, "wrong sum");
+        anyhow::ensure!(
+            y.narrow(0, 0, 1)?.to_vec1::<f32>()?[0] == n as f32,
+            "wrong sum"
+        );
         pg.barrier()?;
         if pg.rank() == 0 {
             let algbw = size as f64 / secs / 1e9;
             let busbw = algbw * 2.0 * (n - 1) as f64 / n as f64;
             println!(
-                "{:>10} {iters:>7} {:>10.1}us {algbw:>12.3} {busbw:>12.3}",
+                "{:>10} {iters:>7} {:>10.1}us {algbw:>12.3} {busbw:>12.3} {:>8.0}%",
                 label(size),
-                secs * 1e6
+                secs * 1e6,
+                cpu * 100.0
             );
             out.push_str(&format!("{size} {busbw}\n"));
         }
@@ -207,6 +215,22 @@ fn rank_main(o: &Options) -> Result<()> {
         std::fs::write(&path, out).with_context(|| format!("writing {path:?}"))?;
     }
     Ok(())
+}
+
+/// The CPU time this process used so far (user and system, every thread), in seconds.
+fn cpu_seconds() -> f64 {
+    // /proc/self/stat fields 14 and 15: utime and stime, in clock ticks (100 per second on
+    // Linux). Elsewhere: nothing to show.
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return f64::NAN;
+    };
+    let after_name = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    // Fields from the third (the state) on: utime and stime are the 12th and 13th.
+    let f: Vec<&str> = after_name.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok());
+    tick(11)
+        .zip(tick(12))
+        .map_or(f64::NAN, |(u, s)| (u + s) / 100.0)
 }
 
 /// Bus bandwidth by size, from `SIZE BUSBW` lines (after `prefix`, when given).
