@@ -98,6 +98,9 @@ impl Write for &Conn {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         each!(*self, s => { let mut s = s; s.write(buf) })
     }
+    fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        each!(*self, s => { let mut s = s; s.write_vectored(bufs) })
+    }
     fn flush(&mut self) -> std::io::Result<()> {
         each!(*self, s => { let mut s = s; s.flush() })
     }
@@ -112,6 +115,9 @@ impl Read for Conn {
 impl Write for Conn {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         (&*self).write(buf)
+    }
+    fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        (&*self).write_vectored(bufs)
     }
     fn flush(&mut self) -> std::io::Result<()> {
         (&*self).flush()
