@@ -68,7 +68,7 @@ fn assert_machines_empty(m: &Machines, limit: Duration) {
 fn test_line(out: &str) -> String {
     out.lines()
         .filter_map(|l| l.split_once("Test set: ").map(|(_, t)| t.to_string()))
-        .last()
+        .next_back()
         .unwrap_or_else(|| panic!("no test line in:\n{out}"))
 }
 
