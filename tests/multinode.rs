@@ -4,6 +4,7 @@
 
 mod common;
 
+use candle_parallel::distributed::Algorithm;
 use common::collectives::{
     check_async, check_collectives, check_mismatches, check_new_group, check_special_values,
 };
@@ -112,9 +113,15 @@ fn cifar_ddp_on_two_machines_of_two_ranks_prints_cifar_dp_s_test_line() {
 }
 
 /// A rank of the conformance run: checks that peers on the other machine are reached over TCP
-/// and those on this one over Unix sockets or shared memory, then runs the suite.
+/// and those on this one over Unix sockets or shared memory, and that the all-reduce is
+/// hierarchical unless the ring was asked for, then runs the suite.
 fn conformance_child() {
     let pg = common::join_child();
+    let want = match std::env::var("CANDLE_PARALLEL_ALGORITHM").as_deref() {
+        Ok("ring") => Algorithm::Ring,
+        _ => Algorithm::Hierarchical,
+    };
+    assert_eq!(pg.algorithm(), Some(want));
     let local = pg.local_world_size();
     let node = pg.rank() / local;
     for (peer, kind) in pg.transports().iter().enumerate() {
@@ -134,12 +141,9 @@ fn conformance_child() {
     done();
 }
 
-#[test]
-fn the_collectives_conformance_suite_passes_across_two_machines() {
-    if is_child() {
-        return conformance_child();
-    }
-    let Some(m) = Machines::new("conformance").or_skip() else {
+/// Runs the conformance suite on 2 machines of 2 ranks with `algorithm`, as test `test`.
+fn conformance_across_two_machines(test: &str, algorithm: &str) {
+    let Some(m) = Machines::new(test).or_skip() else {
         return;
     };
     let exe = std::env::current_exe().unwrap();
@@ -149,25 +153,43 @@ fn the_collectives_conformance_suite_passes_across_two_machines() {
         .map(|rank| {
             let node = rank / local;
             let mut c = m.command(node, &exe);
-            c.args([
-                "the_collectives_conformance_suite_passes_across_two_machines",
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD, "1")
-            .env("RUST_BACKTRACE", "0")
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", (rank % local).to_string())
-            .env("LOCAL_WORLD_SIZE", local.to_string())
-            .env("MASTER_ADDR", m.addr(0).to_string())
-            .env("MASTER_PORT", PORT)
-            .env("CANDLE_PARALLEL_TOKEN", "conformance");
+            c.args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(CHILD, "1")
+                .env("RUST_BACKTRACE", "0")
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", (rank % local).to_string())
+                .env("LOCAL_WORLD_SIZE", local.to_string())
+                .env("MASTER_ADDR", m.addr(0).to_string())
+                .env("MASTER_PORT", PORT)
+                .env("CANDLE_PARALLEL_TOKEN", "conformance")
+                .env("CANDLE_PARALLEL_ALGORITHM", algorithm);
             c
         })
         .collect();
     Ranks::spawn(commands).assert_all_pass(LIMIT);
+}
+
+#[test]
+fn the_collectives_conformance_suite_passes_across_two_machines_hierarchically() {
+    if is_child() {
+        return conformance_child();
+    }
+    conformance_across_two_machines(
+        "the_collectives_conformance_suite_passes_across_two_machines_hierarchically",
+        "auto",
+    );
+}
+
+#[test]
+fn the_collectives_conformance_suite_passes_across_two_machines_on_one_ring() {
+    if is_child() {
+        return conformance_child();
+    }
+    conformance_across_two_machines(
+        "the_collectives_conformance_suite_passes_across_two_machines_on_one_ring",
+        "ring",
+    );
 }
 
 #[test]
