@@ -202,7 +202,7 @@ impl Machines {
                     ns,
                     &[
                         "qdisc", "add", "dev", DEV, "root", "tbf", "rate", rate, "burst", "1mbit",
-                        "latency", "50ms",
+                        "latency", "200ms",
                     ],
                 )?;
             }
