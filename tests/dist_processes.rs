@@ -33,6 +33,11 @@ fn collectives_child() {
     } else {
         "shm"
     };
+    // One machine: one ring (the hierarchical all-reduce is for several).
+    assert_eq!(
+        pg.algorithm(),
+        Some(candle_parallel::distributed::Algorithm::Ring)
+    );
     let links = pg.transports();
     assert_eq!(links[pg.rank()], None);
     assert!(

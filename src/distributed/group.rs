@@ -228,6 +228,15 @@ impl ProcessGroup {
         self.state.comm.transports()
     }
 
+    /// The TCP backend's all-reduce algorithm, as chosen when the group formed from
+    /// [`InitConfig::algorithm`](super::InitConfig::algorithm) and the machines its ranks are
+    /// on: [`Algorithm::Ring`](super::Algorithm::Ring) or
+    /// [`Algorithm::Hierarchical`](super::Algorithm::Hierarchical); `None` for the other
+    /// backends, which choose their own.
+    pub fn algorithm(&self) -> Option<super::Algorithm> {
+        self.state.comm.algorithm()
+    }
+
     /// The rendezvous store (absent for in-process groups).
     pub fn store(&self) -> Option<&Store> {
         self.state.store.as_deref()
