@@ -1,13 +1,16 @@
 //! Elastic restarts (`candle-run --max-restarts`) with real processes: a rank SIGKILLed
 //! mid-epoch, the job restarted, the training resumed from its checkpoint to the weights of a
-//! run that never stopped; restarts running out; a stopped launcher that does not restart.
+//! run that never stopped, on one machine and on two (network namespaces, `common::netns`:
+//! root and iproute2, else skipped); restarts running out; a stopped launcher that does not
+//! restart.
 
 mod common;
 
+use common::netns::{Machines, OrSkip};
 use common::Ranks;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const RUN: &str = env!("CARGO_BIN_EXE_candle-run");
 const LIMIT: Duration = Duration::from_secs(120);
@@ -245,4 +248,138 @@ fn sigterm_to_the_launcher_stops_the_job_without_a_restart() {
     assert_eq!(ended.status.code(), Some(143), "{}", ended.output);
     assert!(!ended.output.contains("restart"), "{}", ended.output);
     assert!(!ended.output.contains("ready 1"), "{}", ended.output);
+}
+
+/// `candle-run` on machine `node` of `m` (2 ranks each, meeting at machine 0) running cifar_ddp
+/// with `args`, checkpointing into `dir/ckpt` (one folder: the machines share the file system)
+/// and saving to `dir/weights.safetensors`.
+fn cifar_on_machine(
+    m: &Machines,
+    node: usize,
+    extra: &[&str],
+    args: &[&str],
+    dir: &Path,
+) -> Command {
+    let mut cmd = m.command(node, RUN);
+    cmd.args(["--nnodes", "2", "--node-rank", &node.to_string()])
+        .args(["--nproc-per-node", "2", "--grace-period", "2"])
+        .args([
+            "--master-addr",
+            &m.addr(0).to_string(),
+            "--master-port",
+            "29500",
+        ])
+        .args(extra)
+        .arg(common::example("cifar_ddp"))
+        .args(args)
+        .arg("--checkpoint-dir")
+        .arg(dir.join("ckpt"))
+        .arg("--save")
+        .arg(dir.join("weights.safetensors"))
+        .env("RUST_BACKTRACE", "0")
+        .env("CANDLE_PARALLEL_TOKEN", format!("elastic-{}", m.name(0)))
+        .env("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT", "60");
+    cmd
+}
+
+/// The processes still inside machine `i` of `m`.
+fn pids_in(m: &Machines, i: usize) -> Vec<String> {
+    let out = Command::new("ip")
+        .args(["netns", "pids", m.name(i)])
+        .output()
+        .expect("ip netns pids");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn on_two_machines_a_rank_sigkilled_mid_epoch_restarts_both_launchers_and_ends_as_if_never_stopped()
+{
+    let Some(m) = Machines::new("elastic").or_skip() else {
+        return;
+    };
+    let dir = common::temp_dir("elastic-machines");
+    // 4 ranks of 32 over 7680 images: 60 steps; the kill comes after step 10.
+    let args = [
+        "--cpu",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--train-size",
+        "7680",
+        "--test-size",
+        "200",
+        "--checkpoint-every",
+        "5",
+    ];
+    let straight = dir.join("straight");
+    let ended = Ranks::spawn(
+        (0..2)
+            .map(|n| cifar_on_machine(&m, n, &[], &args, &straight))
+            .collect(),
+    )
+    .wait(LIMIT);
+    for (node, e) in ended.iter().enumerate() {
+        assert!(
+            e.status.success(),
+            "node {node} ({}):\n{}",
+            e.status,
+            e.output
+        );
+    }
+
+    let elastic = dir.join("elastic");
+    let restarts = ["--max-restarts", "2"];
+    let ranks = Ranks::spawn(
+        (0..2)
+            .map(|n| cifar_on_machine(&m, n, &restarts, &args, &elastic))
+            .collect(),
+    );
+    ranks.wait_for(0, "[rank0]: Checkpoint at step 10 saved", LIMIT);
+    // Rank 3 runs on machine 1, whose launcher is child 1 (`ip netns exec` execs it).
+    let victim = rank_pid(ranks.pid(1), 3, 0).expect("rank 3 of round 0 is running");
+    assert!(Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let ended = ranks.wait(LIMIT);
+    for (node, e) in ended.iter().enumerate() {
+        assert!(
+            e.status.success(),
+            "node {node} ({}):\n{}",
+            e.status,
+            e.output
+        );
+        // Both launchers took exactly one restart: machine 0's ranks lost their peer.
+        assert!(
+            e.output.contains("restart 1 of 2") && !e.output.contains("restart 2 of 2"),
+            "node {node}:\n{}",
+            e.output
+        );
+    }
+    assert!(
+        ended[1]
+            .output
+            .contains("rank 3 failed: was killed by SIGKILL"),
+        "{}",
+        ended[1].output
+    );
+    assert!(
+        ended[0].output.contains("[rank0]: Resumed at step 1"),
+        "{}",
+        ended[0].output
+    );
+    let a = std::fs::read(straight.join("weights.safetensors")).unwrap();
+    let b = std::fs::read(elastic.join("weights.safetensors")).unwrap();
+    assert!(a == b, "the weights differ:\n{}", ended[0].output);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while (0..2).any(|i| !pids_in(&m, i).is_empty()) {
+        assert!(Instant::now() < deadline, "processes left in the machines");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::remove_dir_all(dir).unwrap();
 }
