@@ -13,7 +13,7 @@
 //!
 //! ```rust
 //! use candle_core::{DType, Device};
-//! use candle_nn::{linear, VarBuilder, VarMap};
+//! use candle_nn::{linear, Optimizer, VarBuilder, VarMap};
 //! use candle_parallel::checkpoint::{self, resume::{Progress, ResumeDir}};
 //! use candle_parallel::optim::{Sgd, SgdConfig};
 //! # fn main() -> candle_parallel::Result<()> {
