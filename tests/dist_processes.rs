@@ -405,7 +405,7 @@ fn bad_local_configuration_fails_fast_with_a_clear_error() {
 
     let err = ProcessGroup::new(&r(2, 2, nobody), &Device::Cpu, quick.clone()).unwrap_err();
     assert!(
-        err.to_string().contains("not below the world size"),
+        err.to_string().contains("RANK 2: not below WORLD_SIZE 2"),
         "{err}"
     );
     let err = ProcessGroup::new(&r(0, 0, nobody), &Device::Cpu, quick).unwrap_err();
