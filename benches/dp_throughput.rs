@@ -204,8 +204,8 @@ fn main() -> Result<()> {
         let subtitle = if gpus == 0 {
             let kernels = if charted { "our" } else { "candle's" };
             format!(
-                "CPU replicas on {}, {kernels} CPU kernels\n{} steps after {} warm-up, random \
-                 CIFAR-shaped images; images/s of the whole batch",
+                "CPU replicas sharing {}: one replica already uses every core\n{kernels} CPU \
+                 kernels; {} steps after {} warm-up, random CIFAR-shaped images",
                 plot::cpu_description(),
                 o.steps,
                 o.warmup
@@ -213,7 +213,7 @@ fn main() -> Result<()> {
         } else {
             format!(
                 "replicas over {gpus} x {}\n{} steps after {} warm-up, random CIFAR-shaped \
-                 images; images/s of the whole batch",
+                 images",
                 plot::gpu_name(),
                 o.steps,
                 o.warmup
