@@ -144,7 +144,10 @@ fn a_missing_rank_is_named_when_the_rendezvous_times_out() {
             .unwrap_err()
             .to_string();
         assert!(err.contains("2 of 3 ranks joined"), "{err}");
-        assert!(err.contains("missing rank 1"), "{err}");
+        assert!(
+            err.contains("rank 1 never came") && err.contains("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT"),
+            "{err}"
+        );
         return done();
     }
     let port = common::free_port();
@@ -475,4 +478,34 @@ fn a_rank_killed_while_an_async_call_is_in_flight_is_named_by_wait() {
         "issued",
         LIMIT,
     );
+}
+
+#[test]
+fn a_rank_that_runs_fewer_steps_is_named_with_the_likely_cause() {
+    if is_child() {
+        let pg = join_child();
+        let x = Tensor::new(&[1f32], &Device::Cpu).unwrap();
+        // Rank 1 runs one step fewer and leaves; rank 0 waits for it in its last step.
+        let steps = if pg.rank() == 0 { 3 } else { 2 };
+        let mut last = Ok(x.clone());
+        for _ in 0..steps {
+            last = pg.all_reduce(&x, ReduceOp::Sum);
+        }
+        if pg.rank() == 0 {
+            let err = last.unwrap_err().to_string();
+            assert!(
+                err.contains("rank 1") && err.contains("different numbers of collectives"),
+                "{err}"
+            );
+            assert!(err.contains("join()"), "{err}");
+        } else {
+            last.unwrap();
+        }
+        return done();
+    }
+    Ranks::world(
+        "a_rank_that_runs_fewer_steps_is_named_with_the_likely_cause",
+        2,
+    )
+    .assert_all_pass(LIMIT);
 }

@@ -173,6 +173,26 @@ impl InitConfig {
 /// The environment variable choosing the backend (`tcp` or `nccl`).
 pub const BACKEND_VAR: &str = "CANDLE_PARALLEL_BACKEND";
 
+/// The variable that sizes candle's CPU thread pool (rayon's), which rayon ignores silently
+/// when it is not a number.
+pub const THREADS_VAR: &str = "RAYON_NUM_THREADS";
+
+/// Checks `RAYON_NUM_THREADS`'s value (`None`: unset): rayon itself falls back to one thread
+/// per core, without a word, when it is not a positive number.
+pub fn check_threads_var(value: Option<&str>) -> Result<()> {
+    match value.map(str::trim) {
+        None => Ok(()),
+        Some(v) if v.parse::<usize>().is_ok_and(|n| n > 0) => Ok(()),
+        Some(v) => Err(Error::Config {
+            what: format!("environment variable {THREADS_VAR}"),
+            detail: format!(
+                "{v:?} is not a number of threads (rayon would ignore it and use every core); \
+                 set a positive integer or unset it"
+            ),
+        }),
+    }
+}
+
 /// The environment variable choosing the TCP backend's all-reduce algorithm (`auto`, `ring`,
 /// `hierarchical`).
 pub const ALGORITHM_VAR: &str = "CANDLE_PARALLEL_ALGORITHM";
@@ -225,6 +245,19 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(name) && err.contains(value), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_thread_count_that_rayon_would_ignore_is_named() {
+        assert!(check_threads_var(None).is_ok());
+        assert!(check_threads_var(Some("4")).is_ok());
+        for v in ["x", "0", "-1", ""] {
+            let err = check_threads_var(Some(v)).unwrap_err().to_string();
+            assert!(
+                err.contains("RAYON_NUM_THREADS") && err.contains(&format!("{v:?}")),
+                "{err}"
+            );
         }
     }
 }

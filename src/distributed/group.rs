@@ -118,6 +118,10 @@ impl ProcessGroup {
     /// the backend follows `device` (NCCL for CUDA with the `nccl` feature, else TCP) unless
     /// `CANDLE_PARALLEL_BACKEND` says otherwise.
     pub fn from_env(device: &Device) -> Result<Self> {
+        if let Err(e) = super::check_threads_var(std::env::var(super::THREADS_VAR).ok().as_deref())
+        {
+            log::warn!("{e}");
+        }
         Self::new(&Rendezvous::from_env()?, device, InitConfig::from_env()?)
     }
 

@@ -64,7 +64,8 @@ pub mod work;
 #[allow(deprecated)]
 pub use config::InitOptions;
 pub use config::{
-    Algorithm, Backend, InitConfig, ALGORITHM_VAR, BACKEND_VAR, RENDEZVOUS_TIMEOUT_VAR, TOKEN_VAR,
+    check_threads_var, Algorithm, Backend, InitConfig, ALGORITHM_VAR, BACKEND_VAR,
+    RENDEZVOUS_TIMEOUT_VAR, THREADS_VAR, TOKEN_VAR,
 };
 pub use group::ProcessGroup;
 pub use reduce_op::ReduceOp;

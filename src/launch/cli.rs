@@ -133,12 +133,7 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
             "--max-restarts" => config.max_restarts = number(&flag, &value()?)?,
             "--no-prefix" => config.prefix_output = false,
             "--standalone" => {}
-            _ => {
-                return Err(bad(
-                    "option",
-                    format!("unknown option {text}; see candle-run --help"),
-                ))
-            }
+            _ => return Err(bad(&flag, "not an option of candle-run".into())),
         }
     }
     Err(bad(
@@ -223,7 +218,7 @@ mod tests {
     fn mistakes_are_explained() {
         let err = |a: &[&str]| parse(a).unwrap_err().to_string();
         assert!(err(&["--nproc-per-node", "x", "p"]).contains("\"x\" is not a valid number"));
-        assert!(err(&["--frobnicate", "p"]).contains("unknown option --frobnicate"));
+        assert!(err(&["--frobnicate", "p"]).contains("--frobnicate: not an option of candle-run"));
         assert!(err(&["--nnodes", "2"]).contains("PROGRAM: missing"));
         assert!(err(&["--master-port"]).contains("needs a value"));
         assert_eq!(parse(&["-h"]).unwrap(), Parsed::Help);

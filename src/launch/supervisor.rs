@@ -2,7 +2,7 @@
 
 use super::guardian::Guardian;
 use super::{round_token, signals, token, LaunchConfig, MAX_RESTARTS_VAR, RESTART_COUNT_VAR};
-use crate::distributed::TOKEN_VAR;
+use crate::distributed::{THREADS_VAR, TOKEN_VAR};
 use crate::error::{Error, Result};
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -92,6 +92,12 @@ fn describe(st: ExitStatus) -> (String, i32) {
 /// after a failure up to `config.max_restarts` times; see [`super`].
 pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Result<()> {
     config.validate()?;
+    let threads = config.env.iter().rev().find(|(k, _)| k == THREADS_VAR);
+    let threads = match threads {
+        Some((_, v)) => Some(v.to_string_lossy().into_owned()),
+        None => std::env::var_os(THREADS_VAR).map(|v| v.to_string_lossy().into_owned()),
+    };
+    crate::distributed::check_threads_var(threads.as_deref())?;
     let token = token(config)?;
     let errors = ErrorDir::create()?;
     // Declared after `errors`, so dropped first: it must not outlive a normal end of the job
@@ -252,9 +258,6 @@ impl Round<'_> {
         outcome
     }
 }
-
-/// The variable that sizes candle's CPU thread pool (rayon's).
-pub(super) const THREADS_VAR: &str = "RAYON_NUM_THREADS";
 
 /// The compute threads each rank gets when several share the machine and nobody chose:
 /// the cores divided among the local ranks, at least one (torchrun sets `OMP_NUM_THREADS=1`
