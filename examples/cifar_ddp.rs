@@ -18,6 +18,9 @@
 //!
 //!     candle-run --nproc-per-node 2 --max-restarts 3 target/release/examples/cifar_ddp \
 //!         --checkpoint-dir ckpt --checkpoint-every 50
+//!
+//! With `--plot FILE.svg` rank 0 draws the training loss (over every rank's images), the test
+//! loss and the test accuracy per epoch; a resumed run draws the epochs it trained in.
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -38,6 +41,8 @@ use std::time::Instant;
 
 #[path = "common/cifar_cli.rs"]
 mod cli;
+#[path = "common/plot.rs"]
+mod plot;
 
 /// Train the CIFAR-10 tutorial CNN with DistributedDataParallel, one process per device.
 #[derive(Parser, Debug)]
@@ -83,6 +88,9 @@ fn main() -> Result<()> {
         args.checkpoint_every > 0,
         "--checkpoint-every must be at least 1 step"
     );
+    if let Some(path) = &args.train.plot {
+        plot::check_path(path)?;
+    }
     // Rank 0 alone prints, so the ranks' lines need no prefix.
     let config = LaunchConfig {
         nproc_per_node: args.nproc,
@@ -169,6 +177,7 @@ fn train<M: ModuleT>(
 
     let started = Instant::now();
     let epochs = args.train.epochs;
+    let mut history = Vec::with_capacity(epochs);
     for epoch in at.epoch as usize..=epochs {
         sampler.set_epoch(epoch as u64);
         // A resumed epoch starts where its checkpoint was taken.
@@ -182,7 +191,7 @@ fn train<M: ModuleT>(
             checkpoints: checkpoints.as_ref(),
             every: args.checkpoint_every,
         };
-        let rate = training.epoch(
+        let (rate, train_loss) = training.epoch(
             &model,
             &mut opt,
             &data.train,
@@ -198,6 +207,12 @@ fn train<M: ModuleT>(
             println!("Epoch {epoch}/{epochs}: {rate:.0} images/s");
             cli::print_test_line(loss, correct, n);
         }
+        history.push(plot::Epoch {
+            epoch,
+            train_loss,
+            test_loss: loss / n.max(1) as f64,
+            test_accuracy: 100.0 * correct as f64 / n.max(1) as f64,
+        });
     }
     if rank == 0 {
         println!("Finished in {:.1}s", started.elapsed().as_secs_f64());
@@ -206,9 +221,42 @@ fn train<M: ModuleT>(
                 .with_context(|| format!("saving the model to {}", path.display()))?;
             println!("Saved the model to {}", path.display());
         }
+        if let Some(path) = &args.train.plot {
+            draw(path, args, pg, device, &data, &history)?;
+        }
     }
     // Nobody leaves before rank 0 has saved.
     pg.barrier()?;
+    Ok(())
+}
+
+/// Rank 0's chart of the run's epochs.
+fn draw(
+    path: &std::path::Path,
+    args: &Args,
+    pg: &ProcessGroup,
+    device: &Device,
+    data: &candle_parallel::cifar::Cifar10,
+    history: &[plot::Epoch],
+) -> Result<()> {
+    let world = pg.world_size();
+    let s = if world == 1 { "" } else { "es" };
+    let on = if device.is_cpu() {
+        format!("{world} process{s} on {}", plot::cpu_description())
+    } else {
+        format!("{world} process{s}, one per {}", plot::gpu_name())
+    };
+    let net = if args.batch_norm { "NetBn" } else { "Net" };
+    let subtitle = format!(
+        "{on}, {net}\n{}; batch {} per rank, SGD lr {}, momentum {}",
+        args.train.data_name(data),
+        args.batch_size,
+        args.train.lr,
+        args.train.momentum
+    );
+    let title = "cifar_ddp: the CIFAR-10 tutorial Net under DistributedDataParallel";
+    plot::training_chart(path, title, &subtitle, history)?;
+    println!("Drew the chart to {}", path.display());
     Ok(())
 }
 
@@ -221,7 +269,8 @@ struct Training<'a> {
 impl Training<'_> {
     /// One pass over this rank's share of the training set, from `at.position` on (a resumed
     /// epoch), keeping `at` up to date and checkpointing every `every` steps; returns the
-    /// whole job's throughput in images/s.
+    /// whole job's throughput in images/s and the training loss averaged over the images every
+    /// rank trained on (NaN when a resumed epoch had no step left).
     #[allow(clippy::too_many_arguments)]
     fn epoch<M: ModuleT>(
         &self,
@@ -232,7 +281,7 @@ impl Training<'_> {
         args: &Args,
         at: &mut Progress,
         device: &Device,
-    ) -> Result<f64> {
+    ) -> Result<(f64, f64)> {
         let world = model.process_group().world_size();
         let leader = model.process_group().rank() == 0;
         let indices = sampler.indices();
@@ -243,14 +292,15 @@ impl Training<'_> {
         }
         bar.inc((skip * world) as u64);
         let started = Instant::now();
-        let mut last_loss = Tensor::zeros((), DType::F32, device)?;
+        // This rank's loss summed over its images, kept on the device so no step waits for it.
+        let mut loss_sum = Tensor::zeros((), DType::F32, device)?;
         for batch in indices[skip..].chunks(args.batch_size) {
             let (images, labels) = train.batch(batch, device)?;
             let logits = model.forward_t(&images, true)?;
             let loss = loss::cross_entropy(&logits, &labels)?;
             let grads = model.backward(&loss)?;
             opt.step(&grads)?;
-            last_loss = loss;
+            loss_sum = (loss_sum + (loss.detach() * batch.len() as f64)?)?;
             at.step += 1;
             at.position += batch.len();
             // Every rank takes a step of the same size: the job's images.
@@ -268,11 +318,17 @@ impl Training<'_> {
                 }
             }
         }
-        // Reading the last loss waits for the device, so the time covers all the work.
-        last_loss.to_scalar::<f32>()?;
+        // Reading the summed loss waits for the device, so the time covers all the work.
+        let loss_sum = f64::from(loss_sum.to_scalar::<f32>()?);
         let seconds = started.elapsed().as_secs_f64();
         bar.finish_and_clear();
-        Ok(((indices.len() - skip) * world) as f64 / seconds)
+        let trained = indices.len() - skip;
+        let sums = Tensor::new(&[loss_sum, trained as f64], device)?;
+        let sums = model
+            .process_group()
+            .all_reduce(&sums, ReduceOp::Sum)?
+            .to_vec1::<f64>()?;
+        Ok(((trained * world) as f64 / seconds, sums[0] / sums[1]))
     }
 }
 
