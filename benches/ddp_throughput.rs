@@ -3,6 +3,7 @@
 //!
 //!     cargo bench --bench ddp_throughput
 //!     cargo bench --bench ddp_throughput -- --models net --procs 2,4 --steps 30 --repeat 5
+//!     cargo bench --bench ddp_throughput -- --models net,big --plot ddp_scaling.svg
 //!
 //! For each model (the CIFAR-10 tutorial `Net`; `big`, an MLP of 25.2 M parameters, where
 //! communication matters; and `tf`, the transformer of `examples/transformer_ddp.rs` at 8
@@ -25,9 +26,13 @@
 //!
 //! With `--cuda` (and the `cuda,nccl` features) the jobs compute on GPU 0 and DDP runs on NCCL:
 //! only the one-process rows, as one GPU holds one NCCL rank. `scripts/torch_ddp_bench.py`
-//! measures PyTorch on the same models and setups. Reports; asserts nothing.
+//! measures PyTorch on the same models and setups. With `--plot FILE.svg`, also draws each
+//! model's DDP images/s against the process count (1 process, then `--procs`) beside its ideal
+//! linear line. Reports; asserts nothing.
 
 mod common;
+#[path = "../examples/common/plot.rs"]
+mod plot;
 #[path = "../examples/common/transformer.rs"]
 mod transformer;
 
@@ -43,6 +48,7 @@ use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::DistributedDataParallel;
 use common::{big, big_batch};
 use std::ffi::OsString;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use transformer::{sort_loss, SortTask, Transformer};
 
@@ -492,6 +498,8 @@ struct Options {
     buckets: Vec<f64>,
     repeat: usize,
     cuda: bool,
+    /// Where to draw the scaling chart.
+    plot: Option<PathBuf>,
 }
 
 fn parse() -> Result<Options> {
@@ -502,6 +510,7 @@ fn parse() -> Result<Options> {
         buckets: vec![1.0, 5.0, 25.0, 100.0],
         repeat: 3,
         cuda: false,
+        plot: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -522,6 +531,11 @@ fn parse() -> Result<Options> {
             "--steps" => o.steps = Some(value("--steps")?.parse()?),
             "--repeat" => o.repeat = value("--repeat")?.parse()?,
             "--cuda" => o.cuda = true,
+            "--plot" => {
+                let path = value("--plot")?;
+                plot::check_path(path.as_ref())?;
+                o.plot = Some(path.into());
+            }
             "--buckets" => {
                 o.buckets = value("--buckets")?
                     .split(',')
@@ -551,6 +565,7 @@ fn main() -> Result<()> {
         // The jobs read it; one GPU holds one NCCL rank, so only the one-process rows run.
         std::env::set_var(CUDA_VAR, "1");
     }
+    let mut series = Vec::new();
     for &model in &o.models {
         let global = model.global_batch();
         let (steps, warmup) = match model {
@@ -602,6 +617,7 @@ fn main() -> Result<()> {
             &overhead,
         );
         let procs: &[usize] = if o.cuda { &[] } else { &o.procs };
+        let mut points = vec![(1, overhead.images_per_s)];
         for &p in procs {
             let each = global / p;
             let apart = runs(Kind::Plain, each, p, 1)?;
@@ -614,6 +630,7 @@ fn main() -> Result<()> {
                 format!("DDP, {p} processes x 1 thread, batch {each} each"),
                 &m,
             );
+            points.push((p as u32, m.images_per_s));
             println!("{}", m.describe_comm(&apart, global));
         }
         println!(
@@ -621,6 +638,10 @@ fn main() -> Result<()> {
              alternating rounds in one process)",
             100.0 * overhead.overhead
         );
+        series.push(plot::Series {
+            name: format!("{}, {params} params, batch {global}", model.name()),
+            points,
+        });
         if model == Model::NetBn {
             for &p in procs {
                 let sync = Job {
@@ -640,6 +661,31 @@ fn main() -> Result<()> {
                 println!("{}", m.describe_comm(&apart, global));
             }
         }
+    }
+    if let Some(path) = &o.plot {
+        let on = if o.cuda {
+            format!("GPU 0 ({}), NCCL", plot::gpu_name())
+        } else {
+            format!("CPU, {}", plot::cpu_description())
+        };
+        let tf = if o.models.contains(&Model::Tf) {
+            format!("; tf's images are sequences of {} tokens", 2 * TF_DIGITS)
+        } else {
+            String::new()
+        };
+        let subtitle = format!(
+            "{on}; 1 compute thread per process\nthe global batch split among the processes; \
+             median of {} runs{tf}",
+            o.repeat,
+        );
+        let chart = plot::Scaling {
+            title: "DistributedDataParallel training throughput",
+            subtitle: &subtitle,
+            x_label: "processes",
+            series: &series,
+        };
+        plot::scaling_chart(path, &chart)?;
+        println!("Drew the chart to {}", path.display());
     }
     Ok(())
 }

@@ -3,13 +3,16 @@
 //!     cargo bench --bench dp_throughput
 //!     cargo bench --bench dp_throughput -- --kernels ours --devices 1 --batches 128
 //!     cargo bench --bench dp_throughput --features cuda -- --devices 1,2,4 --steps 50
+//!     cargo bench --bench dp_throughput -- --kernels ours --devices 1,2 --plot scaling.svg
 //!
 //! For each batch size, kernel choice and replica count: warm-up steps, then timed SGD steps
 //! (forward, cross-entropy, backward, update) on random CIFAR-shaped data; prints images/s, the
 //! ratio to one replica with the same kernels and batch size, and on the CPU the ratio of our
 //! convolution and max-pool kernels to candle's (`--kernels candle,ours`, the default there;
 //! see `nn::use_own_cpu_kernels`), all measured in this one run. Without GPUs the replicas are
-//! CPU replicas (which share the machine's cores). Reports; asserts nothing.
+//! CPU replicas (which share the machine's cores). With `--plot FILE.svg`, also draws images/s
+//! against the replica count, one line per batch size beside its ideal linear line (our
+//! kernels' where both were measured). Reports; asserts nothing.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
@@ -19,7 +22,11 @@ use candle_parallel::devices::replica_devices;
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::DataParallel;
+use std::path::PathBuf;
 use std::time::Instant;
+
+#[path = "../examples/common/plot.rs"]
+mod plot;
 
 struct Options {
     devices: Vec<usize>,
@@ -29,6 +36,8 @@ struct Options {
     cpu: bool,
     /// `false` for candle's CPU kernels, `true` for ours, in the order measured.
     kernels: Vec<bool>,
+    /// Where to draw the scaling chart.
+    plot: Option<PathBuf>,
 }
 
 fn kernels(value: Option<String>) -> Result<Vec<bool>> {
@@ -63,6 +72,7 @@ fn parse() -> Result<Options> {
         warmup: 3,
         cpu: false,
         kernels: Vec::new(),
+        plot: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -73,6 +83,13 @@ fn parse() -> Result<Options> {
             "--warmup" => o.warmup = list(args.next(), "--warmup")?[0],
             "--cpu" => o.cpu = true,
             "--kernels" => o.kernels = kernels(args.next())?,
+            "--plot" => {
+                let path = args
+                    .next()
+                    .context("--plot needs a file, e.g. --plot scaling.svg")?;
+                plot::check_path(path.as_ref())?;
+                o.plot = Some(path.into());
+            }
             "--bench" => {} // passed by `cargo bench`
             other => bail!("unknown argument {other:?}"),
         }
@@ -126,14 +143,19 @@ fn main() -> Result<()> {
     // Freed tensor memory stays for the next step (see candle_parallel::memory).
     candle_parallel::memory::keep_freed_memory();
     let o = parse()?;
-    let kind = if o.cpu || candle_parallel::devices::gpu_count() == 0 {
+    let gpus = if o.cpu {
+        0
+    } else {
+        candle_parallel::devices::gpu_count()
+    };
+    let kind = if gpus == 0 {
         "CPU replicas".to_string()
     } else {
-        format!(
-            "replicas over {} GPU(s)",
-            candle_parallel::devices::gpu_count()
-        )
+        format!("replicas over {gpus} GPU(s)")
     };
+    // The chart's lines: our kernels' where both were measured (they are the default).
+    let charted = o.kernels.contains(&true);
+    let mut series = Vec::new();
     println!(
         "DataParallel training throughput, CIFAR-10 Net, {kind}, {} steps after {} warm-up",
         o.steps, o.warmup
@@ -148,6 +170,7 @@ fn main() -> Result<()> {
             candle_parallel::nn::use_own_cpu_kernels(own);
             let name = if own { "ours" } else { "candle" };
             let mut base = None;
+            let mut points = Vec::new();
             for &n in &o.devices {
                 let rate = measure(n, batch, &o)?;
                 let base = *base.get_or_insert(if n == 1 { rate } else { measure(1, batch, &o)? });
@@ -162,9 +185,48 @@ fn main() -> Result<()> {
                     "{batch:>6} {name:>8} {n:>8} {rate:>12.1} {:>8.2}x {vs_candle:>10}",
                     rate / base
                 );
+                points.push((n as u32, rate));
+            }
+            if own == charted {
+                // The ideal line starts from one replica.
+                if let Some(base) = base.filter(|_| !o.devices.contains(&1)) {
+                    points.push((1, base));
+                }
+                series.push(plot::Series {
+                    name: format!("batch {batch}"),
+                    points,
+                });
             }
         }
     }
     candle_parallel::nn::use_own_cpu_kernels(true);
+    if let Some(path) = &o.plot {
+        let subtitle = if gpus == 0 {
+            let kernels = if charted { "our" } else { "candle's" };
+            format!(
+                "CPU replicas sharing {}: one replica already uses every core\n{kernels} CPU \
+                 kernels; {} steps after {} warm-up, random CIFAR-shaped images",
+                plot::cpu_description(),
+                o.steps,
+                o.warmup
+            )
+        } else {
+            format!(
+                "replicas over {gpus} x {}\n{} steps after {} warm-up, random CIFAR-shaped \
+                 images",
+                plot::gpu_name(),
+                o.steps,
+                o.warmup
+            )
+        };
+        let chart = plot::Scaling {
+            title: "DataParallel training throughput, CIFAR-10 tutorial Net",
+            subtitle: &subtitle,
+            x_label: "devices (replicas)",
+            series: &series,
+        };
+        plot::scaling_chart(path, &chart)?;
+        println!("Drew the chart to {}", path.display());
+    }
     Ok(())
 }

@@ -3,6 +3,7 @@
 //!     cargo run --release --example cifar_dp                       # synthetic data, CPU
 //!     cargo run --release --example cifar_dp --features cuda       # every GPU
 //!     cargo run --release --example cifar_dp -- --data-dir ~/data/cifar-10-batches-bin
+//!     cargo run --release --example cifar_dp -- --epochs 3 --plot training.svg
 //!
 //! The model, optimiser and data pipeline follow PyTorch's CIFAR-10 tutorial: SGD with
 //! lr 0.01 and momentum 0.9, batch 128, images normalised with mean 0.5 and std 0.5.
@@ -21,6 +22,8 @@ use std::time::Instant;
 
 #[path = "common/cifar_cli.rs"]
 mod cli;
+#[path = "common/plot.rs"]
+mod plot;
 
 /// Train the CIFAR-10 tutorial CNN with DataParallel.
 #[derive(Parser, Debug)]
@@ -49,8 +52,12 @@ fn main() -> Result<()> {
     candle_parallel::memory::keep_freed_memory();
     let args = Args::parse();
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
+    if let Some(path) = &args.train.plot {
+        plot::check_path(path)?;
+    }
     let data = args.train.load_data()?;
     let devices = replica_devices(args.devices, args.cpu)?;
+    let replicas = devices.len();
     if devices.len() > 1 {
         println!("Let's use {} devices!", devices.len());
     }
@@ -69,13 +76,40 @@ fn main() -> Result<()> {
 
     let started = Instant::now();
     let epochs = args.train.epochs;
+    let mut history = Vec::with_capacity(epochs);
     for epoch in 1..=epochs {
-        let rate = train_epoch(&model, &mut opt, &data.train, &args, epoch, &main_device)?;
+        let (rate, train_loss) =
+            train_epoch(&model, &mut opt, &data.train, &args, epoch, &main_device)?;
         let (loss, correct) = evaluate(&model, &data.test, &main_device)?;
         println!("Epoch {epoch}/{epochs}: {rate:.0} images/s");
         cli::print_test_line(loss, correct, data.test.len());
+        let n = data.test.len() as f64;
+        history.push(plot::Epoch {
+            epoch,
+            train_loss,
+            test_loss: loss / n,
+            test_accuracy: 100.0 * correct as f64 / n,
+        });
     }
     println!("Finished in {:.1}s", started.elapsed().as_secs_f64());
+    if let Some(path) = &args.train.plot {
+        let s = if replicas == 1 { "" } else { "s" };
+        let on = if main_device.is_cpu() {
+            format!("{replicas} CPU replica{s} on {}", plot::cpu_description())
+        } else {
+            format!("{replicas} replica{s} on {}", plot::gpu_name())
+        };
+        let subtitle = format!(
+            "{on}\n{}; batch {}, SGD lr {}, momentum {}",
+            args.train.data_name(&data),
+            args.batch_size,
+            args.train.lr,
+            args.train.momentum
+        );
+        let title = "cifar_dp: the CIFAR-10 tutorial Net under DataParallel";
+        plot::training_chart(path, title, &subtitle, &history)?;
+        println!("Drew the chart to {}", path.display());
+    }
     if let Some(path) = &args.train.save {
         let tensors = model
             .parameter_names()
@@ -90,7 +124,8 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// One pass over the shuffled training set; returns the training throughput in images/s.
+/// One pass over the shuffled training set; returns the training throughput in images/s and
+/// the training loss averaged over the epoch's images.
 fn train_epoch(
     model: &DataParallel<Net>,
     opt: &mut Sgd,
@@ -98,26 +133,27 @@ fn train_epoch(
     args: &Args,
     epoch: usize,
     device: &Device,
-) -> Result<f64> {
+) -> Result<(f64, f64)> {
     let seed = args.train.seed;
     let order =
         Rng::new(seed.wrapping_mul(1_000_003).wrapping_add(epoch as u64)).permutation(train.len());
     let bar = cli::progress_bar(train.len(), epoch, args.train.epochs)?;
     let started = Instant::now();
-    let mut last_loss = Tensor::zeros((), DType::F32, device)?;
+    // The loss summed over the epoch's images, kept on the device so no step waits for it.
+    let mut loss_sum = Tensor::zeros((), DType::F32, device)?;
     for indices in order.chunks(args.batch_size) {
         let (images, labels) = train.batch(indices, device)?;
         let logits = model.forward_t(&images, true)?;
         let loss = loss::cross_entropy(&logits, &labels)?;
         opt.backward_step(&loss)?;
-        last_loss = loss;
+        loss_sum = (loss_sum + (loss.detach() * indices.len() as f64)?)?;
         bar.inc(indices.len() as u64);
     }
-    // Reading the last loss waits for the device, so the time covers all the work.
-    last_loss.to_scalar::<f32>()?;
+    // Reading the summed loss waits for the device, so the time covers all the work.
+    let loss_sum = f64::from(loss_sum.to_scalar::<f32>()?);
     let seconds = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    Ok(train.len() as f64 / seconds)
+    Ok((train.len() as f64 / seconds, loss_sum / train.len() as f64))
 }
 
 /// Summed cross-entropy over the test images and the number classified correctly.

@@ -32,6 +32,12 @@
 //!
 //! trains a model whose unsharded AdamW state (97 MiB) would not fit 40 MiB per rank.
 //!
+//! With `--checkpoint-dir DIR` (DDP and ZeRO-2) the run saves a resumable checkpoint there every
+//! `--checkpoint-every` steps (the model, AdamW's state, the epoch, the step and the position in
+//! the epoch) and, started again, resumes from the last one by itself, so that under
+//! `candle-run --max-restarts N` a job that lost a rank ends with the weights of a run that
+//! never stopped.
+//!
 //! For `scripts/torch_transformer_bench.py`: `--dump-step FILE` writes the initial weights, one
 //! batch, its loss and every gradient, and exits; `--time-steps N` times N training steps.
 
@@ -40,6 +46,7 @@ use candle_core::backprop::GradStore;
 use candle_core::Var;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
+use candle_parallel::checkpoint::resume::{Progress, ResumeDir};
 use candle_parallel::ddp::{Compression, DdpConfig, NoSync, Sharding};
 use candle_parallel::devices::gpu_count;
 use candle_parallel::distributed::{ProcessGroup, ReduceOp, Rendezvous};
@@ -122,6 +129,13 @@ struct Args {
     /// Train on the CPU even when GPUs are available.
     #[arg(long)]
     cpu: bool,
+    /// Keep resumable checkpoints in this folder (shared by every rank), and resume from the
+    /// last one when it holds one (DDP and ZeRO-2: not with --sharding full).
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Optimizer steps between two checkpoints (with --checkpoint-dir).
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: usize,
     /// Save the trained weights here (safetensors, plain variable names; rank 0).
     #[arg(long)]
     save: Option<PathBuf>,
@@ -183,6 +197,15 @@ fn main() -> Result<()> {
     anyhow::ensure!(
         args.accumulate == 1 || args.sharding != ShardingArg::Full,
         "--accumulate needs no_sync, which --sharding full does not have: use --accumulate 1"
+    );
+    anyhow::ensure!(
+        args.checkpoint_dir.is_none() || args.sharding != ShardingArg::Full,
+        "--checkpoint-dir saves DDP's checkpoints, which --sharding full does not have: use \
+         --sharding none or zero2"
+    );
+    anyhow::ensure!(
+        args.checkpoint_every > 0,
+        "--checkpoint-every must be at least 1 step"
     );
     // Rank 0 alone prints, so the ranks' lines need no prefix.
     let config = LaunchConfig {
@@ -296,16 +319,48 @@ fn rank_main(args: &Args) -> Result<()> {
     let steps_per_epoch = sampler.len().div_ceil(micro * args.accumulate);
     let total = steps_per_epoch * args.epochs;
     let warm = ((args.warmup * total as f64).round() as usize).max(1);
-    let mut step = 0;
+    let checkpoints = args
+        .checkpoint_dir
+        .as_ref()
+        .map(|dir| ResumeDir::for_group(dir, &pg, &device));
+    let mut at = Progress {
+        epoch: 1,
+        step: 0,
+        position: 0,
+        rng: None,
+    };
+    if let Some(c) = &checkpoints {
+        let Model::Ddp(m) = &model else {
+            unreachable!("main refuses --checkpoint-dir with --sharding full")
+        };
+        if let Some(p) = c.load(|path| m.load_checkpoint(&mut opt, path))? {
+            if rank == 0 {
+                println!(
+                    "Resumed at step {} (epoch {}, {} samples of each rank's share in)",
+                    p.step, p.epoch, p.position
+                );
+            }
+            at = p;
+        }
+    }
     let started = Instant::now();
-    for epoch in 1..=args.epochs {
+    for epoch in at.epoch as usize..=args.epochs {
         sampler.set_epoch(epoch as u64);
+        // A resumed epoch starts where its checkpoint was taken.
+        at.position = if epoch as u64 == at.epoch {
+            at.position
+        } else {
+            0
+        };
+        at.epoch = epoch as u64;
         let epoch_started = Instant::now();
         let indices = sampler.indices();
+        let skip = at.position.min(indices.len());
         // Summed on the device: reading a loss each step would wait for the device each step.
         let mut loss_sum = Tensor::zeros((), DType::F32, &device)?;
-        for chunk in indices.chunks(micro * args.accumulate) {
-            step += 1;
+        for chunk in indices[skip..].chunks(micro * args.accumulate) {
+            at.step += 1;
+            let step = at.step as usize;
             opt.set_learning_rate(learning_rate(args.lr, step, warm, total));
             let micros: Vec<&[usize]> = chunk.chunks(micro).collect();
             let k = micros.len() as f64;
@@ -320,6 +375,15 @@ fn rank_main(args: &Args) -> Result<()> {
                 loss_sum = (loss_sum + loss.detach())?;
             }
             opt.step(&grads.expect("a step has at least one micro-batch"))?;
+            at.position += chunk.len();
+            if let (Some(c), Model::Ddp(m)) = (&checkpoints, &model) {
+                if step % args.checkpoint_every == 0 {
+                    let folder = c.save(&at, |path| m.save_checkpoint(&opt, path))?;
+                    if rank == 0 {
+                        println!("Checkpoint at step {step} saved to {}", folder.display());
+                    }
+                }
+            }
         }
         let loss_sum = f64::from(loss_sum.to_scalar::<f32>()?);
         let loss = all_reduce_mean(&pg, loss_sum / steps_per_epoch as f64, &device)?;

@@ -15,6 +15,9 @@
 //! [`optimizer_tensors`] and [`optimizer_state_from`] write and read the optimizer's part under
 //! names of the caller's choosing (a sharded wrapper names its flat shards).
 //!
+//! [`resume`] keeps a folder of checkpoints that a restarted job resumes from: the training
+//! state, and each rank's epoch, step, sampler position and random generator.
+//!
 //! ```rust
 //! use candle_core::{DType, Device};
 //! use candle_nn::{linear, Optimizer, VarBuilder, VarMap};
@@ -39,6 +42,8 @@
 //! # Ok(()) }
 //! ```
 
+pub mod resume;
+
 use crate::error::{Error, Result};
 use crate::optim::{ElementwiseOptimizer, OptimizerState};
 use crate::util::sync::lock;
@@ -59,7 +64,19 @@ pub fn save_varmap(varmap: &VarMap, path: impl AsRef<Path>) -> Result<()> {
 /// Saves `tensors` to `path` in the safetensors format, atomically. Tensors on GPUs are copied
 /// to the host first.
 pub fn save(tensors: &HashMap<String, Tensor>, path: impl AsRef<Path>) -> Result<()> {
-    let path = path.as_ref();
+    let host: HashMap<&str, Tensor> = tensors
+        .iter()
+        .map(|(k, t)| Ok((k.as_str(), t.to_device(&Device::Cpu)?)))
+        .collect::<Result<_>>()?;
+    write_atomically(path.as_ref(), |tmp| {
+        Ok(candle_core::safetensors::save(&host, tmp)?)
+    })
+}
+
+/// Writes the file at `path` atomically: `write` fills a temporary file beside it, which is
+/// flushed to disk and renamed over `path`, and the folder is synced so that the rename lasts.
+/// On failure the temporary file is removed and `path` is untouched.
+pub(crate) fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let file_name = path.file_name().ok_or_else(|| Error::InvalidArgument {
         what: "checkpoint path",
         detail: format!("{} does not name a file", path.display()),
@@ -68,12 +85,7 @@ pub fn save(tensors: &HashMap<String, Tensor>, path: impl AsRef<Path>) -> Result
     tmp_name.push(file_name);
     tmp_name.push(format!(".tmp-{}", std::process::id()));
     let tmp = path.with_file_name(tmp_name);
-    let host: HashMap<&str, Tensor> = tensors
-        .iter()
-        .map(|(k, t)| Ok((k.as_str(), t.to_device(&Device::Cpu)?)))
-        .collect::<Result<_>>()?;
-    let written = candle_core::safetensors::save(&host, &tmp)
-        .map_err(Error::from)
+    let written = write(&tmp)
         .and_then(|()| sync(&tmp, "writing"))
         .and_then(|()| {
             std::fs::rename(&tmp, path).map_err(|source| Error::File {

@@ -17,7 +17,7 @@
 //! ```
 
 /// xoshiro256++ (Blackman and Vigna), seeded with SplitMix64.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rng {
     s: [u64; 4],
 }
@@ -65,6 +65,18 @@ impl Rng {
                 splitmix64(&mut x),
             ],
         }
+    }
+
+    /// The generator's whole state: [`Rng::from_state`] of it carries on with the same
+    /// numbers (what a checkpoint saves to resume training).
+    pub fn state(&self) -> [u64; 4] {
+        self.s
+    }
+
+    /// The generator in `state`, as [`Rng::state`] gave it; `None` for all zeros, a state
+    /// xoshiro never reaches (it would only give zeros).
+    pub fn from_state(state: [u64; 4]) -> Option<Self> {
+        (state != [0; 4]).then_some(Self { s: state })
     }
 
     /// The next 64 random bits.
@@ -153,6 +165,19 @@ mod tests {
             .collect();
         assert_eq!(a, b);
         assert_ne!(Rng::new(7).next_u64(), Rng::new(8).next_u64());
+    }
+
+    #[test]
+    fn a_saved_state_carries_on_with_the_same_numbers() {
+        let mut a = Rng::new(11);
+        a.next_u64();
+        let mut b = Rng::from_state(a.state()).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(
+            (0..5).map(|_| a.next_u64()).collect::<Vec<_>>(),
+            (0..5).map(|_| b.next_u64()).collect::<Vec<_>>()
+        );
+        assert!(Rng::from_state([0; 4]).is_none());
     }
 
     #[test]

@@ -167,6 +167,70 @@ impl DistributedSampler {
     }
 }
 
+impl DistributedSampler {
+    /// This rank's indices for the current epoch in batches of `batch_size`, as PyTorch's
+    /// `BatchSampler(sampler, batch_size, drop_last)`: the last, shorter batch is dropped with
+    /// `drop_last`, else kept. Every rank gets the same number of batches (each rank's share has
+    /// the same length).
+    ///
+    /// ```rust
+    /// use candle_parallel::sampler::{DistributedSampler, SamplerConfig};
+    /// # fn main() -> candle_parallel::Result<()> {
+    /// let in_order = SamplerConfig { shuffle: false, ..Default::default() };
+    /// let sampler = DistributedSampler::new(10, 2, 0, in_order)?; // indices 0, 2, 4, 6, 8
+    /// let batches: Vec<Vec<usize>> = sampler.batches(2, true)?.collect();
+    /// assert_eq!(batches, [vec![0, 2], vec![4, 6]]);
+    /// assert_eq!(sampler.batches(2, false)?.len(), 3); // [8] too
+    /// # Ok(()) }
+    /// ```
+    pub fn batches(&self, batch_size: usize, drop_last: bool) -> Result<Batches> {
+        if batch_size == 0 {
+            return Err(Error::InvalidArgument {
+                what: "DistributedSampler::batches",
+                detail: "batch_size is 0; a batch holds at least one index".into(),
+            });
+        }
+        let mut indices = self.indices();
+        if drop_last {
+            indices.truncate(indices.len() / batch_size * batch_size);
+        }
+        Ok(Batches {
+            indices,
+            batch_size,
+            next: 0,
+        })
+    }
+}
+
+/// One epoch of a rank's indices in batches ([`DistributedSampler::batches`]).
+#[derive(Clone, Debug)]
+pub struct Batches {
+    indices: Vec<usize>,
+    batch_size: usize,
+    next: usize,
+}
+
+impl Iterator for Batches {
+    type Item = Vec<usize>;
+
+    fn next(&mut self) -> Option<Vec<usize>> {
+        if self.next >= self.indices.len() {
+            return None;
+        }
+        let end = (self.next + self.batch_size).min(self.indices.len());
+        let batch = self.indices[self.next..end].to_vec();
+        self.next = end;
+        Some(batch)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = (self.indices.len() - self.next).div_ceil(self.batch_size);
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for Batches {}
+
 impl IntoIterator for &DistributedSampler {
     type Item = usize;
     type IntoIter = std::vec::IntoIter<usize>;
@@ -275,6 +339,24 @@ mod tests {
         let mut c = DistributedSampler::new(50, 2, 1, SamplerConfig { seed: 6, ..seeded }).unwrap();
         c.set_epoch(1);
         assert_eq!(c.indices(), b.indices());
+    }
+
+    #[test]
+    fn batches_cut_the_share_as_torch_s_batch_sampler_does() {
+        let shuffled = SamplerConfig::default();
+        let sampler = DistributedSampler::new(23, 2, 1, shuffled).unwrap();
+        let share = sampler.indices(); // 12 indices
+        let kept: Vec<Vec<usize>> = sampler.batches(5, false).unwrap().collect();
+        assert_eq!(kept.concat(), share);
+        assert_eq!(kept.iter().map(Vec::len).collect::<Vec<_>>(), [5, 5, 2]);
+        let dropped: Vec<Vec<usize>> = sampler.batches(5, true).unwrap().collect();
+        assert_eq!(dropped, kept[..2]);
+        let mut it = sampler.batches(5, false).unwrap();
+        assert_eq!(it.len(), 3);
+        it.next();
+        assert_eq!(it.len(), 2);
+        let err = sampler.batches(0, false).unwrap_err().to_string();
+        assert!(err.contains("batch_size is 0"), "{err}");
     }
 
     #[test]

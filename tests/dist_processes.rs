@@ -33,6 +33,11 @@ fn collectives_child() {
     } else {
         "shm"
     };
+    // One machine: one ring (the hierarchical all-reduce is for several).
+    assert_eq!(
+        pg.algorithm(),
+        Some(candle_parallel::distributed::Algorithm::Ring)
+    );
     let links = pg.transports();
     assert_eq!(links[pg.rank()], None);
     assert!(
@@ -139,7 +144,10 @@ fn a_missing_rank_is_named_when_the_rendezvous_times_out() {
             .unwrap_err()
             .to_string();
         assert!(err.contains("2 of 3 ranks joined"), "{err}");
-        assert!(err.contains("missing rank 1"), "{err}");
+        assert!(
+            err.contains("rank 1 never came") && err.contains("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT"),
+            "{err}"
+        );
         return done();
     }
     let port = common::free_port();
@@ -397,7 +405,7 @@ fn bad_local_configuration_fails_fast_with_a_clear_error() {
 
     let err = ProcessGroup::new(&r(2, 2, nobody), &Device::Cpu, quick.clone()).unwrap_err();
     assert!(
-        err.to_string().contains("not below the world size"),
+        err.to_string().contains("RANK 2: not below WORLD_SIZE 2"),
         "{err}"
     );
     let err = ProcessGroup::new(&r(0, 0, nobody), &Device::Cpu, quick).unwrap_err();
@@ -470,4 +478,34 @@ fn a_rank_killed_while_an_async_call_is_in_flight_is_named_by_wait() {
         "issued",
         LIMIT,
     );
+}
+
+#[test]
+fn a_rank_that_runs_fewer_steps_is_named_with_the_likely_cause() {
+    if is_child() {
+        let pg = join_child();
+        let x = Tensor::new(&[1f32], &Device::Cpu).unwrap();
+        // Rank 1 runs one step fewer and leaves; rank 0 waits for it in its last step.
+        let steps = if pg.rank() == 0 { 3 } else { 2 };
+        let mut last = Ok(x.clone());
+        for _ in 0..steps {
+            last = pg.all_reduce(&x, ReduceOp::Sum);
+        }
+        if pg.rank() == 0 {
+            let err = last.unwrap_err().to_string();
+            assert!(
+                err.contains("rank 1") && err.contains("different numbers of collectives"),
+                "{err}"
+            );
+            assert!(err.contains("join()"), "{err}");
+        } else {
+            last.unwrap();
+        }
+        return done();
+    }
+    Ranks::world(
+        "a_rank_that_runs_fewer_steps_is_named_with_the_likely_cause",
+        2,
+    )
+    .assert_all_pass(LIMIT);
 }

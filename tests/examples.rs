@@ -1,6 +1,8 @@
 //! The examples, run as real processes.
 
 mod common;
+#[path = "../examples/common/plot.rs"]
+mod plot;
 
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
@@ -263,4 +265,238 @@ fn an_empty_test_set_is_an_error_like_an_empty_training_set() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(&format!("the {what} is empty")), "{err}");
     }
+}
+
+/// A polyline of an SVG chart: its stroke width and points.
+struct Polyline {
+    width: u32,
+    points: Vec<(f64, f64)>,
+}
+
+/// The `<polyline>` elements of `svg` (plotters writes every line and dash as one).
+fn polylines(svg: &str) -> Vec<Polyline> {
+    let attr = |tag: &str, name: &str| -> String {
+        let start = tag.find(&format!(" {name}=\"")).expect(name) + name.len() + 3;
+        tag[start..].split('"').next().unwrap().to_string()
+    };
+    svg.split("<polyline")
+        .skip(1)
+        .map(|tag| {
+            let tag = tag.split("/>").next().unwrap();
+            let points = attr(tag, "points")
+                .split_whitespace()
+                .map(|p| {
+                    let (x, y) = p.split_once(',').unwrap();
+                    (x.parse().unwrap(), y.parse().unwrap())
+                })
+                .collect();
+            Polyline {
+                width: attr(tag, "stroke-width").parse().unwrap(),
+                points,
+            }
+        })
+        .collect()
+}
+
+/// The accuracies (in percent) of every `Test set` line of `out`.
+fn accuracies(out: &str) -> Vec<f64> {
+    out.lines()
+        .filter_map(|l| l.split("Accuracy: ").nth(1))
+        .map(|a| {
+            let (correct, n) = a.split(' ').next().unwrap().split_once('/').unwrap();
+            100.0 * correct.parse::<f64>().unwrap() / n.parse::<f64>().unwrap()
+        })
+        .collect()
+}
+
+/// Checks a training chart of `epochs` epochs (not 2, as the legend's lines have two points):
+/// the three series named, each drawn as one thick line through a point per epoch, and the accuracy line (the right panel's) ordered as the
+/// run's test lines (a higher accuracy is higher up: a smaller pixel y).
+fn check_training_chart(svg: &str, epochs: usize, out: &str) {
+    assert!(svg.starts_with("<svg"), "not an SVG:\n{svg}");
+    for name in [
+        "training loss (mean over the epoch)",
+        "test loss",
+        "test accuracy",
+    ] {
+        assert!(svg.contains(name), "no {name:?} in the chart");
+    }
+    let lines: Vec<Polyline> = polylines(svg)
+        .into_iter()
+        .filter(|l| l.width == 3 && l.points.len() == epochs)
+        .collect();
+    assert_eq!(lines.len(), 3, "one line per series");
+    assert_eq!(
+        svg.matches("<circle").count(),
+        3 * epochs,
+        "a point per epoch"
+    );
+    let accuracy = lines
+        .iter()
+        .find(|l| l.points[0].0 > 500.0)
+        .expect("the accuracy panel's line");
+    let reported = accuracies(out);
+    assert_eq!(reported.len(), epochs, "{out}");
+    for i in 0..epochs {
+        for j in 0..epochs {
+            if reported[i] < reported[j] {
+                assert!(
+                    accuracy.points[i].1 >= accuracy.points[j].1,
+                    "accuracy {reported:?} drawn at {:?}",
+                    accuracy.points
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cifar_dp_plot_draws_loss_and_accuracy_per_epoch() {
+    let dir = common::temp_dir("cifar-dp-plot");
+    let path = dir.join("training.svg");
+    let mut cmd = Command::new(common::example("cifar_dp"));
+    cmd.args([
+        "--cpu",
+        "--epochs",
+        "3",
+        "--train-size",
+        "512",
+        "--test-size",
+        "200",
+    ])
+    .arg("--plot")
+    .arg(&path);
+    let out = common::run_ok(cmd, Duration::from_secs(120));
+    assert!(
+        out.contains(&format!("Drew the chart to {}", path.display())),
+        "{out}"
+    );
+    let svg = std::fs::read_to_string(&path).unwrap();
+    check_training_chart(&svg, 3, &out);
+    assert!(svg.contains("1 CPU replica on"), "the machine is named");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn cifar_ddp_plot_is_drawn_by_rank_0_alone() {
+    let dir = common::temp_dir("cifar-ddp-plot");
+    let path = dir.join("training.svg");
+    let mut cmd = Command::new(common::example("cifar_ddp"));
+    cmd.args([
+        "--nproc",
+        "2",
+        "--cpu",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "64",
+    ])
+    .args(["--train-size", "512", "--test-size", "200"])
+    .arg("--plot")
+    .arg(&path);
+    let out = common::run_ok(cmd, Duration::from_secs(120));
+    assert_eq!(out.matches("Drew the chart to").count(), 1, "{out}");
+    let svg = std::fs::read_to_string(&path).unwrap();
+    check_training_chart(&svg, 3, &out);
+    assert!(svg.contains("2 processes on"), "the machine is named");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_plot_into_a_missing_folder_fails_before_training_and_names_the_path() {
+    let dir = common::temp_dir("cifar-plot-missing");
+    let path = dir.join("no-such-folder").join("training.svg");
+    for example in ["cifar_dp", "cifar_ddp"] {
+        let mut cmd = Command::new(common::example(example));
+        cmd.args(["--cpu", "--epochs", "1", "--plot"]).arg(&path);
+        let out = common::run(cmd, Duration::from_secs(60));
+        assert!(!out.status.success(), "{example} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(&format!("cannot write the chart to {}", path.display())),
+            "{example}: {err}"
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !stdout.contains("Epoch"),
+            "{example} trained first: {stdout}"
+        );
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_scaling_chart_labels_each_point_with_its_share_of_the_ideal_line() {
+    let dir = common::temp_dir("scaling-chart");
+    let path = dir.join("scaling.svg");
+    let series = [
+        plot::Series {
+            name: "batch 128".into(),
+            points: vec![(1, 100.0), (2, 150.0), (4, 200.0)],
+        },
+        plot::Series {
+            name: "batch 512".into(),
+            points: vec![(2, 300.0), (1, 160.0), (4, 560.0)],
+        },
+    ];
+    let chart = plot::Scaling {
+        title: "a title",
+        subtitle: "first line\nsecond line",
+        x_label: "devices",
+        series: &series,
+    };
+    plot::scaling_chart(&path, &chart).unwrap();
+    let svg = std::fs::read_to_string(&path).unwrap();
+    for text in [
+        "a title",
+        "first line",
+        "second line",
+        "devices",
+        "batch 128",
+        "batch 512",
+        ">\nimages/s\n<",
+    ] {
+        assert!(svg.contains(text), "no {text:?} in the chart");
+    }
+    // 150 of an ideal 200, 200 of 400; 300 of 320, 560 of 640.
+    for share in ["75%", "50%", "94%", "88%"] {
+        assert!(svg.contains(&format!(">\n{share}\n<")), "no {share} label");
+    }
+    let lines = polylines(&svg);
+    let measured: Vec<&Polyline> = lines
+        .iter()
+        .filter(|l| l.width == 3 && l.points.len() == 3)
+        .collect();
+    assert_eq!(measured.len(), 2, "one line per series");
+    // Sorted by count: the second series' points were given out of order.
+    for line in &measured {
+        assert!(line.points.windows(2).all(|w| w[0].0 < w[1].0));
+    }
+    // The ideal lines are dashed: many short thinner pieces.
+    assert!(lines.iter().filter(|l| l.width == 2).count() > 10);
+
+    // Lines 100x apart get a logarithmic axis.
+    let series = [
+        series[0].clone(),
+        plot::Series {
+            name: "big".into(),
+            points: vec![(1, 10_000.0), (2, 19_000.0)],
+        },
+    ];
+    let chart = plot::Scaling {
+        series: &series,
+        ..chart
+    };
+    plot::scaling_chart(&path, &chart).unwrap();
+    let svg = std::fs::read_to_string(&path).unwrap();
+    assert!(svg.contains("images/s (log scale)"));
+    assert!(svg.contains(">\n95%\n<"));
+
+    let missing = dir.join("missing").join("scaling.svg");
+    let err = plot::scaling_chart(&missing, &chart).unwrap_err();
+    assert!(
+        format!("{err:#}").contains(&missing.display().to_string()),
+        "{err:#}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
 }

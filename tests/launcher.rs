@@ -231,6 +231,25 @@ fn bad_arguments_exit_2_with_the_reason() {
     );
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("starting rank 0"));
+    // An unknown option, with the help hint once.
+    let out = common::run(candle_run(&["--bogus", "true"]), LIMIT);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        err.contains("--bogus: not an option of candle-run"),
+        "{err}"
+    );
+    assert_eq!(err.matches("candle-run --help").count(), 1, "{err}");
+    // A thread count that rayon would silently ignore.
+    let mut cmd = candle_run(&["--nproc-per-node", "1", "true"]);
+    cmd.env("RAYON_NUM_THREADS", "x");
+    let out = common::run(cmd, LIMIT);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("RAYON_NUM_THREADS") && err.contains("\"x\""),
+        "{err}"
+    );
 }
 
 #[test]

@@ -38,6 +38,10 @@ pub struct TrainArgs {
     /// plain `Net`.
     #[arg(long)]
     pub save: Option<PathBuf>,
+    /// Draw the training loss (averaged over each epoch), the test loss and the test accuracy
+    /// per epoch into this SVG file at the end of the run.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
 }
 
 /// The synthetic default: 100 steps of 128 per epoch, so the first epoch ends past the initial
@@ -72,6 +76,21 @@ impl TrainArgs {
              at least one image"
         );
         Ok(data)
+    }
+
+    /// What `data` (loaded with these flags) is, for a chart: "synthetic CIFAR-shaped data"
+    /// or "CIFAR-10", and how many images each split holds.
+    pub fn data_name(&self, data: &Cifar10) -> String {
+        let what = if self.data_dir.is_some() {
+            "CIFAR-10"
+        } else {
+            "synthetic CIFAR-shaped data"
+        };
+        format!(
+            "{what}, {} training and {} test images",
+            data.train.len(),
+            data.test.len()
+        )
     }
 
     /// The tutorial's SGD with these flags.

@@ -36,7 +36,7 @@ fn main() {
             exit_code(&result)
         }
         Err(e) => {
-            eprintln!("candle-run: {e}\n(see candle-run --help)");
+            eprintln!("candle-run: {e} (see candle-run --help)");
             2
         }
     };

@@ -1,6 +1,7 @@
 //! What a backend provides: the [`Communicator`] that a [`ProcessGroup`](super::ProcessGroup)
 //! drives from its worker thread.
 
+use super::config::Algorithm;
 use super::rendezvous::GroupPath;
 use super::store::{Store, StoreServer};
 use super::work::Finished;
@@ -58,5 +59,9 @@ pub(crate) trait Communicator: Send + Sync {
     /// How each peer is reached, for backends with per-peer links.
     fn transports(&self) -> Vec<Option<&'static str>> {
         Vec::new()
+    }
+    /// The all-reduce algorithm in use, for backends that offer a choice.
+    fn algorithm(&self) -> Option<Algorithm> {
+        None
     }
 }

@@ -26,6 +26,31 @@ impl fmt::Display for Backend {
     }
 }
 
+/// How the TCP backend all-reduces ([`InitConfig::algorithm`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Hierarchical when the group spans at least 2 machines with the same number of ranks on
+    /// each, at least 2; the ring otherwise.
+    #[default]
+    Auto,
+    /// One ring through every rank.
+    Ring,
+    /// Reduce inside each machine, all-reduce between machines (one ring per local index,
+    /// striped across the local ranks), gather inside each machine. Needs the same number of
+    /// ranks on every machine.
+    Hierarchical,
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Ring => "ring",
+            Self::Hierarchical => "hierarchical",
+        })
+    }
+}
+
 /// Timeouts and choices for creating a process group. `Default` reads nothing from the
 /// environment; [`InitConfig::from_env`] reads `CANDLE_PARALLEL_*` variables (the job token
 /// among them).
@@ -50,6 +75,10 @@ pub struct InitConfig {
     /// memory instead of sockets (default true, Linux; needs `unix_sockets`;
     /// `CANDLE_PARALLEL_SHM=0` turns it off in [`InitConfig::from_env`]).
     pub shared_memory: bool,
+    /// The TCP backend's all-reduce algorithm (default [`Algorithm::Auto`];
+    /// `CANDLE_PARALLEL_ALGORITHM=auto|ring|hierarchical` in [`InitConfig::from_env`]). Other
+    /// backends choose their own.
+    pub algorithm: Algorithm,
 }
 
 /// The former name of [`InitConfig`].
@@ -66,6 +95,7 @@ impl Default for InitConfig {
             token: String::new(),
             unix_sockets: true,
             shared_memory: true,
+            algorithm: Algorithm::Auto,
         }
     }
 }
@@ -85,6 +115,7 @@ impl InitConfig {
     /// | `CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT` | `rendezvous_timeout` | seconds |
     /// | `CANDLE_PARALLEL_UNIX_SOCKETS` | `unix_sockets` | `0`, `1` |
     /// | `CANDLE_PARALLEL_SHM` | `shared_memory` | `0`, `1` |
+    /// | `CANDLE_PARALLEL_ALGORITHM` | `algorithm` | `auto`, `ring`, `hierarchical` |
     ///
     /// A value that does not parse is an error naming the variable.
     pub fn from_env() -> Result<Self> {
@@ -119,6 +150,12 @@ impl InitConfig {
             Some("nccl") => Some(Backend::Nccl),
             Some(v) => return Err(bad(BACKEND_VAR, v, "tcp or nccl")),
         };
+        let algorithm = match get(ALGORITHM_VAR).as_deref().map(str::trim) {
+            None | Some("") | Some("auto") => Algorithm::Auto,
+            Some("ring") => Algorithm::Ring,
+            Some("hierarchical") => Algorithm::Hierarchical,
+            Some(v) => return Err(bad(ALGORITHM_VAR, v, "auto, ring or hierarchical")),
+        };
         let d = Self::default();
         Ok(Self {
             backend,
@@ -128,12 +165,37 @@ impl InitConfig {
             token: get(TOKEN_VAR).unwrap_or_default(),
             unix_sockets: switch("CANDLE_PARALLEL_UNIX_SOCKETS")?,
             shared_memory: switch("CANDLE_PARALLEL_SHM")?,
+            algorithm,
         })
     }
 }
 
 /// The environment variable choosing the backend (`tcp` or `nccl`).
 pub const BACKEND_VAR: &str = "CANDLE_PARALLEL_BACKEND";
+
+/// The variable that sizes candle's CPU thread pool (rayon's), which rayon ignores silently
+/// when it is not a number.
+pub const THREADS_VAR: &str = "RAYON_NUM_THREADS";
+
+/// Checks `RAYON_NUM_THREADS`'s value (`None`: unset): rayon itself falls back to one thread
+/// per core, without a word, when it is not a positive number.
+pub fn check_threads_var(value: Option<&str>) -> Result<()> {
+    match value.map(str::trim) {
+        None => Ok(()),
+        Some(v) if v.parse::<usize>().is_ok_and(|n| n > 0) => Ok(()),
+        Some(v) => Err(Error::Config {
+            what: format!("environment variable {THREADS_VAR}"),
+            detail: format!(
+                "{v:?} is not a number of threads (rayon would ignore it and use every core); \
+                 set a positive integer or unset it"
+            ),
+        }),
+    }
+}
+
+/// The environment variable choosing the TCP backend's all-reduce algorithm (`auto`, `ring`,
+/// `hierarchical`).
+pub const ALGORITHM_VAR: &str = "CANDLE_PARALLEL_ALGORITHM";
 
 /// The environment variable bounding the wait for every rank to join, in seconds.
 pub const RENDEZVOUS_TIMEOUT_VAR: &str = "CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT";
@@ -160,12 +222,14 @@ mod tests {
             ("CANDLE_PARALLEL_BACKEND", "tcp"),
             ("CANDLE_PARALLEL_SHM", "0"),
             ("CANDLE_PARALLEL_TOKEN", "t"),
+            ("CANDLE_PARALLEL_ALGORITHM", "hierarchical"),
         ]))
         .unwrap();
         assert_eq!(o.rendezvous_timeout, Duration::from_millis(2500));
         assert_eq!(o.backend, Some(Backend::Tcp));
         assert!(!o.shared_memory && o.unix_sockets);
         assert_eq!(o.token, "t");
+        assert_eq!(o.algorithm, Algorithm::Hierarchical);
         assert_eq!(
             InitConfig::from_vars(vars(&[])).unwrap(),
             InitConfig::default()
@@ -175,11 +239,25 @@ mod tests {
             ("CANDLE_PARALLEL_PEER_TIMEOUT", "-1"),
             ("CANDLE_PARALLEL_BACKEND", "gloo"),
             ("CANDLE_PARALLEL_UNIX_SOCKETS", "yes"),
+            ("CANDLE_PARALLEL_ALGORITHM", "tree"),
         ] {
             let err = InitConfig::from_vars(vars(&[(name, value)]))
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(name) && err.contains(value), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_thread_count_that_rayon_would_ignore_is_named() {
+        assert!(check_threads_var(None).is_ok());
+        assert!(check_threads_var(Some("4")).is_ok());
+        for v in ["x", "0", "-1", ""] {
+            let err = check_threads_var(Some(v)).unwrap_err().to_string();
+            assert!(
+                err.contains("RAYON_NUM_THREADS") && err.contains(&format!("{v:?}")),
+                "{err}"
+            );
         }
     }
 }

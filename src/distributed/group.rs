@@ -118,6 +118,10 @@ impl ProcessGroup {
     /// the backend follows `device` (NCCL for CUDA with the `nccl` feature, else TCP) unless
     /// `CANDLE_PARALLEL_BACKEND` says otherwise.
     pub fn from_env(device: &Device) -> Result<Self> {
+        if let Err(e) = super::check_threads_var(std::env::var(super::THREADS_VAR).ok().as_deref())
+        {
+            log::warn!("{e}");
+        }
         Self::new(&Rendezvous::from_env()?, device, InitConfig::from_env()?)
     }
 
@@ -226,6 +230,15 @@ impl ProcessGroup {
     /// (in-process).
     pub fn transports(&self) -> Vec<Option<&'static str>> {
         self.state.comm.transports()
+    }
+
+    /// The TCP backend's all-reduce algorithm, as chosen when the group formed from
+    /// [`InitConfig::algorithm`](super::InitConfig::algorithm) and the machines its ranks are
+    /// on: [`Algorithm::Ring`](super::Algorithm::Ring) or
+    /// [`Algorithm::Hierarchical`](super::Algorithm::Hierarchical); `None` for the other
+    /// backends, which choose their own.
+    pub fn algorithm(&self) -> Option<super::Algorithm> {
+        self.state.comm.algorithm()
     }
 
     /// The rendezvous store (absent for in-process groups).

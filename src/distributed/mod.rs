@@ -63,7 +63,10 @@ pub mod work;
 
 #[allow(deprecated)]
 pub use config::InitOptions;
-pub use config::{Backend, InitConfig, BACKEND_VAR, RENDEZVOUS_TIMEOUT_VAR, TOKEN_VAR};
+pub use config::{
+    check_threads_var, Algorithm, Backend, InitConfig, ALGORITHM_VAR, BACKEND_VAR,
+    RENDEZVOUS_TIMEOUT_VAR, THREADS_VAR, TOKEN_VAR,
+};
 pub use group::ProcessGroup;
 pub use reduce_op::ReduceOp;
 pub use rendezvous::store;

@@ -19,6 +19,7 @@ OPTIONS:
     --master-addr ADDR   address of the machine running rank 0 [127.0.0.1]
     --master-port PORT   port of rank 0's store [a free port; required when M > 1]
     --grace-period SECS  time ranks get to exit after SIGTERM before SIGKILL [5]
+    --max-restarts N     start the job again, up to N times, when a rank fails [0]
     --no-prefix          do not prefix output lines with [rankN]:
     --standalone         accepted for torchrun compatibility (one machine, free port)
     -h, --help           print this help
@@ -29,7 +30,11 @@ MASTER_PORT and CANDLE_PARALLEL_TOKEN (random on one machine; set it yourself, t
 every machine, for several). With several ranks per machine and RAYON_NUM_THREADS unset,
 each rank's compute pool gets the machine's cores divided by the ranks (RAYON_NUM_THREADS,
 as torchrun sets OMP_NUM_THREADS=1). When a rank fails the others are stopped and candle-run exits
-with the failing rank's status. Options also take the torchrun spellings (--nproc_per_node).";
+with the failing rank's status; with --max-restarts N it first starts every rank again (a new
+round, with a new rendezvous), up to N times, each rank seeing its round in
+TORCHELASTIC_RESTART_COUNT (0 first) to resume from its checkpoint. On several machines give
+every launcher the same --max-restarts. Ctrl-C and SIGTERM stop the job without a restart.
+Options also take the torchrun spellings (--nproc_per_node).";
 
 /// What the command line asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -125,14 +130,10 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
                 }
                 config.grace_period = Duration::from_secs_f64(secs);
             }
+            "--max-restarts" => config.max_restarts = number(&flag, &value()?)?,
             "--no-prefix" => config.prefix_output = false,
             "--standalone" => {}
-            _ => {
-                return Err(bad(
-                    "option",
-                    format!("unknown option {text}; see candle-run --help"),
-                ))
-            }
+            _ => return Err(bad(&flag, "not an option of candle-run".into())),
         }
     }
     Err(bad(
@@ -182,8 +183,27 @@ mod tests {
         assert_eq!(config.master_port, Some(29500));
         assert_eq!(config.grace_period, Duration::from_millis(500));
         assert!(!config.prefix_output);
+        assert_eq!(config.max_restarts, 0, "torchrun's default: no restart");
         assert_eq!(program, "train");
         assert_eq!(args, ["--lr", "0.1"]);
+    }
+
+    #[test]
+    fn max_restarts_in_both_spellings() {
+        for args in [
+            &["--max-restarts", "3", "p"][..],
+            &["--max_restarts=3", "p"],
+            &["--max-restarts=3", "p"],
+        ] {
+            let Parsed::Run { config, .. } = parse(args).unwrap() else {
+                panic!("not a run")
+            };
+            assert_eq!(config.max_restarts, 3, "{args:?}");
+        }
+        let err = parse(&["--max-restarts", "-1", "p"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"-1\" is not a valid number"), "{err}");
     }
 
     #[test]
@@ -198,7 +218,7 @@ mod tests {
     fn mistakes_are_explained() {
         let err = |a: &[&str]| parse(a).unwrap_err().to_string();
         assert!(err(&["--nproc-per-node", "x", "p"]).contains("\"x\" is not a valid number"));
-        assert!(err(&["--frobnicate", "p"]).contains("unknown option --frobnicate"));
+        assert!(err(&["--frobnicate", "p"]).contains("--frobnicate: not an option of candle-run"));
         assert!(err(&["--nnodes", "2"]).contains("PROGRAM: missing"));
         assert!(err(&["--master-port"]).contains("needs a value"));
         assert_eq!(parse(&["-h"]).unwrap(), Parsed::Help);

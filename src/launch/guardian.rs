@@ -4,8 +4,10 @@
 //! The kernel kills each rank when the launcher dies (`PR_SET_PDEATHSIG`), but not what the
 //! rank started: those are re-parented and live on. So the launcher starts, beside the ranks,
 //! a `/bin/sh` that reads from a pipe the process group of every rank it starts (a rank's
-//! whole tree, unless something in it made a group of its own). When the launcher ends
-//! normally it writes `done` and the guardian exits; when the pipe closes without it (the
+//! whole tree, unless something in it made a group of its own), and forgets the group of a
+//! rank that ended (an elastic job's round), whose number the system may give to another
+//! process. When the launcher ends normally it writes `done` and the guardian exits; when the
+//! pipe closes without it (the
 //! launcher died), the guardian sends SIGTERM to every group, SIGKILL after the grace period,
 //! and removes the launcher's temporary folder. The guardian has a process group of its own
 //! and ignores the terminal's signals, so that a Ctrl-C or a hang-up that kills the launcher
@@ -24,6 +26,10 @@ while IFS= read -r line; do
   case $line in
     done) exit 0 ;;
     group\ *) groups="$groups ${line#group }" ;;
+    forget\ *)
+      kept=
+      for g in $groups; do [ "$g" = "${line#forget }" ] || kept="$kept $g"; done
+      groups=$kept ;;
   esac
 done
 for g in $groups; do kill -TERM "-$g" 2>/dev/null; done
@@ -69,8 +75,18 @@ impl Guardian {
 
     /// Tells the guardian about the process group `pgid`.
     pub fn watch(&mut self, pgid: u32) {
+        self.say(&format!("group {pgid}"));
+    }
+
+    /// Tells the guardian that the process group `pgid` is gone: it must not signal that
+    /// number again, which the system may give to an unrelated process.
+    pub fn forget(&mut self, pgid: u32) {
+        self.say(&format!("forget {pgid}"));
+    }
+
+    fn say(&mut self, line: &str) {
         if let Some(p) = self.pipe.as_mut() {
-            let _ = writeln!(p, "group {pgid}").and_then(|()| p.flush());
+            let _ = writeln!(p, "{line}").and_then(|()| p.flush());
         }
     }
 }

@@ -13,6 +13,16 @@
 //! process kills what they started and removes the launcher's temporary folder: no process
 //! outlives the launcher.
 //!
+//! With `max_restarts` (`--max-restarts N`, torchrun's elastic restarts) a failed job is
+//! started again, up to N times: every rank is stopped as above, then a new round starts the
+//! same world with a new rendezvous. Each rank learns its round from
+//! `TORCHELASTIC_RESTART_COUNT` ([`restart_count`]; 0 in the first round) and resumes from its
+//! last checkpoint (see `checkpoint::resume`). Each round's job token is derived from the
+//! launcher's and the round's number, so a straggling rank of an old round is refused by the
+//! new round's rendezvous. On several machines every launcher restarts when its own ranks fail,
+//! which they do when they lose a peer of another machine, so all machines move to the next
+//! round together. A Ctrl-C or SIGTERM to the launcher never restarts: the job stops.
+//!
 //! ```no_run
 //! use candle_core::{Device, Tensor};
 //! use candle_parallel::distributed::{ProcessGroup, ReduceOp};
@@ -40,6 +50,12 @@ pub use supervisor::launch;
 
 pub use crate::distributed::error_file::{record_error, ERROR_FILE_VAR};
 use crate::distributed::TOKEN_VAR;
+
+/// The variable that tells each rank its round: 0 in the first, `k` after the `k`-th restart
+/// (torchrun's name).
+pub const RESTART_COUNT_VAR: &str = "TORCHELASTIC_RESTART_COUNT";
+/// The variable that tells each rank how many restarts the job may take (torchrun's name).
+pub const MAX_RESTARTS_VAR: &str = "TORCHELASTIC_MAX_RESTARTS";
 use crate::error::{Error, Result};
 use std::ffi::OsString;
 use std::time::Duration;
@@ -66,6 +82,10 @@ pub struct LaunchConfig {
     pub token: Option<String>,
     /// Extra environment variables for every rank.
     pub env: Vec<(OsString, OsString)>,
+    /// How many times a failed job is started again (a new round of every rank) before the
+    /// launcher gives up and reports the failure; 0, the default, never restarts (torchrun's
+    /// `--max-restarts`).
+    pub max_restarts: usize,
 }
 
 impl Default for LaunchConfig {
@@ -80,6 +100,7 @@ impl Default for LaunchConfig {
             prefix_output: true,
             token: None,
             env: Vec::new(),
+            max_restarts: 0,
         }
     }
 }
@@ -195,18 +216,53 @@ where
 }
 
 /// The job token: the configured one, else the environment's, else (one machine) a fresh one.
-fn token(config: &LaunchConfig) -> String {
-    if let Some(t) = &config.token {
-        return t.clone();
+/// With restarts it must leave room for [`round_token`]'s suffix.
+fn token(config: &LaunchConfig) -> Result<String> {
+    let token = if let Some(t) = &config.token {
+        t.clone()
+    } else if let Ok(t) = std::env::var(TOKEN_VAR) {
+        t
+    } else if config.nnodes > 1 {
+        String::new() // machines cannot agree on a random one
+    } else {
+        let (a, b) = (crate::rng::fresh_seed(), crate::rng::fresh_seed());
+        format!("{a:016x}{b:016x}")
+    };
+    if config.max_restarts > 0 && token.len() > MAX_BASE_TOKEN {
+        return Err(Error::Config {
+            what: TOKEN_VAR.into(),
+            detail: format!(
+                "{} bytes, longer than {MAX_BASE_TOKEN}, which leaves no room for the round's \
+                 suffix with --max-restarts; use a shorter token",
+                token.len()
+            ),
+        });
     }
-    if let Ok(t) = std::env::var(TOKEN_VAR) {
-        return t;
+    Ok(token)
+}
+
+/// The longest launcher token that leaves room for [`round_token`]'s suffix within the wire's
+/// limit of 1024 bytes.
+const MAX_BASE_TOKEN: usize = 1000;
+
+/// The job token of round `round` (0 first): the launcher's own in the first round, then the
+/// launcher's with the round appended, so that every machine derives the same one and a rank
+/// of another round is refused as a stranger.
+pub fn round_token(token: &str, round: usize) -> String {
+    match round {
+        0 => token.to_string(),
+        k => format!("{token}/restart-{k}"),
     }
-    if config.nnodes > 1 {
-        return String::new(); // machines cannot agree on a random one
-    }
-    let (a, b) = (crate::rng::fresh_seed(), crate::rng::fresh_seed());
-    format!("{a:016x}{b:016x}")
+}
+
+/// This rank's round: how many times the launcher restarted the job before starting it
+/// (`TORCHELASTIC_RESTART_COUNT`, 0 when unset, as in a first round or a job started without
+/// a launcher).
+pub fn restart_count() -> usize {
+    std::env::var(RESTART_COUNT_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// The exit code a launcher should end with for `result`.

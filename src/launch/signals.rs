@@ -4,10 +4,13 @@ use std::sync::atomic::{AtomicI32, Ordering};
 
 /// The last SIGINT, SIGTERM or SIGHUP the launcher received (0: none).
 static RECEIVED: AtomicI32 = AtomicI32::new(0);
+/// The same, but never taken back: whether the launcher was ever asked to stop.
+static EVER: AtomicI32 = AtomicI32::new(0);
 
 extern "C" fn record(sig: libc::c_int) {
-    // Only an atomic store: async-signal-safe.
+    // Only atomic stores: async-signal-safe.
     RECEIVED.store(sig, Ordering::SeqCst);
+    EVER.store(sig, Ordering::SeqCst);
 }
 
 /// While alive, SIGINT, SIGTERM and SIGHUP are recorded instead of ending the process; the
@@ -19,6 +22,7 @@ pub(crate) struct Catch {
 impl Catch {
     pub fn install() -> Self {
         RECEIVED.store(0, Ordering::SeqCst);
+        EVER.store(0, Ordering::SeqCst);
         let mut previous = Vec::new();
         for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
             // SAFETY: plain sigaction calls with zero-initialised structs and a handler that
@@ -40,6 +44,15 @@ impl Catch {
     /// The signal received since installing, if any.
     pub fn received(&self) -> Option<i32> {
         match RECEIVED.swap(0, Ordering::SeqCst) {
+            0 => None,
+            s => Some(s),
+        }
+    }
+
+    /// The last signal received since installing, even if [`received`](Self::received) took it
+    /// already: a job asked to stop is never restarted.
+    pub fn ever(&self) -> Option<i32> {
+        match EVER.load(Ordering::SeqCst) {
             0 => None,
             s => Some(s),
         }

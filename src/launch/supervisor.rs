@@ -1,12 +1,13 @@
 //! Starting, watching and stopping the ranks of one machine.
 
 use super::guardian::Guardian;
-use super::{signals, token, LaunchConfig};
-use crate::distributed::TOKEN_VAR;
+use super::{round_token, signals, token, LaunchConfig, MAX_RESTARTS_VAR, RESTART_COUNT_VAR};
+use crate::distributed::{THREADS_VAR, TOKEN_VAR};
 use crate::error::{Error, Result};
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -87,77 +88,176 @@ fn describe(st: ExitStatus) -> (String, i32) {
     }
 }
 
-/// Starts `program args` as this machine's ranks and waits for them; see [`super`].
+/// Starts `program args` as this machine's ranks and waits for them, starting them again
+/// after a failure up to `config.max_restarts` times; see [`super`].
 pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Result<()> {
     config.validate()?;
-    let port = match config.master_port {
-        Some(p) => p,
-        None => free_port(&config.master_addr)?,
+    let threads = config.env.iter().rev().find(|(k, _)| k == THREADS_VAR);
+    let threads = match threads {
+        Some((_, v)) => Some(v.to_string_lossy().into_owned()),
+        None => std::env::var_os(THREADS_VAR).map(|v| v.to_string_lossy().into_owned()),
     };
-    let token = token(config);
+    crate::distributed::check_threads_var(threads.as_deref())?;
+    let token = token(config)?;
     let errors = ErrorDir::create()?;
     // Declared after `errors`, so dropped first: it must not outlive a normal end of the job
     // only to find the folder gone.
     let mut guardian = Guardian::start(config.grace_period, &errors.0);
     let catch = signals::Catch::install();
-    let (done_tx, done_rx) = mpsc::channel();
-    let job = Job {
-        config,
-        program,
-        args,
-        port,
-        token: &token,
-        errors: &errors,
-        done: done_tx,
-    };
-    let mut ranks = Vec::with_capacity(config.nproc_per_node);
-    let mut readers = 0;
-    for local in 0..config.nproc_per_node {
-        match start(&job, local) {
-            Ok((rank, pipes)) => {
-                if let Some(g) = guardian.as_mut() {
-                    g.watch(rank.group());
-                }
-                ranks.push(rank);
-                readers += pipes;
-            }
-            Err(e) => {
-                stop(&mut ranks, &catch, config.grace_period);
-                return Err(e);
-            }
+    let mut round = 0;
+    loop {
+        let port = match config.master_port {
+            Some(p) => p,
+            None => free_port(&config.master_addr)?,
+        };
+        let folder = errors.round(round)?;
+        let job = Round {
+            config,
+            program,
+            args,
+            port,
+            token: &round_token(&token, round),
+            round,
+            errors: &folder,
+        };
+        let outcome = job.run(&catch, guardian.as_mut());
+        let failure = match &outcome {
+            Err(Error::RankFailed { rank, status, .. }) => (*rank, status.clone()),
+            _ => return outcome,
+        };
+        if round >= config.max_restarts || catch.ever().is_some() {
+            return outcome;
+        }
+        round += 1;
+        log::warn!(
+            "rank {} failed: {}; restarting every rank of this machine: restart {round} of {} \
+             ({RESTART_COUNT_VAR}={round})",
+            failure.0,
+            failure.1,
+            config.max_restarts
+        );
+        if config.node_rank != 0 {
+            let previous = round_token(&token, round - 1);
+            wait_for_the_old_store(config, port, &previous, &catch);
+        }
+        if let Some(sig) = catch.ever() {
+            return Err(Error::Interrupted {
+                signal: signals::name(sig),
+                code: 128 + sig,
+            });
         }
     }
-    drop(job);
-    let outcome = supervise(&mut ranks, &catch, config.grace_period);
-    for r in &ranks {
-        signals::signal_group(r.group(), libc::SIGKILL);
-    }
-    // The output threads end when the last writer closes its end; do not wait on a
-    // process that escaped its group and kept a pipe.
-    let deadline = Instant::now() + Duration::from_secs(2);
-    for _ in 0..readers {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if done_rx.recv_timeout(left).is_err() {
-            break;
-        }
-    }
-    outcome
 }
 
-/// What every rank of this machine shares.
-struct Job<'a> {
+/// How long a machine without rank 0 waits, before a new round, for the previous round's
+/// store to go away.
+const HANDOVER: Duration = Duration::from_secs(60);
+
+/// On a machine without rank 0, before starting a new round: waits (at most [`HANDOVER`])
+/// while the previous round's store still answers at the master's address, as it does until
+/// the master's ranks have noticed the failure and ended. Ranks of the new round started
+/// earlier would reach that store and be refused as strangers (their token is the new
+/// round's), and fail the new round at once.
+fn wait_for_the_old_store(
+    config: &LaunchConfig,
+    port: u16,
+    previous: &str,
+    catch: &signals::Catch,
+) {
+    use std::net::ToSocketAddrs;
+    let Some(addr) = (config.master_addr.as_str(), port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+    else {
+        return;
+    };
+    let started = Instant::now();
+    let mut said = false;
+    while crate::distributed::store::Store::probe(addr, previous, PROBE).is_some() {
+        if started.elapsed() >= HANDOVER || catch.ever().is_some() {
+            log::warn!(
+                "the previous round's store at {addr} still answers after {} s; starting the \
+                 new round anyway",
+                started.elapsed().as_secs()
+            );
+            return;
+        }
+        if !said {
+            log::info!("waiting for the previous round's store at {addr} to close");
+            said = true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// How long one probe of the master's store may take.
+const PROBE: Duration = Duration::from_millis(500);
+
+/// One round of the job on this machine.
+struct Round<'a> {
     config: &'a LaunchConfig,
     program: &'a OsStr,
     args: &'a [OsString],
     port: u16,
+    /// The round's job token.
     token: &'a str,
-    errors: &'a ErrorDir,
-    /// Each output thread sends once when its pipe closes.
-    done: mpsc::Sender<()>,
+    /// 0 first, then 1 after the first restart...
+    round: usize,
+    /// The round's folder for the ranks' error files.
+    errors: &'a Path,
 }
 
-/// The variable that sizes candle's CPU thread pool (rayon's).
-pub(super) const THREADS_VAR: &str = "RAYON_NUM_THREADS";
+impl Round<'_> {
+    /// Starts the ranks, waits for them, and stops them all when one fails or a signal
+    /// arrives.
+    fn run(&self, catch: &signals::Catch, mut guardian: Option<&mut Guardian>) -> Result<()> {
+        let (done_tx, done_rx) = mpsc::channel();
+        let mut ranks = Vec::with_capacity(self.config.nproc_per_node);
+        let mut readers = 0;
+        let mut started = Ok(());
+        for local in 0..self.config.nproc_per_node {
+            match start(self, local, &done_tx) {
+                Ok((rank, pipes)) => {
+                    if let Some(g) = guardian.as_deref_mut() {
+                        g.watch(rank.group());
+                    }
+                    ranks.push(rank);
+                    readers += pipes;
+                }
+                Err(e) => {
+                    started = Err(e);
+                    break;
+                }
+            }
+        }
+        drop(done_tx);
+        let grace = self.config.grace_period;
+        let outcome = match started {
+            Ok(()) => supervise(&mut ranks, catch, grace),
+            Err(e) => {
+                stop(&mut ranks, catch, grace);
+                Err(e)
+            }
+        };
+        for r in &ranks {
+            signals::signal_group(r.group(), libc::SIGKILL);
+            if let Some(g) = guardian.as_deref_mut() {
+                g.forget(r.group());
+            }
+        }
+        // The output threads end when the last writer closes its end; do not wait on a
+        // process that escaped its group and kept a pipe.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        for _ in 0..readers {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if done_rx.recv_timeout(left).is_err() {
+                break;
+            }
+        }
+        outcome
+    }
+}
 
 /// The compute threads each rank gets when several share the machine and nobody chose:
 /// the cores divided among the local ranks, at least one (torchrun sets `OMP_NUM_THREADS=1`
@@ -173,20 +273,21 @@ fn compute_threads(config: &LaunchConfig) -> Option<usize> {
     Some((cores / config.nproc_per_node).max(1))
 }
 
-/// Starts local rank `local`; returns it and how many output threads it has.
-fn start(job: &Job<'_>, local: usize) -> Result<(Rank, usize)> {
-    let Job {
+/// Starts local rank `local` of `round`; returns it and how many output threads it has (each
+/// sends on `done` when its pipe closes).
+fn start(round: &Round<'_>, local: usize, done: &mpsc::Sender<()>) -> Result<(Rank, usize)> {
+    let Round {
         config,
         program,
         args,
         port,
         token,
         errors,
-        ref done,
-    } = *job;
+        ..
+    } = *round;
     let rank = config.node_rank * config.nproc_per_node + local;
     let world = config.nnodes * config.nproc_per_node;
-    let error_file = errors.0.join(format!("rank-{rank}.error"));
+    let error_file = errors.join(format!("rank-{rank}.error"));
     let mut cmd = Command::new(program);
     cmd.args(args)
         .env("RANK", rank.to_string())
@@ -197,6 +298,8 @@ fn start(job: &Job<'_>, local: usize) -> Result<(Rank, usize)> {
         .env("MASTER_ADDR", &config.master_addr)
         .env("MASTER_PORT", port.to_string())
         .env(TOKEN_VAR, token)
+        .env(RESTART_COUNT_VAR, round.round.to_string())
+        .env(MAX_RESTARTS_VAR, config.max_restarts.to_string())
         .env(super::ERROR_FILE_VAR, &error_file)
         .envs(compute_threads(config).map(|n| (THREADS_VAR, n.to_string())))
         .envs(config.env.iter().map(|(k, v)| (k, v)))
@@ -394,6 +497,17 @@ fn root_cause(ranks: &[Rank], first_seen: (usize, ExitStatus)) -> Error {
 struct ErrorDir(std::path::PathBuf);
 
 impl ErrorDir {
+    /// The folder of round `round`'s error files (created): a round never reads an older
+    /// round's records.
+    fn round(&self, round: usize) -> Result<std::path::PathBuf> {
+        let dir = self.0.join(format!("round-{round}"));
+        std::fs::create_dir_all(&dir).map_err(|source| Error::Io {
+            context: format!("creating {}", dir.display()),
+            source,
+        })?;
+        Ok(dir)
+    }
+
     fn create() -> Result<Self> {
         let nonce = crate::rng::fresh_seed();
         let dir =

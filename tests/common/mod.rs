@@ -5,6 +5,7 @@
 
 pub mod collectives;
 pub mod models;
+pub mod netns;
 
 use std::io::Read;
 use std::path::PathBuf;

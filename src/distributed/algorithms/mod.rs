@@ -7,6 +7,7 @@
 
 pub(crate) mod broadcast;
 pub(crate) mod consensus;
+pub(crate) mod hierarchical;
 pub(crate) mod ring;
 
 pub(crate) use crate::distributed::transport::links::Links;

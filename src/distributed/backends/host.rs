@@ -7,26 +7,28 @@
 //! and ring neighbours exchange data through shared memory. A lost peer is noted in the
 //! launcher's error file ([`error_file`]).
 
+use crate::distributed::algorithms::hierarchical::{self, Topology};
 use crate::distributed::algorithms::{broadcast, consensus, ring, Links};
 use crate::distributed::communicator::{Call, Communicator, Connected};
-use crate::distributed::config::InitConfig;
+use crate::distributed::config::{Algorithm, InitConfig};
 use crate::distributed::error_file;
 use crate::distributed::rendezvous::world::{join_world, MeshContext};
 use crate::distributed::rendezvous::GroupPath;
 use crate::distributed::rendezvous::Rendezvous;
+use crate::distributed::transport::conn::host_identity;
 use crate::distributed::transport::host_buf::{with_bytes, HostBuf};
 use crate::distributed::transport::mesh::Mesh;
 use crate::distributed::work::Finished;
 use crate::distributed::ReduceOp;
-use crate::error::Result;
-use candle_core::{Shape, Tensor};
+use crate::error::{Error, Result};
+use candle_core::{DType, Shape, Tensor};
 use std::sync::Arc;
 
 /// Joins the job described by `r` and connects its TCP group.
 pub(crate) fn connect(r: &Rendezvous, options: &InitConfig) -> Result<Connected> {
     let (joined, context, mesh) = join_world(r, options, Arc::new(error_file::note_loss))?;
     Ok(Connected {
-        comm: Box::new(HostComm { mesh, context }),
+        comm: Box::new(HostComm::new(mesh, context, true)?),
         store: Some(joined.store),
         server: joined.server,
     })
@@ -35,6 +37,72 @@ pub(crate) fn connect(r: &Rendezvous, options: &InitConfig) -> Result<Connected>
 pub(crate) struct HostComm {
     mesh: Mesh,
     context: MeshContext,
+    /// The machines of the group's ranks, when the all-reduce is hierarchical.
+    hierarchy: Option<Topology>,
+}
+
+/// The sequence number of the exchange of machine identities when a group forms: collectives
+/// are numbered from 1.
+const TOPOLOGY_SEQ: u64 = 0;
+
+/// A 64-bit FNV-1a hash: the same on every rank, whatever its build.
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl HostComm {
+    /// The communicator of a connected `mesh`. Learns which machine each rank is on (one
+    /// all-gather of machine identities) and picks the all-reduce algorithm; `world` says
+    /// whether this is the job's world group (whose choice rank 0 logs).
+    fn new(mesh: Mesh, context: MeshContext, world: bool) -> Result<Self> {
+        let hierarchy = match (context.options.algorithm, mesh.world()) {
+            (Algorithm::Ring, _) | (_, 1) => None,
+            (algorithm, n) => {
+                let topology = Topology::from_hosts(&machines(&mesh, n)?);
+                match algorithm {
+                    Algorithm::Hierarchical if topology.uniform().is_none() => {
+                        return Err(Error::Config {
+                            what: "CANDLE_PARALLEL_ALGORITHM=hierarchical".into(),
+                            detail: format!(
+                                "the hierarchical all-reduce needs the same number of ranks on \
+                                 every machine, and this group has {}; use `ring` or `auto`",
+                                topology.describe()
+                            ),
+                        });
+                    }
+                    Algorithm::Hierarchical => Some(topology),
+                    _ => topology.favours_hierarchy().then_some(topology),
+                }
+            }
+        };
+        if world && mesh.rank() == 0 {
+            match &hierarchy {
+                Some(t) => log::info!("all-reduce: hierarchical over {}", t.describe()),
+                None => log::debug!("all-reduce: one ring through the {} ranks", mesh.world()),
+            }
+        }
+        Ok(Self {
+            mesh,
+            context,
+            hierarchy,
+        })
+    }
+}
+
+/// Every rank's machine, as a hash of its identity (boot id and network namespace); a rank
+/// whose machine cannot be told counts as a machine of its own.
+fn machines(mesh: &Mesh, n: usize) -> Result<Vec<u64>> {
+    let r = mesh.rank();
+    let mine = host_identity().map_or(u64::MAX - r as u64, |id| fnv1a(&id));
+    // Raw bytes through a buffer of 8-byte elements: the all-gather only copies them.
+    let mut buf = HostBuf::zeros(DType::F64, n);
+    buf.bytes_mut(r..r + 1).copy_from_slice(&mine.to_le_bytes());
+    ring::all_gather(mesh, TOPOLOGY_SEQ, &mut buf)?;
+    Ok((0..n)
+        .map(|p| u64::from_le_bytes(buf.bytes(p..p + 1).try_into().expect("8 bytes")))
+        .collect())
 }
 
 impl Communicator for HostComm {
@@ -48,13 +116,19 @@ impl Communicator for HostComm {
         let len = ts.iter().map(Tensor::elem_count).sum::<usize>();
         let mut out = if ts.len() == 1 {
             let mut out = HostBuf::zeros(first.dtype(), len);
-            with_bytes(first, |input| {
-                ring::all_reduce(&self.mesh, call.seq, &mut out, input, op)
+            with_bytes(first, |input| match &self.hierarchy {
+                Some(t) => hierarchical::all_reduce(&self.mesh, t, call.seq, &mut out, input, op),
+                None => ring::all_reduce(&self.mesh, call.seq, &mut out, input, op),
             })?;
             out
         } else {
             let mut buf = HostBuf::concat(ts)?;
-            ring::all_reduce_in_place(&self.mesh, call.seq, &mut buf, op)?;
+            match &self.hierarchy {
+                Some(t) => {
+                    hierarchical::all_reduce_in_place(&self.mesh, t, call.seq, &mut buf, op)?
+                }
+                None => ring::all_reduce_in_place(&self.mesh, call.seq, &mut buf, op)?,
+            }
             buf
         };
         if op == ReduceOp::Avg {
@@ -132,10 +206,7 @@ impl Communicator for HostComm {
         };
         let (store, mesh) = self.context.connect_group(rank, members.len(), path)?;
         Ok(Some(Connected {
-            comm: Box::new(HostComm {
-                mesh,
-                context: self.context.clone(),
-            }),
+            comm: Box::new(HostComm::new(mesh, self.context.clone(), false)?),
             store: Some(store),
             server: None,
         }))
@@ -143,5 +214,12 @@ impl Communicator for HostComm {
 
     fn transports(&self) -> Vec<Option<&'static str>> {
         self.mesh.transports()
+    }
+
+    fn algorithm(&self) -> Option<Algorithm> {
+        Some(match self.hierarchy {
+            Some(_) => Algorithm::Hierarchical,
+            None => Algorithm::Ring,
+        })
     }
 }

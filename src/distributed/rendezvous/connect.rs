@@ -3,6 +3,7 @@
 //! ranks, world size) before it joins; a stranger is refused and the wait goes on.
 
 use super::store::{ranks_named, Store};
+use crate::distributed::config::RENDEZVOUS_TIMEOUT_VAR;
 use crate::distributed::transport::conn::{Conn, Listeners, PeerAddress};
 use crate::distributed::transport::mesh::{Mesh, MeshOptions, OnLost, ShmLink};
 use crate::distributed::transport::wire::{
@@ -64,8 +65,11 @@ pub(crate) fn connect_mesh(
     if !missing.is_empty() {
         return Err(Error::Rendezvous {
             detail: format!(
-                "{} of {world} ranks joined within {rendezvous_timeout:?}; missing {}{}",
+                "{} of {world} ranks joined within {} s; {} never came{}. Check that every rank \
+                 was started with this MASTER_ADDR, MASTER_PORT and WORLD_SIZE; if they are only \
+                 slow to start, raise {RENDEZVOUS_TIMEOUT_VAR} (InitConfig::rendezvous_timeout)",
                 world - missing.len(),
+                rendezvous_timeout.as_secs(),
                 ranks_named(&missing),
                 store.refusal_note()
             ),

@@ -187,19 +187,19 @@ impl Rendezvous {
         }
         if self.rank >= self.world_size {
             return Err(config(
-                "rank",
+                format!("RANK {}", self.rank),
                 format!(
-                    "rank {} is not below the world size {}: ranks are 0..{}",
-                    self.rank, self.world_size, self.world_size
+                    "not below WORLD_SIZE {}: ranks are 0..{}",
+                    self.world_size, self.world_size
                 ),
             ));
         }
         if self.local_world_size == 0 || self.local_rank >= self.local_world_size {
             return Err(config(
-                "local rank",
+                format!("LOCAL_RANK {}", self.local_rank),
                 format!(
-                    "local rank {} is not below the local world size {}",
-                    self.local_rank, self.local_world_size
+                    "not below LOCAL_WORLD_SIZE {}: local ranks are 0..{}",
+                    self.local_world_size, self.local_world_size
                 ),
             ));
         }
@@ -340,7 +340,7 @@ mod tests {
                     ("MASTER_ADDR", "h"),
                     ("MASTER_PORT", "1"),
                 ],
-                "rank 2 is not below the world size 2",
+                "RANK 2: not below WORLD_SIZE 2",
             ),
             (
                 &[

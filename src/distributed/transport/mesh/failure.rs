@@ -39,7 +39,12 @@ impl MeshState {
     pub(super) fn departed(&self, peer: usize, seq: u64) -> Error {
         self.fail(Broken {
             lost: Some(peer),
-            detail: format!("it shut down its process group before finishing collective #{seq}"),
+            detail: format!(
+                "it shut down its process group before finishing collective #{seq}: the ranks \
+                 ran different numbers of collectives (steps). Give every rank the same number \
+                 of batches (DistributedSampler does), or wrap the loop in DDP's join() for \
+                 uneven inputs"
+            ),
         })
     }
 
