@@ -399,8 +399,8 @@ fn summary(o: &Options, figs: &Figures) {
         "size", "ours default", "ours TCP", "gloo", "TCP / gloo", "TCP / stream"
     );
     let get = |m: &BTreeMap<usize, Vec<f64>>, s: usize| m.get(&s).and_then(|v| median(v.clone()));
-    let cell = |v: Option<f64>, w: usize, p: usize| match v {
-        Some(v) => format!("{v:>w$.p$}"),
+    let cell = |v: Option<f64>, w: usize, p: usize, unit: &str| match v {
+        Some(v) => format!("{:>w$}", format!("{v:.p$}{unit}")),
         None => format!("{:>w$}", "-"),
     };
     for size in sizes(o) {
@@ -412,11 +412,11 @@ fn summary(o: &Options, figs: &Figures) {
         println!(
             "{:>10} {} {} {} {} {}",
             label(size),
-            cell(d, 14, 3),
-            cell(t, 14, 3),
-            cell(g, 8, 3),
-            cell(t.zip(g).map(|(t, g)| t / g), 11, 2) + "x",
-            cell(t.map(|t| t / stream * 100.0), 13, 0) + "%",
+            cell(d, 14, 3, ""),
+            cell(t, 14, 3, ""),
+            cell(g, 8, 3, ""),
+            cell(t.zip(g).map(|(t, g)| t / g), 12, 2, "x"),
+            cell(t.map(|t| t / stream * 100.0), 14, 0, "%"),
         );
     }
 }
