@@ -10,7 +10,7 @@ use common::netns::{Machines, OrSkip};
 use common::Ranks;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const RUN: &str = env!("CARGO_BIN_EXE_candle-run");
 const LIMIT: Duration = Duration::from_secs(120);
@@ -282,18 +282,6 @@ fn cifar_on_machine(
     cmd
 }
 
-/// The processes still inside machine `i` of `m`.
-fn pids_in(m: &Machines, i: usize) -> Vec<String> {
-    let out = Command::new("ip")
-        .args(["netns", "pids", m.name(i)])
-        .output()
-        .expect("ip netns pids");
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .map(str::to_string)
-        .collect()
-}
-
 #[test]
 fn on_two_machines_a_rank_sigkilled_mid_epoch_restarts_both_launchers_and_ends_as_if_never_stopped()
 {
@@ -376,10 +364,6 @@ fn on_two_machines_a_rank_sigkilled_mid_epoch_restarts_both_launchers_and_ends_a
     let a = std::fs::read(straight.join("weights.safetensors")).unwrap();
     let b = std::fs::read(elastic.join("weights.safetensors")).unwrap();
     assert!(a == b, "the weights differ:\n{}", ended[0].output);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while (0..2).any(|i| !pids_in(&m, i).is_empty()) {
-        assert!(Instant::now() < deadline, "processes left in the machines");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    m.assert_empty(Duration::from_secs(5));
     std::fs::remove_dir_all(dir).unwrap();
 }

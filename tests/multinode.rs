@@ -37,34 +37,6 @@ fn launcher(m: &Machines, node: usize, nproc: usize, program: &std::path::Path) 
     cmd
 }
 
-/// The processes still inside machine `i`.
-fn pids_in(m: &Machines, i: usize) -> Vec<String> {
-    let out = Command::new("ip")
-        .args(["netns", "pids", m.name(i)])
-        .output()
-        .expect("ip netns pids");
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .map(str::to_string)
-        .collect()
-}
-
-/// Waits (up to `limit`) until no process is left in either machine.
-fn assert_machines_empty(m: &Machines, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    loop {
-        let left: Vec<String> = (0..2).flat_map(|i| pids_in(m, i)).collect();
-        if left.is_empty() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "processes left in the machines after {limit:?}: {left:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// The last `Test set` line a run printed (rank 0's, behind candle-run's prefix).
 fn test_line(out: &str) -> String {
     out.lines()
@@ -109,7 +81,7 @@ fn cifar_ddp_on_two_machines_of_two_ranks_prints_cifar_dp_s_test_line() {
         ended[0].output
     );
     assert_eq!(test_line(&ended[0].output), want, "{}", ended[0].output);
-    assert_machines_empty(&m, Duration::from_secs(5));
+    m.assert_empty(Duration::from_secs(5));
 }
 
 /// A rank of the conformance run: checks that peers on the other machine are reached over TCP
@@ -243,5 +215,5 @@ fn a_partition_mid_training_fails_every_rank_within_peer_timeout_and_both_launch
         took < Duration::from_secs(20),
         "the launchers took {took:?} after the partition"
     );
-    assert_machines_empty(&m, Duration::from_secs(10));
+    m.assert_empty(Duration::from_secs(10));
 }

@@ -211,6 +211,37 @@ impl Machines {
     }
 }
 
+impl Machines {
+    /// The processes still inside machine `i` (`ip netns pids`).
+    pub fn pids(&self, i: usize) -> Vec<String> {
+        let out = Command::new("ip")
+            .args(["netns", "pids", &self.names[i]])
+            .output()
+            .expect("ip netns pids");
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Waits (up to `limit`) until no process is left in either machine; panics naming those
+    /// left.
+    pub fn assert_empty(&self, limit: std::time::Duration) {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            let left: Vec<String> = (0..2).flat_map(|i| self.pids(i)).collect();
+            if left.is_empty() {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "processes left in the machines after {limit:?}: {left:?}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
 impl Drop for Machines {
     fn drop(&mut self) {
         for ns in &self.names {
