@@ -260,25 +260,13 @@ fn cifar_on_machine(
     args: &[&str],
     dir: &Path,
 ) -> Command {
-    let mut cmd = m.command(node, RUN);
-    cmd.args(["--nnodes", "2", "--node-rank", &node.to_string()])
-        .args(["--nproc-per-node", "2", "--grace-period", "2"])
-        .args([
-            "--master-addr",
-            &m.addr(0).to_string(),
-            "--master-port",
-            "29500",
-        ])
-        .args(extra)
-        .arg(common::example("cifar_ddp"))
-        .args(args)
+    let mut cmd = m.launcher(RUN, node, 2, extra, &common::example("cifar_ddp"));
+    cmd.args(args)
         .arg("--checkpoint-dir")
         .arg(dir.join("ckpt"))
         .arg("--save")
         .arg(dir.join("weights.safetensors"))
-        .env("RUST_BACKTRACE", "0")
-        .env("CANDLE_PARALLEL_TOKEN", format!("elastic-{}", m.name(0)))
-        .env("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT", "60");
+        .env("RUST_BACKTRACE", "0");
     cmd
 }
 

@@ -18,25 +18,6 @@ const LIMIT: Duration = Duration::from_secs(180);
 /// Every job here meets on this port of machine 0: each test has namespaces of its own.
 const PORT: &str = "29500";
 
-/// `candle-run` on machine `node` of `m`, as node `node` of 2 with `nproc` ranks each, meeting
-/// at machine 0, running `program args`.
-fn launcher(m: &Machines, node: usize, nproc: usize, program: &std::path::Path) -> Command {
-    let mut cmd = m.command(node, RUN);
-    cmd.args(["--nnodes", "2", "--node-rank", &node.to_string()])
-        .args(["--nproc-per-node", &nproc.to_string()])
-        .args([
-            "--master-addr",
-            &m.addr(0).to_string(),
-            "--master-port",
-            PORT,
-        ])
-        .args(["--grace-period", "2"])
-        .arg(program)
-        .env("CANDLE_PARALLEL_TOKEN", format!("multinode-{}", m.name(0)))
-        .env("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT", "60");
-    cmd
-}
-
 /// The last `Test set` line a run printed (rank 0's, behind candle-run's prefix).
 fn test_line(out: &str) -> String {
     out.lines()
@@ -60,7 +41,7 @@ fn cifar_ddp_on_two_machines_of_two_ranks_prints_cifar_dp_s_test_line() {
     let args = ["--cpu", "--epochs", "1", "--batch-size", "32"];
     let commands = (0..2)
         .map(|node| {
-            let mut c = launcher(&m, node, 2, &example);
+            let mut c = m.launcher(RUN, node, 2, &[], &example);
             c.args(args);
             c
         })
@@ -172,7 +153,7 @@ fn a_partition_mid_training_fails_every_rank_within_peer_timeout_and_both_launch
     let example = common::example("cifar_ddp");
     let commands = (0..2)
         .map(|node| {
-            let mut c = launcher(&m, node, 2, &example);
+            let mut c = m.launcher(RUN, node, 2, &[], &example);
             c.args(["--cpu", "--epochs", "50", "--batch-size", "32"])
                 .env("CANDLE_PARALLEL_PEER_TIMEOUT", "3");
             c

@@ -183,6 +183,30 @@ impl Machines {
         cmd
     }
 
+    /// `launcher` (the path of `candle-run`) inside machine `node`, as node `node` of 2 with
+    /// `nproc` ranks, meeting on port 29500 of machine 0 (each test has namespaces of its own),
+    /// with launcher options `extra`, then `program`; every machine's launcher gets the same
+    /// job token.
+    pub fn launcher(
+        &self,
+        launcher: &str,
+        node: usize,
+        nproc: usize,
+        extra: &[&str],
+        program: &std::path::Path,
+    ) -> Command {
+        let mut cmd = self.command(node, launcher);
+        cmd.args(["--nnodes", "2", "--node-rank", &node.to_string()])
+            .args(["--nproc-per-node", &nproc.to_string()])
+            .args(["--master-addr", &self.addr(0).to_string()])
+            .args(["--master-port", "29500", "--grace-period", "2"])
+            .args(extra)
+            .arg(program)
+            .env("CANDLE_PARALLEL_TOKEN", format!("netns-{}", self.names[0]))
+            .env("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT", "60");
+        cmd
+    }
+
     /// Takes the link between the machines down (`up = false`) or brings it back: nothing is
     /// sent to anyone when it goes down, so connections across it go silent, with no FIN or RST.
     pub fn set_link(&self, up: bool) {
