@@ -88,19 +88,11 @@ fn rank_main(max_mib: usize) -> Result<()> {
 fn job(m: &netns::Machines, o: &Options, algorithm: &str) -> Result<Vec<(usize, f64)>> {
     let exe = std::env::current_exe()?;
     let world = 2 * o.local;
-    let port = 29400u16;
     let mut children = Vec::new();
     for rank in 0..world {
-        let mut c = m.command(rank / o.local, &exe);
+        let mut c = m.rank(&exe, rank, o.local);
         c.args(["--max-mib", &o.max_mib.to_string()])
             .env(RANK_VAR, "1")
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", (rank % o.local).to_string())
-            .env("LOCAL_WORLD_SIZE", o.local.to_string())
-            .env("MASTER_ADDR", m.addr(0).to_string())
-            .env("MASTER_PORT", port.to_string())
-            .env("CANDLE_PARALLEL_TOKEN", "multinode-bench")
             .env("CANDLE_PARALLEL_ALGORITHM", algorithm)
             .env("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT", "30")
             .env("RAYON_NUM_THREADS", "1")

@@ -15,9 +15,6 @@ use std::time::{Duration, Instant};
 
 const RUN: &str = env!("CARGO_BIN_EXE_candle-run");
 const LIMIT: Duration = Duration::from_secs(180);
-/// Every job here meets on this port of machine 0: each test has namespaces of its own.
-const PORT: &str = "29500";
-
 /// The last `Test set` line a run printed (rank 0's, behind candle-run's prefix).
 fn test_line(out: &str) -> String {
     out.lines()
@@ -100,22 +97,13 @@ fn conformance_across_two_machines(test: &str, algorithm: &str) {
         return;
     };
     let exe = std::env::current_exe().unwrap();
-    let (nodes, local) = (2, 2);
-    let world = nodes * local;
-    let commands = (0..world)
+    let local = 2;
+    let commands = (0..2 * local)
         .map(|rank| {
-            let node = rank / local;
-            let mut c = m.command(node, &exe);
+            let mut c = m.rank(&exe, rank, local);
             c.args([test, "--exact", "--nocapture", "--test-threads=1"])
                 .env(CHILD, "1")
                 .env("RUST_BACKTRACE", "0")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", (rank % local).to_string())
-                .env("LOCAL_WORLD_SIZE", local.to_string())
-                .env("MASTER_ADDR", m.addr(0).to_string())
-                .env("MASTER_PORT", PORT)
-                .env("CANDLE_PARALLEL_TOKEN", "conformance")
                 .env("CANDLE_PARALLEL_ALGORITHM", algorithm);
             c
         })

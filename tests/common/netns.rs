@@ -28,6 +28,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The prefix of every namespace these tests make.
 const PREFIX: &str = "cpar-test-";
+/// The port on machine 0 where the jobs started by [`Machines::launcher`] and
+/// [`Machines::rank`] meet (each test has namespaces of its own).
+pub const PORT: &str = "29500";
 /// The veth end in each namespace.
 const DEV: &str = "cpar0";
 
@@ -184,7 +187,7 @@ impl Machines {
     }
 
     /// `launcher` (the path of `candle-run`) inside machine `node`, as node `node` of 2 with
-    /// `nproc` ranks, meeting on port 29500 of machine 0 (each test has namespaces of its own),
+    /// `nproc` ranks, meeting on [`PORT`] of machine 0,
     /// with launcher options `extra`, then `program`; every machine's launcher gets the same
     /// job token.
     pub fn launcher(
@@ -199,11 +202,26 @@ impl Machines {
         cmd.args(["--nnodes", "2", "--node-rank", &node.to_string()])
             .args(["--nproc-per-node", &nproc.to_string()])
             .args(["--master-addr", &self.addr(0).to_string()])
-            .args(["--master-port", "29500", "--grace-period", "2"])
+            .args(["--master-port", PORT, "--grace-period", "2"])
             .args(extra)
             .arg(program)
             .env("CANDLE_PARALLEL_TOKEN", format!("netns-{}", self.names[0]))
             .env("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT", "60");
+        cmd
+    }
+
+    /// `program` as rank `rank` of a job with `local` ranks on each machine (ranks in order,
+    /// machine 0 first), inside its machine, with torchrun's variables, meeting on [`PORT`] of
+    /// machine 0.
+    pub fn rank(&self, program: impl AsRef<std::ffi::OsStr>, rank: usize, local: usize) -> Command {
+        let mut cmd = self.command(rank / local, program);
+        cmd.env("RANK", rank.to_string())
+            .env("WORLD_SIZE", (2 * local).to_string())
+            .env("LOCAL_RANK", (rank % local).to_string())
+            .env("LOCAL_WORLD_SIZE", local.to_string())
+            .env("MASTER_ADDR", self.addr(0).to_string())
+            .env("MASTER_PORT", PORT)
+            .env("CANDLE_PARALLEL_TOKEN", format!("netns-{}", self.names[0]));
         cmd
     }
 
