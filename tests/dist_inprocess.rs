@@ -70,19 +70,59 @@ fn a_panicking_rank_fails_the_spawn_and_releases_the_others() {
 }
 
 #[test]
+fn closures_may_return_their_own_error_type_and_the_cause_still_wins() {
+    // anyhow's `?` works inside; rank 1's own error is returned, not rank 0's report of losing
+    // rank 1 (which arrives later and is, to spawn_threads, an opaque anyhow::Error too).
+    let err = distributed::spawn_threads_with_error(2, |pg| -> anyhow::Result<u32> {
+        if pg.rank() == 1 {
+            let steps: u32 = "ten".parse()?;
+            return Ok(steps);
+        }
+        pg.barrier()?; // fails only once rank 1 has left
+        Ok(0)
+    })
+    .unwrap_err();
+    assert!(err.is::<std::num::ParseIntError>(), "{err:#}");
+
+    let values = distributed::spawn_threads_with_error(3, |pg| -> anyhow::Result<f32> {
+        let x = Tensor::new(&[pg.rank() as f32], &Device::Cpu)?;
+        Ok(pg.all_reduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?[0])
+    })
+    .unwrap();
+    assert_eq!(values, [3.0, 3.0, 3.0]);
+
+    // The group's own failures arrive converted: a panic, and a world size of 0.
+    let err = distributed::spawn_threads_with_error(2, |pg| -> anyhow::Result<()> {
+        if pg.rank() == 0 {
+            panic!("rank 0 exploded");
+        }
+        Ok(pg.barrier()?)
+    })
+    .unwrap_err();
+    let ours = err
+        .downcast_ref::<Error>()
+        .expect("a candle_parallel::Error");
+    assert!(matches!(ours, Error::RankFailed { rank: 0, .. }), "{ours}");
+    let err =
+        distributed::spawn_threads_with_error(0, |_| -> anyhow::Result<()> { Ok(()) }).unwrap_err();
+    assert!(err.to_string().contains("world size"), "{err}");
+}
+
+#[test]
 fn a_late_rank_makes_the_wait_time_out() {
     let options = InitConfig {
         timeout: Duration::from_millis(200),
         ..Default::default()
     };
-    let results = distributed::spawn_threads_with_config(2, options, |pg| {
-        if pg.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(800));
-            return Ok(String::new());
-        }
-        Ok(pg.barrier().unwrap_err().to_string())
-    })
-    .unwrap();
+    let results =
+        distributed::spawn_threads_with_config(2, options, |pg| -> candle_parallel::Result<_> {
+            if pg.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(800));
+                return Ok(String::new());
+            }
+            Ok(pg.barrier().unwrap_err().to_string())
+        })
+        .unwrap();
     assert!(
         results[0].starts_with("timed out after 200ms"),
         "{}",

@@ -73,5 +73,5 @@ pub use rendezvous::store;
 pub use rendezvous::{Rendezvous, MAX_WORLD_SIZE};
 #[allow(deprecated)]
 pub use spawn::spawn_threads_with;
-pub use spawn::{spawn_threads, spawn_threads_with_config};
+pub use spawn::{spawn_threads, spawn_threads_with_config, spawn_threads_with_error};
 pub use work::Work;
