@@ -255,6 +255,21 @@ fn cifar_ddp_with_batch_norm_learns_with_sync_batch_norm_on_2_processes() {
 }
 
 #[test]
+fn cifar_dp_save_data_writes_the_synthetic_set_in_the_binary_format() {
+    // What scripts/torch_cifar_synthetic.py reads: the same images, in the real set's files.
+    let dir = common::temp_dir("cifar-save-data");
+    let mut cmd = Command::new(common::example("cifar_dp"));
+    cmd.args(["--cpu", "--epochs", "1", "--seed", "4"])
+        .args(["--train-size", "23", "--test-size", "7", "--save-data"])
+        .arg(&dir);
+    common::run_ok(cmd, Duration::from_secs(60));
+    assert_eq!(cifar::load(&dir).unwrap(), cifar::synthetic(23, 7, 4));
+    let first = cifar::read_batch_file(dir.join(cifar::TRAIN_FILES[0])).unwrap();
+    assert_eq!(first.len(), 5, "23 images over five files: 5, 5, 5, 5, 3");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
 fn an_empty_test_set_is_an_error_like_an_empty_training_set() {
     for (flag, what) in [
         ("--test-size", "test set"),
