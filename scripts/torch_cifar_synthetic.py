@@ -3,9 +3,10 @@
 The PyTorch twin of `cargo run --release --example cifar_dp`: the same Net, PyTorch's default
 initialisation, SGD (lr 0.01, momentum 0.9), batch 128, images normalised with mean 0.5 and
 std 0.5, a fresh shuffle each epoch. Run it on the synthetic stand-in, written out in the binary
-format by the cifar_export example, to see that PyTorch learns our generated data as we do:
+format by cifar_dp's --save-data (which then trains on it too, printing our curve), to see that
+PyTorch learns our generated data as we do:
 
-    cargo run --release --example cifar_export -- --out /tmp/synthetic-cifar
+    cargo run --release --example cifar_dp -- --save-data /tmp/synthetic-cifar
     python3 scripts/torch_cifar_synthetic.py --data-dir /tmp/synthetic-cifar
 
 or on the real set (`--data-dir ~/data/cifar-10-batches-bin`) for its figures. The weights and
