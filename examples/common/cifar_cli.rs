@@ -1,13 +1,13 @@
 //! What the CIFAR-10 examples share: their training flags, the data they load, the progress
 //! bar, and the per-batch test numbers.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::{DType, Tensor, D};
 use candle_nn::loss;
 use candle_parallel::cifar::{self, Cifar10, Split};
 use candle_parallel::optim::SgdConfig;
 use indicatif::{ProgressBar, ProgressStyle};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The training flags of the CIFAR-10 examples (PyTorch tutorial defaults).
 #[derive(clap::Args, Debug)]
@@ -38,6 +38,11 @@ pub struct TrainArgs {
     /// plain `Net`.
     #[arg(long)]
     pub save: Option<PathBuf>,
+    /// Also write the dataset used into this folder, in the CIFAR-10 binary format
+    /// (data_batch_1.bin .. data_batch_5.bin, test_batch.bin): for
+    /// scripts/torch_cifar_synthetic.py, which trains PyTorch's Net on the same images.
+    #[arg(long, value_name = "DIR")]
+    pub save_data: Option<PathBuf>,
     /// Draw the training loss (averaged over each epoch), the test loss and the test accuracy
     /// per epoch into this SVG file at the end of the run.
     #[arg(long, value_name = "FILE.svg")]
@@ -75,6 +80,9 @@ impl TrainArgs {
             "the test set is empty (--test-size 0, or an empty test_batch.bin): evaluation needs \
              at least one image"
         );
+        if let Some(dir) = &self.save_data {
+            save_data(&data, dir)?;
+        }
         Ok(data)
     }
 
@@ -101,6 +109,37 @@ impl TrainArgs {
             ..Default::default()
         }
     }
+}
+
+/// Writes `data` into `dir` in the CIFAR-10 binary format: the training images spread over the
+/// five training files, the test images in the test file. Each file is written under a name of
+/// its own and renamed, so ranks writing the same data at once leave whole files.
+fn save_data(data: &Cifar10, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let files = cifar::TRAIN_FILES.len();
+    let per_file = data.train.len().div_ceil(files);
+    let parts = (0..files).map(|f| {
+        let range =
+            (f * per_file).min(data.train.len())..((f + 1) * per_file).min(data.train.len());
+        Split {
+            images: data.train.images
+                [range.start * cifar::IMAGE_BYTES..range.end * cifar::IMAGE_BYTES]
+                .to_vec(),
+            labels: data.train.labels[range].to_vec(),
+        }
+    });
+    let named = cifar::TRAIN_FILES
+        .iter()
+        .zip(parts)
+        .chain([(&cifar::TEST_FILE, data.test.clone())]);
+    for (name, split) in named {
+        let path = dir.join(name);
+        let temporary = dir.join(format!("{name}.{}.tmp", std::process::id()));
+        cifar::write_batch_file(&temporary, &split)?;
+        std::fs::rename(&temporary, &path)
+            .with_context(|| format!("renaming {} to {}", temporary.display(), path.display()))?;
+    }
+    Ok(())
 }
 
 /// A progress bar over `len` images, showing the images per second.

@@ -6,7 +6,8 @@
 //! does: `(x / 255 - 0.5) / 0.5`.
 //!
 //! Without the files, [`synthetic`] makes a deterministic CIFAR-shaped dataset of 10 classes
-//! that the tutorial's CNN learns well above chance within one epoch: no download needed.
+//! (objects in scenes, among clutter) that the tutorial's CNN learns about as it learns
+//! CIFAR-10: no download needed.
 //!
 //! ```rust
 //! use candle_core::Device;
