@@ -422,3 +422,110 @@ fn candle_kernels_can_be_chosen_for_the_whole_process() {
     assert_eq!(conv.unwrap().dims(), [1, 3, 2, 2]);
     assert!(nn::own_cpu_kernels());
 }
+
+/// Values in {-1, 0, 1}: convolutions of these give exact zeros and ties.
+fn small_integers(shape: &[usize], seed: u64) -> Tensor {
+    let mut rng = Rng::new(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| (rng.normal() * 1.5).round().clamp(-1.0, 1.0) as f32)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn the_fused_conv_relu_pool_block_equals_the_three_ops_with_gradients() {
+    let _serial = kernels_lock();
+    use candle_core::Module;
+    // (case, pooling kernel, input needs a gradient, integer values, bias shift)
+    let cases = [
+        (CASES[0], 2, false, false, 0.0), // the Net's first block: the images need no gradient
+        (CASES[1], 2, true, false, 0.0),  // its second
+        (
+            case(3, 3, (9, 11), 5, 3, (0, 1, 1, 1)),
+            2,
+            true,
+            false,
+            -0.5,
+        ), // odd sizes: 7x9
+        (
+            case(2, 4, (11, 10), 6, 3, (2, 2, 1, 2)),
+            3,
+            true,
+            false,
+            0.3,
+        ), // stride, groups
+        (case(5, 2, (8, 8), 3, 3, (1, 1, 1, 1)), 2, true, true, 0.0), // exact ties and zeros
+        (case(1, 2, (6, 6), 2, 3, (0, 1, 1, 1)), 2, true, false, -9.0), // the ReLU stops all
+    ];
+    for (i, &(c, kernel, input_grad, integers, shift)) in cases.iter().enumerate() {
+        let seed = 700 + 10 * i as u64;
+        let make = |shape: &[usize], s: u64| {
+            if integers {
+                small_integers(shape, s)
+            } else {
+                random(shape, s)
+            }
+        };
+        let x = Var::from_tensor(&make(&[c.n, c.c_in, c.h, c.w], seed)).unwrap();
+        let w = Var::from_tensor(&make(&[c.c_out, c.c_in / c.groups, c.k, c.k], seed + 1)).unwrap();
+        let b = Var::from_tensor(&(make(&[c.c_out], seed + 2) + shift).unwrap()).unwrap();
+        let conv = nn::Conv2d::new(
+            w.as_tensor().clone(),
+            Some(b.as_tensor().clone()),
+            c.config(),
+        );
+        let input = if input_grad {
+            x.as_tensor().clone()
+        } else {
+            x.as_tensor().detach()
+        };
+        let fused = conv.forward_relu_max_pool2d(&input, kernel).unwrap();
+        let apart = nn::max_pool2d(&conv.forward(&input).unwrap().relu().unwrap(), kernel).unwrap();
+        assert_eq!(fused.dims(), apart.dims(), "{c:?}");
+        assert_eq!(max_abs_diff(&fused, &apart), 0.0, "{c:?}: output");
+        let weights = random(fused.dims(), seed + 3);
+        let grads = |y: &Tensor| {
+            (y * &weights)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap()
+        };
+        let (gf, ga) = (grads(&fused), grads(&apart));
+        for (name, v) in [("weight", &w), ("bias", &b)] {
+            let (f, a) = (
+                gf.get(v.as_tensor()).unwrap(),
+                ga.get(v.as_tensor()).unwrap(),
+            );
+            assert_eq!(max_abs_diff(f, a), 0.0, "{c:?}: {name} gradient");
+        }
+        if input_grad {
+            let (f, a) = (
+                gf.get(x.as_tensor()).unwrap(),
+                ga.get(x.as_tensor()).unwrap(),
+            );
+            assert_eq!(max_abs_diff(f, a), 0.0, "{c:?}: input gradient");
+        } else {
+            assert!(gf.get(x.as_tensor()).is_none());
+        }
+        if shift < -5.0 {
+            // Nothing passes the ReLU: no gradient reaches the weights.
+            assert_eq!(max_abs(gf.get(w.as_tensor()).unwrap()), 0.0);
+        }
+    }
+    // Off our kernels (as on a GPU) the method composes the three ops.
+    nn::use_own_cpu_kernels(false);
+    let c = CASES[1];
+    let conv = nn::Conv2d::new(
+        random(&[16, 6, 5, 5], 1),
+        Some(random(&[16], 2)),
+        c.config(),
+    );
+    let x = random(&[2, 6, 14, 14], 3);
+    let fallback = conv.forward_relu_max_pool2d(&x, 2);
+    nn::use_own_cpu_kernels(true);
+    let fused = conv.forward_relu_max_pool2d(&x, 2).unwrap();
+    assert!(rel_diff(&fallback.unwrap(), &fused) <= 1e-5);
+}

@@ -62,8 +62,9 @@ impl Net {
 impl Module for Net {
     /// Images `(B, 3, 32, 32)` to logits `(B, 10)`.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let x = max_pool2d(&xs.apply(&self.conv1)?.relu()?, 2)?;
-        max_pool2d(&x.apply(&self.conv2)?.relu()?, 2)?
+        let x = self.conv1.forward_relu_max_pool2d(xs, 2)?;
+        self.conv2
+            .forward_relu_max_pool2d(&x, 2)?
             .flatten_from(1)?
             .apply(&self.fc1)?
             .relu()?

@@ -45,7 +45,7 @@ pub(super) trait Window {
 }
 
 /// Block `i` of `len` values in `data` (an image of a batch, a group of channels or weights).
-pub(super) fn block(data: &[f32], i: usize, len: usize) -> &[f32] {
+pub(super) fn block<T>(data: &[T], i: usize, len: usize) -> &[T] {
     &data[i * len..(i + 1) * len]
 }
 

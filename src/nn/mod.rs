@@ -40,6 +40,7 @@
 
 mod conv;
 mod conv_kernel;
+mod conv_relu_pool;
 #[cfg(feature = "cuda")]
 mod fused_cuda;
 mod kernels;
