@@ -3,7 +3,7 @@
 //! matrix products, with the batch split over candle's thread pool.
 
 use super::kernels::{block, block_mut, col2im, for_each_chunk, im2col, map_chunks, matmul};
-use super::kernels::{sum_partials, Mat, Window};
+use super::kernels::{matmul_nt, sum_partials, Mat, Window};
 use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
 use candle_nn::Conv2dConfig;
 
@@ -330,12 +330,8 @@ impl Conv2dOp {
                         for grp in 0..g.groups {
                             g.im2col(image, grp, &mut cols);
                             let dy_g = block(dy_i, grp, g.c_out_g() * g.positions());
-                            matmul(
-                                Mat::rows(block_mut(&mut acc, grp, per_group), g.patch()),
-                                Mat::rows_of(dy_g, g.positions()),
-                                Mat::transposed(&cols, g.positions()),
-                                true,
-                            );
+                            let acc_g = block_mut(&mut acc, grp, per_group);
+                            matmul_nt(acc_g, dy_g, &cols, g.positions());
                         }
                     }
                     acc

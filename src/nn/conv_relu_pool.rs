@@ -19,7 +19,7 @@
 //! of a window wins).
 
 use super::conv_kernel::{f32_slice, with_f32, Geometry};
-use super::kernels::{block, block_mut, col2im, matmul, sum_partials, threads, Mat};
+use super::kernels::{block, block_mut, col2im, matmul, matmul_nt, sum_partials, threads, Mat};
 use crate::util::sync::lock;
 use candle_core::{CpuStorage, Device, Layout, Result, Shape, Tensor};
 use candle_nn::Conv2dConfig;
@@ -72,6 +72,38 @@ pub(super) fn conv2d_relu_max_pool2d(
         .apply_op3(&w.contiguous()?, &bias.contiguous()?, op)
 }
 
+/// [`ConvReluPoolOp::relu_pool`] for 2x2 windows every 2 positions (the Net's), unrolled: the
+/// same comparisons in the same order.
+fn relu_pool_2x2(plane: &[f32], wd: usize, out: &mut [f32], from: &mut [u32], pw: usize) {
+    for (oh, (out, from)) in out.chunks_mut(pw).zip(from.chunks_mut(pw)).enumerate() {
+        let top = 2 * oh * wd;
+        let (r0, r1) = (
+            &plane[top..top + 2 * pw],
+            &plane[top + wd..top + wd + 2 * pw],
+        );
+        for (ow, (o, f)) in out.iter_mut().zip(from.iter_mut()).enumerate() {
+            let c = 2 * ow;
+            let candidates = [
+                (r0[c], c),
+                (r0[c + 1], c + 1),
+                (r1[c], wd + c),
+                (r1[c + 1], wd + c + 1),
+            ];
+            let (mut max, mut best) = (candidates[0].0.max(0.0), 0);
+            for (q, &(v, _)) in candidates.iter().enumerate().skip(1) {
+                if v.max(0.0) > max {
+                    max = v.max(0.0);
+                    best = q;
+                }
+            }
+            let (v, at) = candidates[best];
+            *o = max;
+            let stopped = if v >= 0.0 { 0 } else { STOPPED };
+            *f = (top + at) as u32 | stopped;
+        }
+    }
+}
+
 /// The fused block as a candle op.
 struct ConvReluPoolOp {
     geometry: Geometry,
@@ -105,6 +137,9 @@ impl ConvReluPoolOp {
     fn relu_pool(&self, plane: &[f32], out: &mut [f32], from: &mut [u32]) {
         let wd = self.geometry.w_out;
         let (ph, pw) = self.pooled;
+        if self.kernel == 2 && self.stride == 2 {
+            return relu_pool_2x2(plane, wd, out, from, pw);
+        }
         for oh in 0..ph {
             for ow in 0..pw {
                 let (top, left) = (oh * self.stride, ow * self.stride);
@@ -213,12 +248,8 @@ impl ConvReluPoolOp {
                 let dconv_g = block(&dconv, grp, g.c_out_g() * g.positions());
                 if want_dw {
                     g.im2col(image, grp, &mut cols);
-                    matmul(
-                        Mat::rows(block_mut(&mut dw, grp, per_group), g.patch()),
-                        Mat::rows_of(dconv_g, g.positions()),
-                        Mat::transposed(&cols, g.positions()),
-                        true,
-                    );
+                    let dw_g = block_mut(&mut dw, grp, per_group);
+                    matmul_nt(dw_g, dconv_g, &cols, g.positions());
                 }
                 if let Some(dx) = dx.as_deref_mut() {
                     matmul(

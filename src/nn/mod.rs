@@ -49,6 +49,7 @@ pub mod ops;
 mod pool;
 pub mod rotary_emb;
 mod rows;
+mod simd;
 mod sync_batch_norm;
 
 pub use candle_nn::LayerNormConfig;
