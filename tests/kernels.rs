@@ -457,6 +457,8 @@ fn the_fused_conv_relu_pool_block_equals_the_three_ops_with_gradients() {
         ), // stride, groups
         (case(5, 2, (8, 8), 3, 3, (1, 1, 1, 1)), 2, true, true, 0.0), // exact ties and zeros
         (case(1, 2, (6, 6), 2, 3, (0, 1, 1, 1)), 2, true, false, -9.0), // the ReLU stops all
+        (case(2, 4, (9, 8), 6, 3, (0, 1, 1, 2)), 2, true, false, 0.1), // groups, read directly
+        (case(3, 3, (12, 13), 7, 5, (0, 1, 1, 1)), 2, true, true, 0.0), // ties, read directly
     ];
     for (i, &(c, kernel, input_grad, integers, shift)) in cases.iter().enumerate() {
         let seed = 700 + 10 * i as u64;
@@ -483,7 +485,11 @@ fn the_fused_conv_relu_pool_block_equals_the_three_ops_with_gradients() {
         let fused = conv.forward_relu_max_pool2d(&input, kernel).unwrap();
         let apart = nn::max_pool2d(&conv.forward(&input).unwrap().relu().unwrap(), kernel).unwrap();
         assert_eq!(fused.dims(), apart.dims(), "{c:?}");
-        assert_eq!(max_abs_diff(&fused, &apart), 0.0, "{c:?}: output");
+        // Sums in another order (the fused op reads the image directly where it can); exact
+        // with small integers, so that ties are ties in both.
+        let tolerance = if integers { 0.0 } else { 1e-5 };
+        assert!(rel_diff(&fused, &apart) <= tolerance, "{c:?}: output");
+        let tolerance = 1e-5; // the loss weights are not integers
         let weights = random(fused.dims(), seed + 3);
         let grads = |y: &Tensor| {
             (y * &weights)
@@ -499,14 +505,14 @@ fn the_fused_conv_relu_pool_block_equals_the_three_ops_with_gradients() {
                 gf.get(v.as_tensor()).unwrap(),
                 ga.get(v.as_tensor()).unwrap(),
             );
-            assert_eq!(max_abs_diff(f, a), 0.0, "{c:?}: {name} gradient");
+            assert!(rel_diff(f, a) <= tolerance, "{c:?}: {name} gradient");
         }
         if input_grad {
             let (f, a) = (
                 gf.get(x.as_tensor()).unwrap(),
                 ga.get(x.as_tensor()).unwrap(),
             );
-            assert_eq!(max_abs_diff(f, a), 0.0, "{c:?}: input gradient");
+            assert!(rel_diff(f, a) <= tolerance, "{c:?}: input gradient");
         } else {
             assert!(gf.get(x.as_tensor()).is_none());
         }

@@ -45,9 +45,9 @@ pub(super) struct Geometry {
     pub(super) k_w: usize,
     pub(super) h_out: usize,
     pub(super) w_out: usize,
-    padding: usize,
-    stride: usize,
-    dilation: usize,
+    pub(super) padding: usize,
+    pub(super) stride: usize,
+    pub(super) dilation: usize,
     pub(super) groups: usize,
 }
 

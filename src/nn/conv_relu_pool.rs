@@ -51,7 +51,8 @@ pub(super) fn conv2d_relu_max_pool2d(
             "max_pool2d: kernel-size {kernel} is larger than the convolution's output {ho},{wo}"
         )
     }
-    if u32::try_from(ho * wo).map_or(true, |p| p >= STOPPED) {
+    let layout = Planes::of(&geometry);
+    if u32::try_from(layout.len).map_or(true, |p| p >= STOPPED) {
         candle_core::bail!("max_pool2d: planes of {ho}x{wo} are too large (at most 2^31 values)")
     }
     if bias.dims() != [geometry.c_out] {
@@ -66,10 +67,65 @@ pub(super) fn conv2d_relu_max_pool2d(
         kernel,
         stride,
         pooled: ((ho - kernel) / stride + 1, (wo - kernel) / stride + 1),
+        layout,
         from: Mutex::new(Vec::new()),
     };
     x.contiguous()?
         .apply_op3(&w.contiguous()?, &bias.contiguous()?, op)
+}
+
+/// How the op holds an image's convolution output, one plane per output channel.
+///
+/// For a stride-1 convolution without padding or dilation, on a CPU with AVX2 and FMA, the
+/// planes are *wide*: their rows are as long as the input's (`w_out` values, then `k_w - 1`
+/// unused ones), so that output position `q` of a plane reads input position `q + offset` for
+/// each patch row's `offset` (its channel, kernel row and column). The patches are then never
+/// laid out: the forward and the weight gradient read the image at those offsets
+/// ([`simd`](super::simd)), and the input gradient adds each patch row of the gradient back at
+/// its offset. Otherwise the planes are `h_out x w_out` and the patches laid out (`im2col`).
+#[derive(Clone, Debug)]
+struct Planes {
+    /// Distance between rows of a plane.
+    row: usize,
+    /// Values of a plane: `h_out` rows, the last only `w_out` long.
+    len: usize,
+    /// With wide planes, the offset of each patch row within its group's channels of an
+    /// image; empty otherwise.
+    offsets: Vec<usize>,
+}
+
+impl Planes {
+    fn of(g: &Geometry) -> Self {
+        let wide = g.stride == 1
+            && g.dilation == 1
+            && g.padding == 0
+            && super::simd::available()
+            && g.h_out > 0
+            && g.w_out > 0;
+        if !wide {
+            return Self {
+                row: g.w_out,
+                len: g.positions(),
+                offsets: Vec::new(),
+            };
+        }
+        let plane = g.h * g.w;
+        let mut offsets = Vec::with_capacity(g.patch());
+        for ci in 0..g.c_in_g() {
+            for kh in 0..g.k_h {
+                offsets.extend((0..g.k_w).map(|kw| ci * plane + kh * g.w + kw));
+            }
+        }
+        Self {
+            row: g.w,
+            len: (g.h_out - 1) * g.w + g.w_out,
+            offsets,
+        }
+    }
+
+    fn wide(&self) -> bool {
+        !self.offsets.is_empty()
+    }
 }
 
 /// [`ConvReluPoolOp::relu_pool`] for 2x2 windows every 2 positions (the Net's), unrolled: the
@@ -111,6 +167,8 @@ struct ConvReluPoolOp {
     stride: usize,
     /// Height and width of the pooled output.
     pooled: (usize, usize),
+    /// How the convolution's output is held.
+    layout: Planes,
     /// For each pooled value, the position within its channel's convolution output that it
     /// came from, [`STOPPED`] set where the ReLU stops the gradient (set by the forward).
     from: Mutex<Vec<u32>>,
@@ -135,7 +193,7 @@ impl ConvReluPoolOp {
     /// Rectifies and pools one channel's convolution output `plane` into `out`, noting in
     /// `from` where each value came from.
     fn relu_pool(&self, plane: &[f32], out: &mut [f32], from: &mut [u32]) {
-        let wd = self.geometry.w_out;
+        let wd = self.layout.row;
         let (ph, pw) = self.pooled;
         if self.kernel == 2 && self.stride == 2 {
             return relu_pool_2x2(plane, wd, out, from, pw);
@@ -173,27 +231,47 @@ impl ConvReluPoolOp {
         from: &mut [u32],
     ) {
         let g = self.geometry;
-        let mut conv = vec![0f32; g.out_len()];
-        let mut cols = vec![0f32; g.patch() * g.positions()];
+        let planes = &self.layout;
+        let mut conv = vec![0f32; g.c_out * planes.len];
+        let wide = planes.wide();
+        let mut cols = vec![0f32; if wide { 0 } else { g.patch() * g.positions() }];
         let images = outs.chunks_mut(self.pooled_len());
         for (i, (out, from)) in images.zip(from.chunks_mut(self.pooled_len())).enumerate() {
             let image = block(x, first + i, g.image_len());
-            for (row, &v) in conv.chunks_mut(g.positions()).zip(bias) {
-                row.fill(v);
+            if wide {
+                let channels = g.c_in_g() * g.h * g.w;
+                for grp in 0..g.groups {
+                    // The group's patch rows, at their offsets in its block of the image.
+                    super::simd::shifted_rows(
+                        (
+                            block_mut(&mut conv, grp, g.c_out_g() * planes.len),
+                            planes.len,
+                        ),
+                        block(w, grp, g.c_out_g() * g.patch()),
+                        block(bias, grp, g.c_out_g()),
+                        block(image, grp, channels),
+                        &planes.offsets,
+                        planes.len,
+                    );
+                }
+            } else {
+                for (row, &v) in conv.chunks_mut(g.positions()).zip(bias) {
+                    row.fill(v);
+                }
+                for grp in 0..g.groups {
+                    g.im2col(image, grp, &mut cols);
+                    matmul(
+                        Mat::rows(
+                            block_mut(&mut conv, grp, g.c_out_g() * g.positions()),
+                            g.positions(),
+                        ),
+                        Mat::rows_of(block(w, grp, g.c_out_g() * g.patch()), g.patch()),
+                        Mat::rows_of(&cols, g.positions()),
+                        true,
+                    );
+                }
             }
-            for grp in 0..g.groups {
-                g.im2col(image, grp, &mut cols);
-                matmul(
-                    Mat::rows(
-                        block_mut(&mut conv, grp, g.c_out_g() * g.positions()),
-                        g.positions(),
-                    ),
-                    Mat::rows_of(block(w, grp, g.c_out_g() * g.patch()), g.patch()),
-                    Mat::rows_of(&cols, g.positions()),
-                    true,
-                );
-            }
-            let planes = conv.chunks(g.positions());
+            let planes = conv.chunks(planes.len);
             let pooled = out.chunks_mut(self.pooled_plane());
             for ((plane, out), from) in planes.zip(pooled).zip(from.chunks_mut(self.pooled_plane()))
             {
@@ -204,9 +282,8 @@ impl ConvReluPoolOp {
 
     /// An image's convolution output gradient from its pooled gradient `dy_i`.
     fn conv_grad(&self, dy_i: &[f32], from: &[u32], dconv: &mut [f32]) {
-        let positions = self.geometry.positions();
         dconv.fill(0.0);
-        let planes = dconv.chunks_mut(positions);
+        let planes = dconv.chunks_mut(self.layout.len);
         let pooled = dy_i.chunks(self.pooled_plane());
         for ((plane, dy), from) in planes.zip(pooled).zip(from.chunks(self.pooled_plane())) {
             for (&at, &d) in from.iter().zip(dy) {
@@ -228,39 +305,58 @@ impl ConvReluPoolOp {
         (want_dw, want_db): (bool, bool),
     ) -> (Vec<f32>, Vec<f32>) {
         let g = self.geometry;
+        let planes = &self.layout;
+        let wide = planes.wide();
         let per_group = g.c_out_g() * g.patch();
-        let cols_len = g.patch() * g.positions();
+        let cols_len = g.patch() * planes.len;
+        let channels = g.c_in_g() * g.h * g.w;
         let mut dw = vec![0f32; if want_dw { g.groups * per_group } else { 0 }];
         let mut db = vec![0f32; if want_db { g.c_out } else { 0 }];
-        let mut dconv = vec![0f32; g.out_len()];
-        let mut cols = vec![0f32; if want_dw { cols_len } else { 0 }];
+        let mut dconv = vec![0f32; g.c_out * planes.len];
+        let mut cols = vec![0f32; if want_dw && !wide { cols_len } else { 0 }];
         let mut dcols = vec![0f32; if dx.is_some() { cols_len } else { 0 }];
         for (k, i) in images.enumerate() {
             let from_i = block(from, i, self.pooled_len());
             self.conv_grad(block(dy, i, self.pooled_len()), from_i, &mut dconv);
             if want_db {
-                for (a, row) in db.iter_mut().zip(dconv.chunks(g.positions())) {
+                // The unused values of wide planes are zeros: the same sums.
+                for (a, row) in db.iter_mut().zip(dconv.chunks(planes.len)) {
                     *a += row.iter().sum::<f32>();
                 }
             }
             let image = block(x, i, g.image_len());
             for grp in 0..g.groups {
-                let dconv_g = block(&dconv, grp, g.c_out_g() * g.positions());
+                let dconv_g = block(&dconv, grp, g.c_out_g() * planes.len);
                 if want_dw {
-                    g.im2col(image, grp, &mut cols);
                     let dw_g = block_mut(&mut dw, grp, per_group);
-                    matmul_nt(dw_g, dconv_g, &cols, g.positions());
+                    let image_g = block(image, grp, channels);
+                    // Wide: the patch rows are the image at their offsets (the unused
+                    // positions meet zeros of the gradient).
+                    if !(wide
+                        && super::simd::dots(dw_g, dconv_g, image_g, &planes.offsets, planes.len))
+                    {
+                        g.im2col(image, grp, &mut cols);
+                        matmul_nt(dw_g, dconv_g, &cols, planes.len);
+                    }
                 }
                 if let Some(dx) = dx.as_deref_mut() {
                     matmul(
-                        Mat::rows(&mut dcols, g.positions()),
+                        Mat::rows(&mut dcols, planes.len),
                         Mat::transposed(block(w, grp, per_group), g.patch()),
-                        Mat::rows_of(dconv_g, g.positions()),
+                        Mat::rows_of(dconv_g, planes.len),
                         false,
                     );
-                    let dx_i = block_mut(dx, k, g.image_len());
-                    let channels = block_mut(dx_i, grp, g.c_in_g() * g.h * g.w);
-                    col2im(&dcols, g.c_in_g(), &g, channels);
+                    let dx_g = block_mut(block_mut(dx, k, g.image_len()), grp, channels);
+                    if wide {
+                        // Each patch row back at its offset.
+                        for (row, &at) in dcols.chunks(planes.len).zip(&planes.offsets) {
+                            for (x, &v) in dx_g[at..at + planes.len].iter_mut().zip(row) {
+                                *x += v;
+                            }
+                        }
+                    } else {
+                        col2im(&dcols, g.c_in_g(), &g, dx_g);
+                    }
                 }
             }
         }

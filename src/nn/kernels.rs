@@ -116,8 +116,9 @@ impl<'a> Mat<&'a mut [f32]> {
 /// convolution's weight gradient, many long dot products; a kernel of our own where the CPU has
 /// AVX2 and FMA ([`simd`](super::simd)), else `gemm`.
 pub(super) fn matmul_nt(dst: &mut [f32], a: &[f32], b: &[f32], k: usize) {
-    let (m, n) = (a.len() / k.max(1), b.len() / k.max(1));
-    if k == 0 || super::simd::dots(dst, a, b, (m, n, k)) {
+    let n = b.len() / k.max(1);
+    let b_rows: Vec<usize> = (0..n).map(|j| j * k).collect();
+    if k == 0 || super::simd::dots(dst, a, b, &b_rows, k) {
         return;
     }
     matmul(
