@@ -185,9 +185,11 @@ impl ConvReluPoolOp {
         self.geometry.c_out * self.pooled_plane()
     }
 
-    /// Images per thread.
+    /// Images per chunk of the batch: at most 8, and four chunks per thread where the batch
+    /// allows, so that a thread slowed by others on a shared machine delays the step by less
+    /// (rayon hands the chunks out). Each chunk adds one partial weight gradient.
     fn per_chunk(&self) -> usize {
-        self.geometry.n.div_ceil(threads()).max(1)
+        self.geometry.n.div_ceil(4 * threads()).clamp(1, 8)
     }
 
     /// Rectifies and pools one channel's convolution output `plane` into `out`, noting in
