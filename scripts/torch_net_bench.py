@@ -5,12 +5,23 @@ The PyTorch side of candle-parallel's dp_throughput comparison (same Net, SGD lr
 
     python3 torch_net_bench.py --batches 128,512 --steps 50 [--device cpu]
 
+With --rust, the two side by side on the CPU, one process with --threads threads each (2 by
+default): --repeats rounds, each running candle-parallel's dp_throughput binary then PyTorch at
+every batch size, interleaved so that both meet the same load on a shared machine; prints every
+round, then the medians and their ratio:
+
+    cargo bench --bench dp_throughput --no-run   # prints the binary's path
+    python3 scripts/torch_net_bench.py --rust target/release/deps/dp_throughput-HASH --repeats 5
+
 With --phases it prints instead what benches/net_phases.rs prints for candle-parallel, measured
 the same way: the median time of forward with the loss, backward, the SGD update and the step
 (CUDA events on a GPU, beside the host's time to issue the calls), then each layer alone on an
 input of the shape it sees in the Net: its forward, and the backward of sum(layer(x) * g).
 """
 import argparse
+import os
+import re
+import subprocess
 import time
 
 import torch
@@ -177,6 +188,38 @@ def print_phases(device, batches, steps):
         print(f"{'sum':<14} {'':<18} {total_f:>12.3f} {total_b:>12.3f}")
 
 
+def ours_rate(a, batch):
+    """Images/s of candle-parallel's dp_throughput binary: one CPU replica, our kernels."""
+    cmd = [a.rust, "--kernels", "ours", "--devices", "1", "--cpu", "--batches", str(batch),
+           "--steps", str(a.steps), "--warmup", str(a.warmup)]
+    env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
+    found = re.search(rf"^\s*{batch}\s+ours\s+1\s+([0-9.]+)", out.stdout, re.MULTILINE)
+    if not found:
+        raise RuntimeError(f"no images/s line from {cmd}:\n{out.stdout}\n{out.stderr}")
+    return float(found.group(1))
+
+
+def side_by_side(a, batches):
+    torch.set_num_threads(a.threads)
+    device = torch.device("cpu")
+    print(f"CIFAR-10 Net training images/s, one process with {a.threads} threads each, "
+          f"{a.steps} steps after {a.warmup}; PyTorch {torch.__version__}")
+    print(f"{'round':>5} {'batch':>6} {'candle-parallel':>16} {'PyTorch':>10} {'ratio':>7}")
+    runs = {b: ([], []) for b in batches}
+    for round_ in range(1, a.repeats + 1):
+        for b in batches:
+            ours = ours_rate(a, b)
+            theirs = rate(device, b, a.steps, a.warmup)
+            runs[b][0].append(ours)
+            runs[b][1].append(theirs)
+            print(f"{round_:>5} {b:>6} {ours:>16.0f} {theirs:>10.0f} {ours / theirs:>6.2f}x")
+    print(f"medians of {a.repeats} rounds")
+    for b in batches:
+        ours, theirs = median(runs[b][0]), median(runs[b][1])
+        print(f"{'':>5} {b:>6} {ours:>16.0f} {theirs:>10.0f} {ours / theirs:>6.2f}x")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batches", default="128,512")
@@ -185,7 +228,14 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--phases", action="store_true",
                    help="time the phases of a step and each layer, as benches/net_phases.rs")
+    p.add_argument("--rust", metavar="EXE",
+                   help="the dp_throughput bench binary: candle-parallel and PyTorch side by side")
+    p.add_argument("--threads", type=int, default=2, help="threads of each, with --rust")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds, with --rust")
     a = p.parse_args()
+    if a.rust:
+        side_by_side(a, [int(v) for v in a.batches.split(",")])
+        return
     device = torch.device(a.device)
     if a.phases:
         print_phases(device, [int(v) for v in a.batches.split(",")], a.steps)

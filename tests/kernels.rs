@@ -535,3 +535,65 @@ fn the_fused_conv_relu_pool_block_equals_the_three_ops_with_gradients() {
     let fused = conv.forward_relu_max_pool2d(&x, 2).unwrap();
     assert!(rel_diff(&fallback.unwrap(), &fused) <= 1e-5);
 }
+
+/// The CIFAR Net as it was written before its blocks were fused: convolution, ReLU and
+/// max-pooling as three ops, then the linear layers, over the variables of `varmap`.
+fn unfused_net(varmap: &candle_nn::VarMap, x: &Tensor) -> candle_core::Result<Tensor> {
+    use candle_core::Module;
+    let vars = varmap.data().lock().unwrap();
+    let var = |name: &str| vars[name].as_tensor().clone();
+    let conv = |name: &str| {
+        let bias = var(&format!("{name}.bias"));
+        nn::Conv2d::new(var(&format!("{name}.weight")), Some(bias), Default::default())
+    };
+    let fc = |name: &str| {
+        let bias = var(&format!("{name}.bias"));
+        candle_nn::Linear::new(var(&format!("{name}.weight")), Some(bias))
+    };
+    let x = nn::max_pool2d(&conv("conv1").forward(x)?.relu()?, 2)?;
+    nn::max_pool2d(&conv("conv2").forward(&x)?.relu()?, 2)?
+        .flatten_from(1)?
+        .apply(&fc("fc1"))?
+        .relu()?
+        .apply(&fc("fc2"))?
+        .relu()?
+        .apply(&fc("fc3"))
+}
+
+#[test]
+fn the_net_trains_as_with_the_unfused_blocks() {
+    let _serial = kernels_lock();
+    use candle_core::Module;
+    use candle_nn::{loss, Optimizer, VarMap};
+    use candle_parallel::optim::{Sgd, SgdConfig};
+    let seeded = || {
+        let varmap = VarMap::new();
+        let vb = candle_parallel::init::seeded_var_builder(&varmap, 0, DType::F32, &Device::Cpu);
+        let net = candle_parallel::cifar::Net::new(vb).unwrap();
+        let config = SgdConfig {
+            lr: 0.01,
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let opt = Sgd::new(varmap.all_vars(), config).unwrap();
+        (varmap, net, opt)
+    };
+    let (fused_vars, net, mut fused_opt) = seeded();
+    let (plain_vars, _, mut plain_opt) = seeded();
+    let labels: Vec<u32> = (0..12).map(|i| i % 10).collect();
+    let y = Tensor::from_vec(labels, 12, &Device::Cpu).unwrap();
+    for step in 0..4 {
+        let x = random(&[12, 3, 32, 32], 900 + step);
+        let fused = loss::cross_entropy(&net.forward(&x).unwrap(), &y).unwrap();
+        let plain = loss::cross_entropy(&unfused_net(&plain_vars, &x).unwrap(), &y).unwrap();
+        let (a, b) = (fused.to_scalar::<f32>().unwrap(), plain.to_scalar::<f32>().unwrap());
+        assert!((a - b).abs() <= 1e-6, "step {step}: loss {a} against {b}");
+        fused_opt.backward_step(&fused).unwrap();
+        plain_opt.backward_step(&plain).unwrap();
+    }
+    let (fused, plain) = (fused_vars.data().lock().unwrap(), plain_vars.data().lock().unwrap());
+    for (name, v) in fused.iter() {
+        let diff = max_abs_diff(v.as_tensor(), plain[name].as_tensor());
+        assert!(diff <= 1e-6, "{name} differs by {diff} after 4 steps");
+    }
+}
