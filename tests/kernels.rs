@@ -544,7 +544,11 @@ fn unfused_net(varmap: &candle_nn::VarMap, x: &Tensor) -> candle_core::Result<Te
     let var = |name: &str| vars[name].as_tensor().clone();
     let conv = |name: &str| {
         let bias = var(&format!("{name}.bias"));
-        nn::Conv2d::new(var(&format!("{name}.weight")), Some(bias), Default::default())
+        nn::Conv2d::new(
+            var(&format!("{name}.weight")),
+            Some(bias),
+            Default::default(),
+        )
     };
     let fc = |name: &str| {
         let bias = var(&format!("{name}.bias"));
@@ -586,12 +590,18 @@ fn the_net_trains_as_with_the_unfused_blocks() {
         let x = random(&[12, 3, 32, 32], 900 + step);
         let fused = loss::cross_entropy(&net.forward(&x).unwrap(), &y).unwrap();
         let plain = loss::cross_entropy(&unfused_net(&plain_vars, &x).unwrap(), &y).unwrap();
-        let (a, b) = (fused.to_scalar::<f32>().unwrap(), plain.to_scalar::<f32>().unwrap());
+        let (a, b) = (
+            fused.to_scalar::<f32>().unwrap(),
+            plain.to_scalar::<f32>().unwrap(),
+        );
         assert!((a - b).abs() <= 1e-6, "step {step}: loss {a} against {b}");
         fused_opt.backward_step(&fused).unwrap();
         plain_opt.backward_step(&plain).unwrap();
     }
-    let (fused, plain) = (fused_vars.data().lock().unwrap(), plain_vars.data().lock().unwrap());
+    let (fused, plain) = (
+        fused_vars.data().lock().unwrap(),
+        plain_vars.data().lock().unwrap(),
+    );
     for (name, v) in fused.iter() {
         let diff = max_abs_diff(v.as_tensor(), plain[name].as_tensor());
         assert!(diff <= 1e-6, "{name} differs by {diff} after 4 steps");
