@@ -12,8 +12,8 @@
 //! its forward, and the backward of `sum(layer(x) * g)` for a fixed random `g` (which adds one
 //! multiply and one sum to the layer's own backward; torch's twin does the same). The first
 //! convolution's input needs no gradient, as in training. The Net runs each convolution with
-//! its ReLU and max-pooling as one op (`conv1 block`, `conv2 block`); the three apart are timed
-//! too, for comparison. `scripts/torch_net_bench.py --phases`
+//! its ReLU and max-pooling as one op (`conv1 block`, `conv2 block`; the three apart are timed
+//! too, for comparison) and each hidden linear layer with its ReLU. `scripts/torch_net_bench.py --phases`
 //! prints the same tables for PyTorch. Reports; asserts nothing.
 
 use anyhow::{bail, Context, Result};
@@ -21,7 +21,7 @@ use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{loss, Conv2dConfig, Linear, Optimizer, VarMap};
 use candle_parallel::cifar::Net;
 use candle_parallel::init::seeded_var_builder;
-use candle_parallel::nn::{max_pool2d, Conv2d};
+use candle_parallel::nn::{self, max_pool2d, Conv2d};
 use candle_parallel::optim::{Sgd, SgdConfig};
 use std::time::Instant;
 
@@ -210,11 +210,24 @@ fn layers(device: &Device, batch: usize) -> Result<Vec<Case>> {
             true,
             Box::new(move |x| block2.forward_relu_max_pool2d(x, 2)),
         ),
-        ("fc1", vec![b, 400], true, Box::new(move |x| fc1.forward(x))),
-        ("relu", vec![b, 120], true, Box::new(|x| x.relu())),
-        ("fc2", vec![b, 120], true, Box::new(move |x| fc2.forward(x))),
-        ("relu", vec![b, 84], true, Box::new(|x| x.relu())),
-        ("fc3", vec![b, 84], true, Box::new(move |x| fc3.forward(x))),
+        (
+            "fc1 + relu",
+            vec![b, 400],
+            true,
+            Box::new(move |x| nn::linear_relu(x, &fc1)),
+        ),
+        (
+            "fc2 + relu",
+            vec![b, 120],
+            true,
+            Box::new(move |x| nn::linear_relu(x, &fc2)),
+        ),
+        (
+            "fc3",
+            vec![b, 84],
+            true,
+            Box::new(move |x| nn::linear(x, &fc3)),
+        ),
         (
             "cross_entropy",
             vec![b, 10],

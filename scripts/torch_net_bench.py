@@ -133,14 +133,13 @@ def layers(device, batch):
     y = torch.arange(batch, device=device) % 10
     b = batch
     # The rows of benches/net_phases.rs: its Net runs each convolution, ReLU and max-pooling
-    # as one op ("block"; here the three torch ops), then the three apart (not in the sum).
+    # as one op ("block"; here the three torch ops), and each hidden linear layer with its
+    # ReLU; then a block's three ops apart (not in the sum).
     return [
         ("conv1 block", (b, 3, 32, 32), False, lambda t: net.pool(F.relu(net.conv1(t)))),
         ("conv2 block", (b, 6, 14, 14), True, lambda t: net.pool(F.relu(net.conv2(t)))),
-        ("fc1", (b, 400), True, net.fc1),
-        ("relu", (b, 120), True, F.relu),
-        ("fc2", (b, 120), True, net.fc2),
-        ("relu", (b, 84), True, F.relu),
+        ("fc1 + relu", (b, 400), True, lambda t: F.relu(net.fc1(t))),
+        ("fc2 + relu", (b, 120), True, lambda t: F.relu(net.fc2(t))),
         ("fc3", (b, 84), True, net.fc3),
         ("cross_entropy", (b, 10), True, lambda t: F.cross_entropy(t, y)),
         ("(conv1)", (b, 3, 32, 32), False, net.conv1),

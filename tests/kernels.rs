@@ -607,3 +607,64 @@ fn the_net_trains_as_with_the_unfused_blocks() {
         assert!(diff <= 1e-6, "{name} differs by {diff} after 4 steps");
     }
 }
+
+#[test]
+fn the_fused_linear_layer_equals_candle_nn_linear_and_relu_with_gradients() {
+    let _serial = kernels_lock();
+    use candle_core::Module;
+    // (batch, inputs, outputs, ReLU, the input needs a gradient)
+    let cases = [
+        (7, 13, 5, true, true),
+        (7, 13, 5, false, true),
+        (128, 400, 120, true, true), // the Net's fc1
+        (3, 84, 10, false, false),   // its fc3 on a leaf input
+        (1, 1, 1, true, true),
+        (0, 4, 3, true, true), // an empty batch
+    ];
+    for (i, &(n, k, o, relu, input_grad)) in cases.iter().enumerate() {
+        let seed = 1000 + 10 * i as u64;
+        let x = Var::from_tensor(&random(&[n, k], seed)).unwrap();
+        let w = Var::from_tensor(&random(&[o, k], seed + 1)).unwrap();
+        let b = Var::from_tensor(&random(&[o], seed + 2)).unwrap();
+        let layer = candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
+        let input = if input_grad {
+            x.as_tensor().clone()
+        } else {
+            x.as_tensor().detach()
+        };
+        let (fused, apart) = if relu {
+            let apart = layer.forward(&input).unwrap().relu().unwrap();
+            (nn::linear_relu(&input, &layer).unwrap(), apart)
+        } else {
+            (
+                nn::linear(&input, &layer).unwrap(),
+                layer.forward(&input).unwrap(),
+            )
+        };
+        assert_eq!(fused.dims(), [n, o]);
+        if n == 0 {
+            let g = fused.sum_all().unwrap().backward().unwrap();
+            assert_eq!(max_abs(g.get(w.as_tensor()).unwrap()), 0.0);
+            continue;
+        }
+        let case = format!("{n}x{k} -> {o}, relu {relu}");
+        assert!(rel_diff(&fused, &apart) <= 1e-5, "{case}: output");
+        let weights = random(&[n, o], seed + 3);
+        let grads = |y: &Tensor| {
+            (y * &weights)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap()
+        };
+        let (gf, ga) = (grads(&fused), grads(&apart));
+        for (name, v) in [("weight", &w), ("bias", &b), ("input", &x)] {
+            match (gf.get(v.as_tensor()), ga.get(v.as_tensor())) {
+                (Some(f), Some(a)) => assert!(rel_diff(f, a) <= 1e-5, "{case}: {name} gradient"),
+                (None, None) => assert!(name == "input" && !input_grad, "{case}: {name}"),
+                _ => panic!("{case}: the {name} gradient is in one store only"),
+            }
+        }
+    }
+}
