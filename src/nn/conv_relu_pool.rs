@@ -9,14 +9,17 @@
 //! gradient at the chosen position when the ReLU let it through) and runs the convolution's
 //! backward while it is in the cache.
 //!
-//! The patches (`im2col`) are laid out again for the weight gradient, one image at a time into
-//! a buffer that stays in the cache: keeping the forward's instead (15 times the input's size
-//! for the Net's first layer) measured slower, as writing and reading them back through memory
-//! costs more than recomputing them.
+//! For stride-1 convolutions without padding (the Net's) on a CPU with AVX2 or AVX-512 the
+//! patches are never laid out: see [`Planes`] and [`simd`](super::simd). Otherwise they are
+//! laid out (`im2col`) for the forward and again for the weight gradient, one image at a time
+//! into a buffer that stays in the cache: keeping the forward's instead (15 times the input's
+//! size for the Net's first layer) measured slower, as writing and reading them back through
+//! memory costs more than recomputing them.
 //!
 //! The numbers are those of `max_pool2d(relu(conv(x)))` with candle's ReLU (whose gradient
 //! passes where the input is `>= 0`) and [`max_pool2d`](super::max_pool2d) (the first maximum
-//! of a window wins).
+//! of a window wins), up to rounding: the direct kernels sum in another order
+//! (`tests/kernels.rs` checks within 1e-5; exact on small integers, so ties stay ties).
 
 use super::conv_kernel::{f32_slice, with_f32, Geometry};
 use super::kernels::{block, block_mut, col2im, matmul, matmul_nt, sum_partials, threads, Mat};
