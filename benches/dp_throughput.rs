@@ -13,6 +13,10 @@
 //! CPU replicas (which share the machine's cores). With `--plot FILE.svg`, also draws images/s
 //! against the replica count, one line per batch size beside its ideal linear line (our
 //! kernels' where both were measured). Reports; asserts nothing.
+//!
+//! Against PyTorch: `python3 scripts/torch_net_bench.py --rust <this binary> --repeats 5` runs
+//! this bench (one CPU replica, our kernels) and PyTorch's twin of the step in turns and prints
+//! the medians side by side.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};

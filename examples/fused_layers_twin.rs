@@ -8,12 +8,15 @@
 //! Each case in IN.npz is a group of arrays named `CASE.NAME`: `CASE.x` and the layer's other
 //! inputs (`w` and `b` for the norms, `cos` and `sin` for rope), and `CASE.g`, the gradient of
 //! the output. The layer is the case name up to its first `-` (`layer_norm`, `rms_norm`,
-//! `softmax_last_dim`, `rope`, `rope_i`, `rope_thd`). OUT.npz holds `CASE.y` and `CASE.d_NAME`
-//! for each input: the gradient of `sum(y * g)`.
+//! `softmax_last_dim`, `rope`, `rope_i`, `rope_thd`, and the CIFAR Net's fused blocks:
+//! `conv_relu_pool`, a 2-D convolution with its ReLU and 2x2 max-pooling, and `linear_relu` and
+//! `linear`, with `w` and `b`). OUT.npz holds `CASE.y` and `CASE.d_NAME` for each input: the
+//! gradient of `sum(y * g)`.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Tensor, Var};
-use candle_parallel::nn::{ops, rotary_emb};
+use candle_nn::Linear;
+use candle_parallel::nn::{self, ops, rotary_emb};
 use std::collections::BTreeMap;
 
 const EPS: f32 = 1e-5;
@@ -41,6 +44,7 @@ fn main() -> Result<()> {
             "rms_norm" => &["x", "w"],
             "softmax_last_dim" => &["x"],
             "rope" | "rope_i" | "rope_thd" => &["x", "cos", "sin"],
+            "conv_relu_pool" | "linear_relu" | "linear" => &["x", "w", "b"],
             other => bail!("case {case}: unknown layer {other}"),
         };
         let vars: Vec<Var> = inputs
@@ -59,6 +63,12 @@ fn main() -> Result<()> {
             "softmax_last_dim" => ops::softmax_last_dim(v[0])?,
             "rope" => rotary_emb::rope(v[0], v[1], v[2])?,
             "rope_i" => rotary_emb::rope_i(v[0], v[1], v[2])?,
+            "conv_relu_pool" => {
+                let conv = nn::Conv2d::new(v[1].clone(), Some(v[2].clone()), Default::default());
+                conv.forward_relu_max_pool2d(v[0], 2)?
+            }
+            "linear_relu" => nn::linear_relu(v[0], &Linear::new(v[1].clone(), Some(v[2].clone())))?,
+            "linear" => nn::linear(v[0], &Linear::new(v[1].clone(), Some(v[2].clone())))?,
             _ => rotary_emb::rope_thd(v[0], v[1], v[2])?,
         };
         let g = arrays

@@ -53,6 +53,17 @@ def cases(rng):
             angles = randn(*table)
             out.append((f"{kind}-{i}", dict(x=randn(*dims), cos=np.cos(angles),
                                             sin=np.sin(angles), g=randn(*dims))))
+    # The CIFAR Net's fused blocks: its two convolutions with ReLU and 2x2 max-pooling (and an
+    # odd-sized one), its linear layers with and without ReLU (and an odd-sized one).
+    for i, (x, w) in enumerate([((2, 3, 32, 32), (6, 3, 5, 5)), ((3, 6, 14, 14), (16, 6, 5, 5)),
+                                ((2, 2, 9, 11), (5, 2, 3, 3))]):
+        y = (x[0], w[0], (x[2] - w[2] + 1) // 2, (x[3] - w[3] + 1) // 2)
+        out.append((f"conv_relu_pool-{i}", dict(x=randn(*x), w=randn(*w) * 0.3, b=randn(w[0]),
+                                                g=randn(*y))))
+    for i, (layer, n, k, o) in enumerate([("linear_relu", 128, 400, 120),
+                                          ("linear_relu", 7, 13, 5), ("linear", 3, 84, 10)]):
+        out.append((f"{layer}-{i}", dict(x=randn(n, k), w=randn(o, k) * 0.1, b=randn(o),
+                                         g=randn(n, o))))
     return out
 
 
@@ -76,7 +87,9 @@ def rope(kind, x, cos, sin):
 def torch_case(name, arrays):
     """PyTorch's output and the gradients of every input of sum(y * g)."""
     layer = name.split("-")[0]
-    names = {"layer_norm": ["x", "w", "b"], "rms_norm": ["x", "w"], "softmax_last_dim": ["x"]}
+    names = {"layer_norm": ["x", "w", "b"], "rms_norm": ["x", "w"], "softmax_last_dim": ["x"],
+             "conv_relu_pool": ["x", "w", "b"], "linear_relu": ["x", "w", "b"],
+             "linear": ["x", "w", "b"]}
     names = names.get(layer, ["x", "cos", "sin"])
     t = {n: torch.tensor(arrays[n], requires_grad=True) for n in names}
     x = t["x"]
@@ -86,6 +99,12 @@ def torch_case(name, arrays):
         y = F.rms_norm(x, (x.shape[-1],), t["w"], EPS)
     elif layer == "softmax_last_dim":
         y = F.softmax(x, dim=-1)
+    elif layer == "conv_relu_pool":
+        y = F.max_pool2d(F.relu(F.conv2d(x, t["w"], t["b"])), 2)
+    elif layer == "linear_relu":
+        y = F.relu(F.linear(x, t["w"], t["b"]))
+    elif layer == "linear":
+        y = F.linear(x, t["w"], t["b"])
     else:
         y = rope(layer, x, t["cos"], t["sin"])
     (y * torch.tensor(arrays["g"])).sum().backward()

@@ -5,12 +5,23 @@ The PyTorch side of candle-parallel's dp_throughput comparison (same Net, SGD lr
 
     python3 torch_net_bench.py --batches 128,512 --steps 50 [--device cpu]
 
+With --rust, the two side by side on the CPU, one process with --threads threads each (2 by
+default): --repeats rounds, each running candle-parallel's dp_throughput binary then PyTorch at
+every batch size, interleaved so that both meet the same load on a shared machine; prints every
+round, then the medians and their ratio:
+
+    cargo bench --bench dp_throughput --no-run   # prints the binary's path
+    python3 scripts/torch_net_bench.py --rust target/release/deps/dp_throughput-HASH --repeats 5
+
 With --phases it prints instead what benches/net_phases.rs prints for candle-parallel, measured
 the same way: the median time of forward with the loss, backward, the SGD update and the step
 (CUDA events on a GPU, beside the host's time to issue the calls), then each layer alone on an
 input of the shape it sees in the Net: its forward, and the backward of sum(layer(x) * g).
 """
 import argparse
+import os
+import re
+import subprocess
 import time
 
 import torch
@@ -121,19 +132,22 @@ def layers(device, batch):
     net = Net().to(device)
     y = torch.arange(batch, device=device) % 10
     b = batch
+    # The rows of benches/net_phases.rs: its Net runs each convolution, ReLU and max-pooling
+    # as one op ("block"; here the three torch ops), and each hidden linear layer with its
+    # ReLU; then a block's three ops apart (not in the sum).
     return [
-        ("conv1", (b, 3, 32, 32), False, net.conv1),
-        ("relu", (b, 6, 28, 28), True, F.relu),
-        ("max_pool", (b, 6, 28, 28), True, net.pool),
-        ("conv2", (b, 6, 14, 14), True, net.conv2),
-        ("relu", (b, 16, 10, 10), True, F.relu),
-        ("max_pool", (b, 16, 10, 10), True, net.pool),
-        ("fc1", (b, 400), True, net.fc1),
-        ("relu", (b, 120), True, F.relu),
-        ("fc2", (b, 120), True, net.fc2),
-        ("relu", (b, 84), True, F.relu),
+        ("conv1 block", (b, 3, 32, 32), False, lambda t: net.pool(F.relu(net.conv1(t)))),
+        ("conv2 block", (b, 6, 14, 14), True, lambda t: net.pool(F.relu(net.conv2(t)))),
+        ("fc1 + relu", (b, 400), True, lambda t: F.relu(net.fc1(t))),
+        ("fc2 + relu", (b, 120), True, lambda t: F.relu(net.fc2(t))),
         ("fc3", (b, 84), True, net.fc3),
         ("cross_entropy", (b, 10), True, lambda t: F.cross_entropy(t, y)),
+        ("(conv1)", (b, 3, 32, 32), False, net.conv1),
+        ("(relu)", (b, 6, 28, 28), True, F.relu),
+        ("(max_pool)", (b, 6, 28, 28), True, net.pool),
+        ("(conv2)", (b, 6, 14, 14), True, net.conv2),
+        ("(relu)", (b, 16, 10, 10), True, F.relu),
+        ("(max_pool)", (b, 16, 10, 10), True, net.pool),
     ]
 
 
@@ -169,12 +183,50 @@ def print_phases(device, batches, steps):
             print(f"{name:<20} {gpu:>22.3f} {f'{h:.3f}' if cuda else '':>10}")
         print(f"{'layer':<14} {'input':<18} {'forward ms':>12} {'backward ms':>12}")
         total_f = total_b = 0.0
+        summed = False
         for name, shape, needs_grad, layer in layers(device, b):
+            apart = name.startswith("(")
+            if apart and not summed:
+                print(f"{'sum':<14} {'':<18} {total_f:>12.3f} {total_b:>12.3f}")
+                print("the blocks' ops apart:")
+                summed = True
             f, bw = layer_times(device, shape, needs_grad, layer, steps)
-            total_f += f
-            total_b += bw
+            if not apart:
+                total_f += f
+                total_b += bw
             print(f"{name:<14} {str(list(shape)):<18} {f:>12.3f} {bw:>12.3f}")
-        print(f"{'sum':<14} {'':<18} {total_f:>12.3f} {total_b:>12.3f}")
+
+
+def ours_rate(a, batch):
+    """Images/s of candle-parallel's dp_throughput binary: one CPU replica, our kernels."""
+    cmd = [a.rust, "--kernels", "ours", "--devices", "1", "--cpu", "--batches", str(batch),
+           "--steps", str(a.steps), "--warmup", str(a.warmup)]
+    env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
+    found = re.search(rf"^\s*{batch}\s+ours\s+1\s+([0-9.]+)", out.stdout, re.MULTILINE)
+    if not found:
+        raise RuntimeError(f"no images/s line from {cmd}:\n{out.stdout}\n{out.stderr}")
+    return float(found.group(1))
+
+
+def side_by_side(a, batches):
+    torch.set_num_threads(a.threads)
+    device = torch.device("cpu")
+    print(f"CIFAR-10 Net training images/s, one process with {a.threads} threads each, "
+          f"{a.steps} steps after {a.warmup}; PyTorch {torch.__version__}")
+    print(f"{'round':>5} {'batch':>6} {'candle-parallel':>16} {'PyTorch':>10} {'ratio':>7}")
+    runs = {b: ([], []) for b in batches}
+    for round_ in range(1, a.repeats + 1):
+        for b in batches:
+            ours = ours_rate(a, b)
+            theirs = rate(device, b, a.steps, a.warmup)
+            runs[b][0].append(ours)
+            runs[b][1].append(theirs)
+            print(f"{round_:>5} {b:>6} {ours:>16.0f} {theirs:>10.0f} {ours / theirs:>6.2f}x")
+    print(f"medians of {a.repeats} rounds")
+    for b in batches:
+        ours, theirs = median(runs[b][0]), median(runs[b][1])
+        print(f"{'':>5} {b:>6} {ours:>16.0f} {theirs:>10.0f} {ours / theirs:>6.2f}x")
 
 
 def main():
@@ -185,7 +237,14 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--phases", action="store_true",
                    help="time the phases of a step and each layer, as benches/net_phases.rs")
+    p.add_argument("--rust", metavar="EXE",
+                   help="the dp_throughput bench binary: candle-parallel and PyTorch side by side")
+    p.add_argument("--threads", type=int, default=2, help="threads of each, with --rust")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds, with --rust")
     a = p.parse_args()
+    if a.rust:
+        side_by_side(a, [int(v) for v in a.batches.split(",")])
+        return
     device = torch.device(a.device)
     if a.phases:
         print_phases(device, [int(v) for v in a.batches.split(",")], a.steps)

@@ -422,3 +422,249 @@ fn candle_kernels_can_be_chosen_for_the_whole_process() {
     assert_eq!(conv.unwrap().dims(), [1, 3, 2, 2]);
     assert!(nn::own_cpu_kernels());
 }
+
+/// Values in {-1, 0, 1}: convolutions of these give exact zeros and ties.
+fn small_integers(shape: &[usize], seed: u64) -> Tensor {
+    let mut rng = Rng::new(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| (rng.normal() * 1.5).round().clamp(-1.0, 1.0) as f32)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn the_fused_conv_relu_pool_block_equals_the_three_ops_with_gradients() {
+    let _serial = kernels_lock();
+    use candle_core::Module;
+    // (case, pooling kernel, input needs a gradient, integer values, bias shift)
+    let cases = [
+        (CASES[0], 2, false, false, 0.0), // the Net's first block: the images need no gradient
+        (CASES[1], 2, true, false, 0.0),  // its second
+        (
+            case(3, 3, (9, 11), 5, 3, (0, 1, 1, 1)),
+            2,
+            true,
+            false,
+            -0.5,
+        ), // odd sizes: 7x9
+        (
+            case(2, 4, (11, 10), 6, 3, (2, 2, 1, 2)),
+            3,
+            true,
+            false,
+            0.3,
+        ), // stride, groups
+        (case(5, 2, (8, 8), 3, 3, (1, 1, 1, 1)), 2, true, true, 0.0), // exact ties and zeros
+        (case(1, 2, (6, 6), 2, 3, (0, 1, 1, 1)), 2, true, false, -9.0), // the ReLU stops all
+        (case(2, 4, (9, 8), 6, 3, (0, 1, 1, 2)), 2, true, false, 0.1), // groups, read directly
+        (case(3, 3, (12, 13), 7, 5, (0, 1, 1, 1)), 2, true, true, 0.0), // ties, read directly
+    ];
+    for (i, &(c, kernel, input_grad, integers, shift)) in cases.iter().enumerate() {
+        let seed = 700 + 10 * i as u64;
+        let make = |shape: &[usize], s: u64| {
+            if integers {
+                small_integers(shape, s)
+            } else {
+                random(shape, s)
+            }
+        };
+        let x = Var::from_tensor(&make(&[c.n, c.c_in, c.h, c.w], seed)).unwrap();
+        let w = Var::from_tensor(&make(&[c.c_out, c.c_in / c.groups, c.k, c.k], seed + 1)).unwrap();
+        let b = Var::from_tensor(&(make(&[c.c_out], seed + 2) + shift).unwrap()).unwrap();
+        let conv = nn::Conv2d::new(
+            w.as_tensor().clone(),
+            Some(b.as_tensor().clone()),
+            c.config(),
+        );
+        let input = if input_grad {
+            x.as_tensor().clone()
+        } else {
+            x.as_tensor().detach()
+        };
+        let fused = conv.forward_relu_max_pool2d(&input, kernel).unwrap();
+        let apart = nn::max_pool2d(&conv.forward(&input).unwrap().relu().unwrap(), kernel).unwrap();
+        assert_eq!(fused.dims(), apart.dims(), "{c:?}");
+        // Sums in another order (the fused op reads the image directly where it can); exact
+        // with small integers, so that ties are ties in both.
+        let tolerance = if integers { 0.0 } else { 1e-5 };
+        assert!(rel_diff(&fused, &apart) <= tolerance, "{c:?}: output");
+        let tolerance = 1e-5; // the loss weights are not integers
+        let weights = random(fused.dims(), seed + 3);
+        let grads = |y: &Tensor| {
+            (y * &weights)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap()
+        };
+        let (gf, ga) = (grads(&fused), grads(&apart));
+        for (name, v) in [("weight", &w), ("bias", &b)] {
+            let (f, a) = (
+                gf.get(v.as_tensor()).unwrap(),
+                ga.get(v.as_tensor()).unwrap(),
+            );
+            assert!(rel_diff(f, a) <= tolerance, "{c:?}: {name} gradient");
+        }
+        if input_grad {
+            let (f, a) = (
+                gf.get(x.as_tensor()).unwrap(),
+                ga.get(x.as_tensor()).unwrap(),
+            );
+            assert!(rel_diff(f, a) <= tolerance, "{c:?}: input gradient");
+        } else {
+            assert!(gf.get(x.as_tensor()).is_none());
+        }
+        if shift < -5.0 {
+            // Nothing passes the ReLU: no gradient reaches the weights.
+            assert_eq!(max_abs(gf.get(w.as_tensor()).unwrap()), 0.0);
+        }
+    }
+    // Off our kernels (as on a GPU) the method composes the three ops.
+    nn::use_own_cpu_kernels(false);
+    let c = CASES[1];
+    let conv = nn::Conv2d::new(
+        random(&[16, 6, 5, 5], 1),
+        Some(random(&[16], 2)),
+        c.config(),
+    );
+    let x = random(&[2, 6, 14, 14], 3);
+    let fallback = conv.forward_relu_max_pool2d(&x, 2);
+    nn::use_own_cpu_kernels(true);
+    let fused = conv.forward_relu_max_pool2d(&x, 2).unwrap();
+    assert!(rel_diff(&fallback.unwrap(), &fused) <= 1e-5);
+}
+
+/// The CIFAR Net as it was written before its blocks were fused: convolution, ReLU and
+/// max-pooling as three ops, then the linear layers, over the variables of `varmap`.
+fn unfused_net(varmap: &candle_nn::VarMap, x: &Tensor) -> candle_core::Result<Tensor> {
+    use candle_core::Module;
+    let vars = varmap.data().lock().unwrap();
+    let var = |name: &str| vars[name].as_tensor().clone();
+    let conv = |name: &str| {
+        let bias = var(&format!("{name}.bias"));
+        nn::Conv2d::new(
+            var(&format!("{name}.weight")),
+            Some(bias),
+            Default::default(),
+        )
+    };
+    let fc = |name: &str| {
+        let bias = var(&format!("{name}.bias"));
+        candle_nn::Linear::new(var(&format!("{name}.weight")), Some(bias))
+    };
+    let x = nn::max_pool2d(&conv("conv1").forward(x)?.relu()?, 2)?;
+    nn::max_pool2d(&conv("conv2").forward(&x)?.relu()?, 2)?
+        .flatten_from(1)?
+        .apply(&fc("fc1"))?
+        .relu()?
+        .apply(&fc("fc2"))?
+        .relu()?
+        .apply(&fc("fc3"))
+}
+
+#[test]
+fn the_net_trains_as_with_the_unfused_blocks() {
+    let _serial = kernels_lock();
+    use candle_core::Module;
+    use candle_nn::{loss, Optimizer, VarMap};
+    use candle_parallel::optim::{Sgd, SgdConfig};
+    let seeded = || {
+        let varmap = VarMap::new();
+        let vb = candle_parallel::init::seeded_var_builder(&varmap, 0, DType::F32, &Device::Cpu);
+        let net = candle_parallel::cifar::Net::new(vb).unwrap();
+        let config = SgdConfig {
+            lr: 0.01,
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let opt = Sgd::new(varmap.all_vars(), config).unwrap();
+        (varmap, net, opt)
+    };
+    let (fused_vars, net, mut fused_opt) = seeded();
+    let (plain_vars, _, mut plain_opt) = seeded();
+    let labels: Vec<u32> = (0..12).map(|i| i % 10).collect();
+    let y = Tensor::from_vec(labels, 12, &Device::Cpu).unwrap();
+    for step in 0..4 {
+        let x = random(&[12, 3, 32, 32], 900 + step);
+        let fused = loss::cross_entropy(&net.forward(&x).unwrap(), &y).unwrap();
+        let plain = loss::cross_entropy(&unfused_net(&plain_vars, &x).unwrap(), &y).unwrap();
+        let (a, b) = (
+            fused.to_scalar::<f32>().unwrap(),
+            plain.to_scalar::<f32>().unwrap(),
+        );
+        assert!((a - b).abs() <= 1e-6, "step {step}: loss {a} against {b}");
+        fused_opt.backward_step(&fused).unwrap();
+        plain_opt.backward_step(&plain).unwrap();
+    }
+    let (fused, plain) = (
+        fused_vars.data().lock().unwrap(),
+        plain_vars.data().lock().unwrap(),
+    );
+    for (name, v) in fused.iter() {
+        let diff = max_abs_diff(v.as_tensor(), plain[name].as_tensor());
+        assert!(diff <= 1e-6, "{name} differs by {diff} after 4 steps");
+    }
+}
+
+#[test]
+fn the_fused_linear_layer_equals_candle_nn_linear_and_relu_with_gradients() {
+    let _serial = kernels_lock();
+    use candle_core::Module;
+    // (batch, inputs, outputs, ReLU, the input needs a gradient)
+    let cases = [
+        (7, 13, 5, true, true),
+        (7, 13, 5, false, true),
+        (128, 400, 120, true, true), // the Net's fc1
+        (3, 84, 10, false, false),   // its fc3 on a leaf input
+        (1, 1, 1, true, true),
+        (0, 4, 3, true, true), // an empty batch
+    ];
+    for (i, &(n, k, o, relu, input_grad)) in cases.iter().enumerate() {
+        let seed = 1000 + 10 * i as u64;
+        let x = Var::from_tensor(&random(&[n, k], seed)).unwrap();
+        let w = Var::from_tensor(&random(&[o, k], seed + 1)).unwrap();
+        let b = Var::from_tensor(&random(&[o], seed + 2)).unwrap();
+        let layer = candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
+        let input = if input_grad {
+            x.as_tensor().clone()
+        } else {
+            x.as_tensor().detach()
+        };
+        let (fused, apart) = if relu {
+            let apart = layer.forward(&input).unwrap().relu().unwrap();
+            (nn::linear_relu(&input, &layer).unwrap(), apart)
+        } else {
+            (
+                nn::linear(&input, &layer).unwrap(),
+                layer.forward(&input).unwrap(),
+            )
+        };
+        assert_eq!(fused.dims(), [n, o]);
+        if n == 0 {
+            let g = fused.sum_all().unwrap().backward().unwrap();
+            assert_eq!(max_abs(g.get(w.as_tensor()).unwrap()), 0.0);
+            continue;
+        }
+        let case = format!("{n}x{k} -> {o}, relu {relu}");
+        assert!(rel_diff(&fused, &apart) <= 1e-5, "{case}: output");
+        let weights = random(&[n, o], seed + 3);
+        let grads = |y: &Tensor| {
+            (y * &weights)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap()
+        };
+        let (gf, ga) = (grads(&fused), grads(&apart));
+        for (name, v) in [("weight", &w), ("bias", &b), ("input", &x)] {
+            match (gf.get(v.as_tensor()), ga.get(v.as_tensor())) {
+                (Some(f), Some(a)) => assert!(rel_diff(f, a) <= 1e-5, "{case}: {name} gradient"),
+                (None, None) => assert!(name == "input" && !input_grad, "{case}: {name}"),
+                _ => panic!("{case}: the {name} gradient is in one store only"),
+            }
+        }
+    }
+}

@@ -7,8 +7,9 @@ use candle_nn::{Conv2dConfig, Init, Linear, ModuleT, VarBuilder};
 /// The CIFAR-10 tutorial's CNN: conv 3→6 (5×5), max-pool 2, conv 6→16 (5×5), max-pool 2,
 /// fc 400→120, fc 120→84, fc 84→10, with ReLU after each layer but the last.
 ///
-/// The convolutions and max-pools are [`nn::Conv2d`] and [`nn::max_pool2d`]: our CPU training
-/// kernels for f32 on the CPU, candle's elsewhere.
+/// Each convolution runs with its ReLU and max-pooling as one op
+/// ([`nn::Conv2d::forward_relu_max_pool2d`]) and each linear layer with its ReLU
+/// ([`nn::linear_relu`]): our CPU training kernels for f32 on the CPU, candle's ops elsewhere.
 ///
 /// Variables are named `conv1`, `conv2`, `fc1`, `fc2`, `fc3` (each with `weight` and `bias`) and
 /// initialised as PyTorch initialises `Conv2d` and `Linear`: uniform in `±1/sqrt(fan_in)`. A
@@ -62,14 +63,10 @@ impl Net {
 impl Module for Net {
     /// Images `(B, 3, 32, 32)` to logits `(B, 10)`.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let x = max_pool2d(&xs.apply(&self.conv1)?.relu()?, 2)?;
-        max_pool2d(&x.apply(&self.conv2)?.relu()?, 2)?
-            .flatten_from(1)?
-            .apply(&self.fc1)?
-            .relu()?
-            .apply(&self.fc2)?
-            .relu()?
-            .apply(&self.fc3)
+        let x = self.conv1.forward_relu_max_pool2d(xs, 2)?;
+        let x = self.conv2.forward_relu_max_pool2d(&x, 2)?.flatten_from(1)?;
+        let x = nn::linear_relu(&x, &self.fc1)?;
+        nn::linear(&nn::linear_relu(&x, &self.fc2)?, &self.fc3)
     }
 }
 

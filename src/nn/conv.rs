@@ -69,6 +69,47 @@ impl Conv2d {
     pub fn config(&self) -> &Conv2dConfig {
         &self.config
     }
+
+    /// `max_pool2d(relu(self.forward(x)), kernel)`: the convolution, a ReLU and a max-pooling
+    /// over `kernel`-sized windows with stride `kernel`, as the CIFAR Net's blocks are.
+    ///
+    /// For f32 tensors on the CPU (with our kernels on, and a bias) this is one op: each image
+    /// is convolved, rectified and pooled while its output is in the cache. The numbers are
+    /// those of the three ops apart (which run elsewhere: candle's convolution and ReLU,
+    /// [`max_pool2d`]) up to rounding: the sums run in another order.
+    ///
+    /// ```rust
+    /// use candle_core::{DType, Device, Module, Tensor};
+    /// use candle_nn::{Conv2dConfig, VarBuilder, VarMap};
+    /// use candle_parallel::nn;
+    /// # fn main() -> candle_core::Result<()> {
+    /// let varmap = VarMap::new();
+    /// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    /// let conv = nn::conv2d(3, 6, 5, Conv2dConfig::default(), vb.pp("conv1"))?;
+    /// let x = Tensor::randn(0f32, 1.0, (2, 3, 32, 32), &Device::Cpu)?;
+    /// let y = conv.forward_relu_max_pool2d(&x, 2)?;
+    /// assert_eq!(y.dims(), [2, 6, 14, 14]);
+    /// let apart = nn::max_pool2d(&conv.forward(&x)?.relu()?, 2)?;
+    /// assert!((y - apart)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-4);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// [`max_pool2d`]: super::max_pool2d
+    pub fn forward_relu_max_pool2d(&self, x: &Tensor, kernel: usize) -> Result<Tensor> {
+        match &self.bias {
+            Some(b) if ours(&[x, &self.weight, b]) && x.rank() == 4 && self.weight.rank() == 4 => {
+                super::conv_relu_pool::conv2d_relu_max_pool2d(
+                    x,
+                    &self.weight,
+                    b,
+                    &self.config,
+                    kernel,
+                    kernel,
+                )
+            }
+            _ => super::max_pool2d(&self.forward(x)?.relu()?, kernel),
+        }
+    }
 }
 
 /// A convolution layer with candle-nn's variables (`weight`, `bias`) and initialisation.

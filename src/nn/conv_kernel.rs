@@ -3,7 +3,7 @@
 //! matrix products, with the batch split over candle's thread pool.
 
 use super::kernels::{block, block_mut, col2im, for_each_chunk, im2col, map_chunks, matmul};
-use super::kernels::{sum_partials, Mat, Window};
+use super::kernels::{matmul_nt, sum_partials, Mat, Window};
 use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
 use candle_nn::Conv2dConfig;
 
@@ -35,24 +35,25 @@ pub(super) fn conv2d(
 
 /// The sizes of one convolution.
 #[derive(Clone, Copy, Debug)]
-struct Geometry {
-    n: usize,
-    c_in: usize,
-    h: usize,
-    w: usize,
-    c_out: usize,
-    k_h: usize,
-    k_w: usize,
-    h_out: usize,
-    w_out: usize,
-    padding: usize,
-    stride: usize,
-    dilation: usize,
-    groups: usize,
+pub(super) struct Geometry {
+    pub(super) n: usize,
+    pub(super) c_in: usize,
+    pub(super) h: usize,
+    pub(super) w: usize,
+    pub(super) c_out: usize,
+    pub(super) k_h: usize,
+    pub(super) k_w: usize,
+    pub(super) h_out: usize,
+    pub(super) w_out: usize,
+    pub(super) padding: usize,
+    pub(super) stride: usize,
+    pub(super) dilation: usize,
+    pub(super) groups: usize,
 }
 
 impl Geometry {
-    fn new(x: &[usize], w: &[usize], cfg: &Conv2dConfig) -> Result<Self> {
+    /// The geometry of `x` convolved with `w` under `cfg`, checked.
+    pub(super) fn new(x: &[usize], w: &[usize], cfg: &Conv2dConfig) -> Result<Self> {
         let (n, c_in, h, wd) = (x[0], x[1], x[2], x[3]);
         let (c_out, c_in_g, k_h, k_w) = (w[0], w[1], w[2], w[3]);
         let groups = cfg.groups;
@@ -96,35 +97,37 @@ impl Geometry {
     }
 
     /// Input channels of a group.
-    fn c_in_g(&self) -> usize {
+    pub(super) fn c_in_g(&self) -> usize {
         self.c_in / self.groups
     }
 
     /// Output channels of a group.
-    fn c_out_g(&self) -> usize {
+    pub(super) fn c_out_g(&self) -> usize {
         self.c_out / self.groups
     }
 
     /// Rows of a group's patch matrix: input channels × kernel positions.
-    fn patch(&self) -> usize {
+    pub(super) fn patch(&self) -> usize {
         self.c_in_g() * self.k_h * self.k_w
     }
 
     /// Output positions of an image.
-    fn positions(&self) -> usize {
+    pub(super) fn positions(&self) -> usize {
         self.h_out * self.w_out
     }
 
-    fn image_len(&self) -> usize {
+    /// Values of one input image.
+    pub(super) fn image_len(&self) -> usize {
         self.c_in * self.h * self.w
     }
 
-    fn out_len(&self) -> usize {
+    /// Values of one output image.
+    pub(super) fn out_len(&self) -> usize {
         self.c_out * self.positions()
     }
 
     /// Lays out group `g` of `image` as patch columns in `cols`.
-    fn im2col(&self, image: &[f32], g: usize, cols: &mut [f32]) {
+    pub(super) fn im2col(&self, image: &[f32], g: usize, cols: &mut [f32]) {
         let plane = self.h * self.w;
         let channels = block(image, g, self.c_in_g() * plane);
         im2col(channels, self.c_in_g(), self, cols);
@@ -157,7 +160,7 @@ struct Conv2dOp {
     geometry: Geometry,
 }
 
-fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+pub(super) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
         _ => candle_core::bail!("conv2d: the {what} must be a contiguous f32 tensor"),
@@ -165,7 +168,7 @@ fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]>
 }
 
 /// A tensor's f32 values (contiguous, on the CPU) for the duration of `f`.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+pub(super) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
@@ -327,12 +330,8 @@ impl Conv2dOp {
                         for grp in 0..g.groups {
                             g.im2col(image, grp, &mut cols);
                             let dy_g = block(dy_i, grp, g.c_out_g() * g.positions());
-                            matmul(
-                                Mat::rows(block_mut(&mut acc, grp, per_group), g.patch()),
-                                Mat::rows_of(dy_g, g.positions()),
-                                Mat::transposed(&cols, g.positions()),
-                                true,
-                            );
+                            let acc_g = block_mut(&mut acc, grp, per_group);
+                            matmul_nt(acc_g, dy_g, &cols, g.positions());
                         }
                     }
                     acc

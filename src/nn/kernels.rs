@@ -45,7 +45,7 @@ pub(super) trait Window {
 }
 
 /// Block `i` of `len` values in `data` (an image of a batch, a group of channels or weights).
-pub(super) fn block(data: &[f32], i: usize, len: usize) -> &[f32] {
+pub(super) fn block<T>(data: &[T], i: usize, len: usize) -> &[T] {
     &data[i * len..(i + 1) * len]
 }
 
@@ -110,6 +110,23 @@ impl<'a> Mat<&'a mut [f32]> {
             cs: 1,
         }
     }
+}
+
+/// `dst += a . bᵀ` for row-major `a` (`m x k`), `b` (`n x k`) and `dst` (`m x n`): a
+/// convolution's weight gradient, many long dot products; a kernel of our own where the CPU has
+/// AVX2 and FMA ([`simd`](super::simd)), else `gemm`.
+pub(super) fn matmul_nt(dst: &mut [f32], a: &[f32], b: &[f32], k: usize) {
+    let n = b.len() / k.max(1);
+    let b_rows: Vec<usize> = (0..n).map(|j| j * k).collect();
+    if k == 0 || super::simd::dots(dst, a, b, &b_rows, k) {
+        return;
+    }
+    matmul(
+        Mat::rows(dst, n),
+        Mat::rows_of(a, k),
+        Mat::transposed(b, k),
+        true,
+    );
 }
 
 /// `dst = a . b`, or `dst += a . b` when `accumulate`.
@@ -284,8 +301,15 @@ pub(super) fn col2im(cols: &[f32], c: usize, win: &impl Window, channels: &mut [
                     };
                     let dst = &mut plane[ih * w..(ih + 1) * w];
                     let values = &src[oh * wo + lo..oh * wo + hi];
-                    for (x, &v) in dst[first..].iter_mut().step_by(s).zip(values) {
-                        *x += v;
+                    if s == 1 {
+                        let dst = &mut dst[first..first + values.len()];
+                        for (x, &v) in dst.iter_mut().zip(values) {
+                            *x += v;
+                        }
+                    } else {
+                        for (x, &v) in dst[first..].iter_mut().step_by(s).zip(values) {
+                            *x += v;
+                        }
                     }
                 }
             }

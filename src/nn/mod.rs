@@ -40,20 +40,24 @@
 
 mod conv;
 mod conv_kernel;
+mod conv_relu_pool;
 #[cfg(feature = "cuda")]
 mod fused_cuda;
 mod kernels;
 mod layer_norm;
+mod linear;
 pub mod ops;
 mod pool;
 pub mod rotary_emb;
 mod rows;
+mod simd;
 mod sync_batch_norm;
 
 pub use candle_nn::LayerNormConfig;
 pub use conv::{conv2d, conv2d_forward, Conv2d};
 pub use kernels::{own_cpu_kernels, use_own_cpu_kernels};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
+pub use linear::{linear, linear_relu};
 pub use pool::{max_pool2d, max_pool2d_with_stride};
 pub use sync_batch_norm::{finish_backward, sync_batch_norm, SyncBatchNorm};
 
