@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use candle_parallel::cifar::{self, Net};
 use candle_parallel::DataParallel;
+use common::test_lines;
 use std::process::Command;
 use std::time::Duration;
 
@@ -122,17 +123,7 @@ fn a_cifar_dp_checkpoint_loads_into_a_plain_net_with_the_same_predictions() {
     .arg(&path);
     let out = common::run_ok(cmd, Duration::from_secs(300));
     assert!(out.contains("Let's use 2 devices!"), "{out}");
-    let line = out
-        .lines()
-        .rev()
-        .find(|l| l.starts_with("Test set: Average loss: "))
-        .unwrap_or_else(|| panic!("no test line in:\n{out}"));
-    let reported: usize = line
-        .split("Accuracy: ")
-        .nth(1)
-        .and_then(|s| s.split('/').next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("cannot parse {line:?}"));
+    let (_, reported, _) = test_lines(&out);
 
     // A plain Net loads the checkpoint: same variable names, no `module.` prefix.
     let vb =
@@ -145,7 +136,7 @@ fn a_cifar_dp_checkpoint_loads_into_a_plain_net_with_the_same_predictions() {
     let correct = count_correct(&logits, &y);
     assert_eq!(
         correct, reported,
-        "the plain Net's accuracy differs from the run's: {line}"
+        "the plain Net's accuracy differs from the run's:\n{out}"
     );
 
     // The same checkpoint under DataParallel gives the same logits.
@@ -156,30 +147,6 @@ fn a_cifar_dp_checkpoint_loads_into_a_plain_net_with_the_same_predictions() {
     let diff = common::max_abs_diff(&dp_logits, &logits);
     assert!(diff <= 1e-6, "logits differ by {diff}");
     std::fs::remove_dir_all(dir).unwrap();
-}
-
-/// The last `Test set` line of `out`, as (average loss, correct), and how many there were.
-fn test_lines(out: &str) -> (f64, usize, usize) {
-    let lines: Vec<&str> = out
-        .lines()
-        .filter(|l| l.starts_with("Test set: Average loss: "))
-        .collect();
-    let line = lines
-        .last()
-        .unwrap_or_else(|| panic!("no test line in:\n{out}"));
-    let loss: f64 = line
-        .trim_start_matches("Test set: Average loss: ")
-        .split(',')
-        .next()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("cannot parse {line:?}"));
-    let correct: usize = line
-        .split("Accuracy: ")
-        .nth(1)
-        .and_then(|s| s.split('/').next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("cannot parse {line:?}"));
-    (loss, correct, lines.len())
 }
 
 #[test]
@@ -213,10 +180,7 @@ fn cifar_ddp_on_2_processes_learns_like_cifar_dp_on_the_same_global_batch() {
     let mut cmd = Command::new(common::example("cifar_dp"));
     cmd.args(["--cpu", "--epochs", "1", "--batch-size", "128"]);
     let (dp_loss, dp_correct, _) = test_lines(&common::run_ok(cmd, Duration::from_secs(300)));
-    assert!(
-        (loss - dp_loss).abs() < 1e-2 && correct.abs_diff(dp_correct) <= 10,
-        "DDP: {loss} and {correct}; DataParallel: {dp_loss} and {dp_correct}"
-    );
+    common::assert_learns_alike((loss, correct), (dp_loss, dp_correct), &out);
 
     // Rank 0's checkpoint loads into a plain Net, which gets the accuracy the run reported
     // over its sharded test set: every test image counted once.

@@ -78,6 +78,35 @@ pub fn run_ok(cmd: Command, limit: Duration) -> String {
     String::from_utf8(out.stdout).expect("utf-8 output")
 }
 
+/// The `Test set` lines a CIFAR example printed (rank 0's, behind a launcher's `[rank0]: ` or
+/// not): the last one's average loss and correct count, and how many there were.
+pub fn test_lines(out: &str) -> (f64, usize, usize) {
+    let lines: Vec<&str> = out
+        .lines()
+        .filter_map(|l| l.split_once("Test set: Average loss: ").map(|(_, t)| t))
+        .collect();
+    let line = lines
+        .last()
+        .unwrap_or_else(|| panic!("no test line in:\n{out}"));
+    let parsed = line.split_once(", Accuracy: ").and_then(|(loss, rest)| {
+        let correct = rest.split_once('/')?.0;
+        Some((loss.parse().ok()?, correct.parse().ok()?))
+    });
+    let (loss, correct) = parsed.unwrap_or_else(|| panic!("cannot parse {line:?}"));
+    (loss, correct, lines.len())
+}
+
+/// Asserts that a DDP run's test line `(loss, correct)` is one process's on the same global
+/// batch: the same steps, the gradient sums in another order, and on data as hard as
+/// CIFAR-10 that rounding moves the loss a little and a test image or two.
+pub fn assert_learns_alike(ddp: (f64, usize), one: (f64, usize), context: &str) {
+    let ((loss, correct), (one_loss, one_correct)) = (ddp, one);
+    assert!(
+        (loss - one_loss).abs() < 1e-2 && correct.abs_diff(one_correct) <= 10,
+        "DDP: {loss} and {correct}; one process: {one_loss} and {one_correct}\n{context}"
+    );
+}
+
 /// A fresh temporary directory for one test.
 pub fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("candle-parallel-{name}-{}", std::process::id()));
