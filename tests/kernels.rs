@@ -2,6 +2,7 @@
 
 mod common;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Conv2dConfig;
 use candle_parallel::nn;
@@ -23,6 +24,16 @@ fn random(shape: &[usize], seed: u64) -> Tensor {
 }
 
 /// The largest difference relative to the largest magnitude (at least 1).
+/// The gradients of `sum(y * weights)`: every input's gradient for the loss weights `weights`.
+fn weighted_grads(y: &Tensor, weights: &Tensor) -> GradStore {
+    (y * weights)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap()
+}
+
 fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims());
     max_abs_diff(a, b) / max_abs(b).max(1.0)
@@ -164,12 +175,7 @@ fn conv2d_matches_candle_and_a_direct_computation_with_its_gradients() {
         let weights = random(candle.dims(), 200 + i as u64);
         let (out, dx, dw) = naive_conv(x.as_tensor(), w.as_tensor(), c, &weights);
         assert!(rel_diff(&ours, &out) <= 1e-4, "{c:?}: output");
-        let g = (&ours * &weights)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let g = weighted_grads(&ours, &weights);
         for (name, v, want) in [("input", &x, &dx), ("weight", &w, &dw)] {
             let d = rel_diff(g.get(v).unwrap(), want);
             assert!(d <= 1e-4, "{c:?}: {name} gradient off by {d}");
@@ -271,12 +277,7 @@ fn max_pool2d_matches_candle_and_a_direct_computation() {
         let want = x.as_tensor().max_pool2d_with_stride(k, s).unwrap();
         assert_eq!(rel_diff(&ours, &want), 0.0, "{shape:?} k {k} s {s}: output");
         let weights = random(want.dims(), 50 + i as u64);
-        let g = (&ours * &weights)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let g = weighted_grads(&ours, &weights);
         let (naive_out, naive_dx) = naive_pool(x.as_tensor(), k, s, &weights);
         assert_eq!(rel_diff(&ours, &naive_out), 0.0);
         assert!(
@@ -295,12 +296,7 @@ fn max_pool2d_matches_candle_and_a_direct_computation() {
             "{shape:?}: f64 output"
         );
         let w64 = weights.to_dtype(DType::F64).unwrap();
-        let g64 = (&y64 * &w64)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let g64 = weighted_grads(&y64, &w64);
         let dx64 = g64.get(&x64).unwrap().to_dtype(DType::F32).unwrap();
         assert!(
             rel_diff(&dx64, &naive_dx) <= 1e-6,
@@ -310,12 +306,7 @@ fn max_pool2d_matches_candle_and_a_direct_computation() {
             // candle 0.11's max-pool backward scales every gradient by 1 / kernel^2 (it
             // multiplies by the average of the max mask instead of dividing by its count):
             // ours, the direct computation's and PyTorch's are that times kernel^2.
-            let gc = (&want * &weights)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
+            let gc = weighted_grads(&want, &weights);
             let scaled = (g.get(&x).unwrap() / (k * k) as f64).unwrap();
             assert!(rel_diff(&scaled, gc.get(&x).unwrap()) <= 1e-6, "{shape:?}");
         }
@@ -342,12 +333,7 @@ fn the_conv2d_layer_matches_candle_nn_with_the_same_variables_and_bias_gradient(
         );
         assert!(rel_diff(&y, &want) <= 1e-4, "{c:?}: output");
         let weights = random(want.dims(), 400 + i as u64);
-        let g = (&y * &weights)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let g = weighted_grads(&y, &weights);
         // The bias gradient: the loss weights summed per output channel.
         let bias = ours.bias().unwrap();
         let db = weights.sum((0, 2, 3)).unwrap();
@@ -491,15 +477,10 @@ fn the_fused_conv_relu_pool_block_equals_the_three_ops_with_gradients() {
         assert!(rel_diff(&fused, &apart) <= tolerance, "{c:?}: output");
         let tolerance = 1e-5; // the loss weights are not integers
         let weights = random(fused.dims(), seed + 3);
-        let grads = |y: &Tensor| {
-            (y * &weights)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap()
-        };
-        let (gf, ga) = (grads(&fused), grads(&apart));
+        let (gf, ga) = (
+            weighted_grads(&fused, &weights),
+            weighted_grads(&apart, &weights),
+        );
         for (name, v) in [("weight", &w), ("bias", &b)] {
             let (f, a) = (
                 gf.get(v.as_tensor()).unwrap(),
@@ -650,15 +631,10 @@ fn the_fused_linear_layer_equals_candle_nn_linear_and_relu_with_gradients() {
         let case = format!("{n}x{k} -> {o}, relu {relu}");
         assert!(rel_diff(&fused, &apart) <= 1e-5, "{case}: output");
         let weights = random(&[n, o], seed + 3);
-        let grads = |y: &Tensor| {
-            (y * &weights)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap()
-        };
-        let (gf, ga) = (grads(&fused), grads(&apart));
+        let (gf, ga) = (
+            weighted_grads(&fused, &weights),
+            weighted_grads(&apart, &weights),
+        );
         for (name, v) in [("weight", &w), ("bias", &b), ("input", &x)] {
             match (gf.get(v.as_tensor()), ga.get(v.as_tensor())) {
                 (Some(f), Some(a)) => assert!(rel_diff(f, a) <= 1e-5, "{case}: {name} gradient"),
