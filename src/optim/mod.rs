@@ -30,6 +30,7 @@
 
 mod adamw;
 mod sgd;
+mod sgd_kernel;
 
 pub use adamw::{AdamW, AdamWConfig};
 pub use sgd::{Sgd, SgdConfig};
