@@ -271,7 +271,6 @@ const SGD: SgdConfig = SgdConfig {
     maximize: false,
 };
 
-/// Times `steps` calls of `step` after `warmup` untimed ones.
 /// Times `steps` calls of `step` after `warmup` untimed ones, until the device has run them.
 fn timed(warmup: usize, steps: usize, mut step: impl FnMut() -> Result<()>) -> Result<Duration> {
     let device = device()?;
