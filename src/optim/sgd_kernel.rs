@@ -11,6 +11,8 @@
 //! check that they do.
 
 use super::SgdConfig;
+use crate::distributed::transport::host_buf::with_bytes;
+use crate::error::Error;
 use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Result, Tensor, Var, WithDType};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -121,21 +123,26 @@ impl<T: Elem> Coefficients<T> {
     }
 }
 
-/// The contiguous values of a storage under `layout`.
-fn values_mut<'a, T: Elem>(s: &'a mut CpuStorage, layout: &Layout) -> Result<&'a mut [T]> {
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("sgd kernel: a non-contiguous operand".into()))?;
-    let values = T::values(s)
-        .ok_or_else(|| candle_core::Error::Msg("sgd kernel: operands of another dtype".into()))?;
-    Ok(&mut values[start..end])
+/// The range of a contiguous layout's values in its storage.
+fn range(layout: &Layout) -> Result<std::ops::Range<usize>> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(start..end),
+        None => candle_core::bail!("sgd kernel: a non-contiguous operand"),
+    }
 }
 
+/// The contiguous values of a storage under `layout`, to write.
+fn values_mut<'a, T: Elem>(s: &'a mut CpuStorage, layout: &Layout) -> Result<&'a mut [T]> {
+    let range = range(layout)?;
+    match T::values(s) {
+        Some(values) => Ok(&mut values[range]),
+        None => candle_core::bail!("sgd kernel: operands of another dtype"),
+    }
+}
+
+/// The contiguous values of a storage under `layout`.
 fn values<'a, T: Elem>(s: &'a CpuStorage, layout: &Layout) -> Result<&'a [T]> {
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("sgd kernel: a non-contiguous operand".into()))?;
-    Ok(&s.as_slice::<T>()?[start..end])
+    Ok(&s.as_slice::<T>()?[range(layout)?])
 }
 
 /// Writes the parameter (`dst`) from the gradient (`src`), with the momentum buffer's values,
@@ -182,21 +189,14 @@ impl<T: Elem> InplaceOp1 for OnBuffer<'_, T> {
     }
 }
 
-/// The address range of a contiguous CPU tensor's values, to tell whether two overlap.
-fn span(t: &Tensor) -> Option<(usize, usize)> {
-    let (storage, layout) = t.storage_and_layout();
-    let (start, end) = layout.contiguous_offsets()?;
-    let (base, size) = match &*storage {
-        candle_core::Storage::Cpu(s) => match s {
-            CpuStorage::F32(v) => (v.as_ptr() as usize, 4),
-            CpuStorage::F64(v) => (v.as_ptr() as usize, 8),
-            CpuStorage::F16(v) => (v.as_ptr() as usize, 2),
-            CpuStorage::BF16(v) => (v.as_ptr() as usize, 2),
-            _ => return None,
-        },
-        _ => return None,
-    };
-    Some((base + start * size, base + end * size))
+/// The address range of a contiguous CPU tensor's values, to tell whether two overlap. (For
+/// any other tensor `with_bytes` would give a copy's: `step` asks only of contiguous CPU ones.)
+fn span(t: &Tensor) -> Result<std::ops::Range<usize>> {
+    with_bytes(
+        t,
+        |b| Ok(b.as_ptr() as usize..b.as_ptr() as usize + b.len()),
+    )
+    .map_err(Error::into_candle)
 }
 
 /// Steps `var` in place by `grad` with `c`, and `buf` (the momentum buffer, and whether this is
@@ -210,6 +210,14 @@ pub(super) fn step(
     buf: Option<(&Tensor, bool)>,
     c: &SgdConfig,
 ) -> Result<bool> {
+    type Typed = fn(&Var, &Tensor, Option<(&Tensor, bool)>, &SgdConfig) -> Result<()>;
+    let typed: Typed = match var.dtype() {
+        candle_core::DType::F32 => typed::<f32>,
+        candle_core::DType::F64 => typed::<f64>,
+        candle_core::DType::F16 => typed::<f16>,
+        candle_core::DType::BF16 => typed::<bf16>,
+        _ => return Ok(false),
+    };
     let fits =
         |t: &Tensor| t.device().is_cpu() && t.dtype() == var.dtype() && t.shape() == var.shape();
     if !fits(grad)
@@ -220,19 +228,11 @@ pub(super) fn step(
         return Ok(false);
     }
     let grad = grad.contiguous()?;
-    let (Some((p0, p1)), Some((g0, g1))) = (span(var), span(&grad)) else {
-        return Ok(false);
-    };
-    if p0 < g1 && g0 < p1 {
+    let (p, g) = (span(var)?, span(&grad)?);
+    if p.start < g.end && g.start < p.end {
         return Ok(false);
     }
-    match var.dtype() {
-        candle_core::DType::F32 => typed::<f32>(var, &grad, buf, c),
-        candle_core::DType::F64 => typed::<f64>(var, &grad, buf, c),
-        candle_core::DType::F16 => typed::<f16>(var, &grad, buf, c),
-        candle_core::DType::BF16 => typed::<bf16>(var, &grad, buf, c),
-        _ => return Ok(false),
-    }?;
+    typed(var, &grad, buf, c)?;
     Ok(true)
 }
 
