@@ -376,6 +376,37 @@ pub enum Error {
         shape: Vec<usize>,
     },
 
+    /// An optimizer was given a parameter that a sharding wrapper keeps as pieces: under
+    /// ZeRO-2 and fully sharded training the optimizer steps each rank's pieces, never the
+    /// whole parameters (which every gather overwrites).
+    #[error(
+        "the optimizer was given `{parameter}`, a whole parameter of {wrapper}, which keeps it \
+         sharded: make the optimizer over model.parameters() (this rank's pieces), not over the \
+         VarMap's variables"
+    )]
+    ShardedParameterInOptimizer {
+        /// The parameter's name.
+        parameter: String,
+        /// The wrapper and its sharding ("DistributedDataParallel with Sharding::Zero2").
+        wrapper: &'static str,
+    },
+
+    /// Under ZeRO-2, the model was read (evaluated) after its pieces were stepped and before
+    /// they were gathered into its parameters.
+    #[error(
+        "DistributedDataParallel (rank {rank}): the optimizer stepped this rank's pieces (of \
+         `{parameter}`, among others) since the parameters were last gathered, so the model \
+         still has the weights of before the step; call gather_parameters() on every rank \
+         first (the next training forward does it too), or step with an optimizer of \
+         candle_parallel::optim, which gathers at the end of each step"
+    )]
+    StaleParameters {
+        /// This rank.
+        rank: usize,
+        /// The first parameter whose piece changed.
+        parameter: String,
+    },
+
     /// A checkpoint lacks a tensor it must have, or holds one that does not fit.
     #[error("checkpoint {path}: {detail}")]
     Checkpoint {

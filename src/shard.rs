@@ -1,42 +1,88 @@
-//! Flat shards: tensors laid end to end in one flat buffer, padded to a multiple of the world
-//! size and cut into equal shards, one per rank, as ZeRO and FSDP cut theirs.
+//! Flat shards: each tensor cut into `world` equal chunks (the last one padded with zeros), rank
+//! `r` holding chunk `r` of every tensor, the chunks laid end to end: torch FSDP2's
+//! per-parameter sharding, flattened. ZeRO-2 and fully sharded training cut parameters,
+//! gradients and optimizer state this way.
 //!
-//! Cutting along the flat buffer rather than tensor by tensor gives every rank a share within
-//! one element of the others' whatever the tensor sizes. The padding (fewer than `world`
-//! elements, at the end) is zeros and never part of a tensor.
+//! Cutting each tensor (rather than one buffer of all of them) gives every rank a piece of
+//! every tensor, so that an optimizer steps each parameter's piece on its own: a parameter
+//! without a gradient is left out of a step on every rank, as in one process. A chunk has
+//! `max(1, ceil(n / world))` elements, so no piece is ever empty; the padding (fewer than
+//! `world` elements per tensor, and one per empty tensor) is zeros and never part of a tensor.
+//!
+//! The flat buffer a collective moves is rank-major: rank 0's shard, then rank 1's, and so on,
+//! so that a reduce-scatter of it hands each rank its own shard and an all-gather of the shards
+//! rebuilds it.
 //!
 //! ```rust
 //! use candle_core::{Device, Tensor};
 //! use candle_parallel::shard::FlatLayout;
 //! # fn main() -> candle_parallel::Result<()> {
-//! // Two tensors of 3 and 4 elements over 3 ranks: 7 elements, padded to 9, 3 per rank.
-//! let layout = FlatLayout::new(&[3, 4], 3);
-//! assert_eq!((layout.shard_len(), layout.padded_len()), (3, 9));
-//! assert_eq!(layout.shard_range(2), 6..9);
+//! // Two tensors of 3 and 4 elements over 2 ranks: chunks of 2 and 2, a shard of 4 per rank.
+//! let layout = FlatLayout::new(&[3, 4], 2);
+//! assert_eq!((layout.shard_len(), layout.padded_len()), (4, 8));
 //! let a = Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?;
 //! let b = Tensor::new(&[[4f32, 5.], [6., 7.]], &Device::Cpu)?;
-//! let flat = layout.flatten(&[a, b])?;
-//! assert_eq!(flat.to_vec1::<f32>()?, [1., 2., 3., 4., 5., 6., 7., 0., 0.]);
-//! // Rank 1 holds the first three elements of b.
+//! let flat = layout.flatten(&[a.clone(), b.clone()])?;
+//! // Rank 0 holds [1, 2] of a and [4, 5] of b; rank 1 holds [3] of a (padded) and [6, 7].
+//! assert_eq!(flat.to_vec1::<f32>()?, [1., 2., 4., 5., 3., 0., 6., 7.]);
+//! assert_eq!(layout.shard(&[a, b], 1)?.to_vec1::<f32>()?, [3., 0., 6., 7.]);
 //! let pieces = layout.pieces(1);
-//! assert_eq!((pieces[0].tensor, pieces[0].within.clone()), (1, 0..3));
+//! assert_eq!((pieces[0].tensor, pieces[0].within.clone()), (0, 2..3));
 //! let back = layout.unflatten(&flat, &[vec![3], vec![2, 2]])?;
 //! assert_eq!(back[1].to_vec2::<f32>()?, [[4., 5.], [6., 7.]]);
 //! # Ok(()) }
 //! ```
 
 use crate::error::{Error, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Device, Tensor};
 use std::ops::Range;
 
-/// Where tensors of given sizes lie in a flat buffer cut into `world` equal shards.
+/// The length of each rank's chunk of a tensor of `numel` elements over `world` ranks:
+/// `max(1, ceil(numel / world))` (a world of 0 is taken as 1).
+pub fn chunk_len(numel: usize, world: usize) -> usize {
+    numel.div_ceil(world.max(1)).max(1)
+}
+
+/// The elements of a tensor of `numel` elements that rank `rank`'s chunk holds (possibly
+/// none: the chunk is then all padding).
+pub fn chunk_elements(numel: usize, world: usize, rank: usize) -> Range<usize> {
+    let c = chunk_len(numel, world);
+    (rank * c).min(numel)..((rank + 1) * c).min(numel)
+}
+
+/// Rank `rank`'s chunk of `tensor` (flattened), padded with zeros to
+/// [`chunk_len`]`(numel, world)` elements: a 1-D tensor of its dtype and device.
+pub fn chunk_of(tensor: &Tensor, world: usize, rank: usize) -> Result<Tensor> {
+    let n = tensor.elem_count();
+    let c = chunk_len(n, world);
+    let real = chunk_elements(n, world, rank);
+    let mut parts = Vec::with_capacity(2);
+    if !real.is_empty() {
+        parts.push(tensor.flatten_all()?.narrow(0, real.start, real.len())?);
+    }
+    if real.len() < c {
+        parts.push(Tensor::zeros(
+            c - real.len(),
+            tensor.dtype(),
+            tensor.device(),
+        )?);
+    }
+    Ok(match parts.len() {
+        1 => parts.pop().expect("one part").contiguous()?,
+        _ => Tensor::cat(&parts, 0)?,
+    })
+}
+
+/// Where tensors of given sizes lie in flat shards, one per rank (see the
+/// [module documentation](self)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FlatLayout {
-    /// Each tensor's first element in the flat buffer.
-    offsets: Vec<usize>,
     /// Each tensor's number of elements.
     numels: Vec<usize>,
-    total: usize,
+    /// Each tensor's chunk length.
+    chunks: Vec<usize>,
+    /// Where each tensor's chunk starts in a shard.
+    offsets: Vec<usize>,
     world: usize,
     shard_len: usize,
 }
@@ -53,22 +99,22 @@ pub struct Piece {
 }
 
 impl FlatLayout {
-    /// Lays out tensors of `numels` elements end to end for `world` shards (a world of 0 is
-    /// taken as 1).
+    /// Lays out tensors of `numels` elements for `world` shards (a world of 0 is taken as 1).
     pub fn new(numels: &[usize], world: usize) -> Self {
         let world = world.max(1);
+        let chunks: Vec<usize> = numels.iter().map(|&n| chunk_len(n, world)).collect();
         let mut offsets = Vec::with_capacity(numels.len());
-        let mut total = 0;
-        for &n in numels {
-            offsets.push(total);
-            total += n;
+        let mut shard_len = 0;
+        for &c in &chunks {
+            offsets.push(shard_len);
+            shard_len += c;
         }
         Self {
-            offsets,
             numels: numels.to_vec(),
-            total,
+            chunks,
+            offsets,
             world,
-            shard_len: total.div_ceil(world),
+            shard_len,
         }
     }
 
@@ -89,7 +135,7 @@ impl FlatLayout {
 
     /// The elements of every tensor together, without padding.
     pub fn total_len(&self) -> usize {
-        self.total
+        self.numels.iter().sum()
     }
 
     /// The flat buffer's length, padding included: `world * shard_len`.
@@ -102,9 +148,9 @@ impl FlatLayout {
         self.shard_len
     }
 
-    /// Tensor `i`'s elements in the flat buffer.
-    pub fn tensor_range(&self, i: usize) -> Range<usize> {
-        self.offsets[i]..self.offsets[i] + self.numels[i]
+    /// Where tensor `i`'s chunk lies in every shard.
+    pub fn chunk_range(&self, i: usize) -> Range<usize> {
+        self.offsets[i]..self.offsets[i] + self.chunks[i]
     }
 
     /// Rank `rank`'s shard of the flat buffer.
@@ -112,79 +158,78 @@ impl FlatLayout {
         rank * self.shard_len..(rank + 1) * self.shard_len
     }
 
-    /// The parts of tensors that fall in rank `rank`'s shard, in flat order (padding has none).
+    /// The parts of tensors that fall in rank `rank`'s shard, in shard order (padding has
+    /// none, and a chunk of padding only gives no piece).
     pub fn pieces(&self, rank: usize) -> Vec<Piece> {
-        self.pieces_of(self.shard_range(rank))
-    }
-
-    /// The parts of tensors that fall in `range` of the flat buffer, in flat order; `in_shard`
-    /// counts from `range.start`.
-    pub fn pieces_of(&self, range: Range<usize>) -> Vec<Piece> {
         (0..self.len())
             .filter_map(|i| {
-                let t = self.tensor_range(i);
-                let (start, end) = (t.start.max(range.start), t.end.min(range.end));
-                (start < end).then(|| Piece {
+                let within = chunk_elements(self.numels[i], self.world, rank);
+                (!within.is_empty()).then(|| Piece {
                     tensor: i,
-                    within: start - t.start..end - t.start,
-                    in_shard: start - range.start..end - range.start,
+                    in_shard: self.offsets[i]..self.offsets[i] + within.len(),
+                    within,
                 })
             })
             .collect()
     }
 
-    /// The tensors, flattened and laid end to end, padded with zeros to
-    /// [`padded_len`](Self::padded_len): a 1-D tensor of their (common) dtype and device.
-    pub fn flatten(&self, tensors: &[Tensor]) -> Result<Tensor> {
-        let Some(first) = tensors.first() else {
-            return Err(Error::InvalidArgument {
-                what: "FlatLayout::flatten",
-                detail: "no tensors: a flat buffer needs at least one for its dtype and device"
-                    .into(),
-            });
-        };
-        self.check_count(tensors.len(), "flatten")?;
-        let mut parts = Vec::with_capacity(tensors.len() + 1);
-        for (i, t) in tensors.iter().enumerate() {
-            if t.elem_count() != self.numels[i] || t.dtype() != first.dtype() {
-                return Err(Error::InvalidArgument {
-                    what: "FlatLayout::flatten",
-                    detail: format!(
-                        "tensor {i} has shape {:?} ({} elements, {:?}); the layout expects {} \
-                         elements of {:?}",
-                        t.dims(),
-                        t.elem_count(),
-                        t.dtype(),
-                        self.numels[i],
-                        first.dtype()
-                    ),
-                });
-            }
-            parts.push(t.flatten_all()?);
-        }
-        let pad = self.padded_len() - self.total;
-        if pad > 0 {
-            parts.push(Tensor::zeros(pad, first.dtype(), first.device())?);
-        }
-        Ok(Tensor::cat(&parts, 0)?)
+    /// Rank `rank`'s shard of `tensors`: each one's chunk, padded, laid end to end (a 1-D
+    /// tensor of their common dtype and device).
+    pub fn shard(&self, tensors: &[Tensor], rank: usize) -> Result<Tensor> {
+        let (dtype, device) = self.check_tensors(tensors, "shard")?;
+        let chunks = tensors
+            .iter()
+            .map(|t| chunk_of(t, self.world, rank))
+            .collect::<Result<Vec<_>>>()?;
+        cat_or_empty(&chunks, dtype, &device)
     }
 
-    /// Cuts a flat buffer of [`padded_len`](Self::padded_len) (or [`total_len`](Self::total_len))
-    /// elements back into the tensors, with `shapes`.
-    pub fn unflatten(&self, flat: &Tensor, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
-        self.check_count(shapes.len(), "unflatten")?;
-        let len = flat.elem_count();
-        if flat.rank() != 1 || (len != self.padded_len() && len != self.total) {
+    /// Every rank's shard of `tensors`, rank after rank: the buffer a reduce-scatter cuts.
+    pub fn flatten(&self, tensors: &[Tensor]) -> Result<Tensor> {
+        let (dtype, device) = self.check_tensors(tensors, "flatten")?;
+        let world = self.world;
+        let rows = tensors
+            .iter()
+            .zip(&self.chunks)
+            .map(|(t, &c)| {
+                let flat = t.flatten_all()?;
+                let pad = world * c - t.elem_count();
+                let padded = match pad {
+                    0 => flat,
+                    _ => Tensor::cat(&[flat, Tensor::zeros(pad, t.dtype(), t.device())?], 0)?,
+                };
+                Ok(padded.reshape((world, c))?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if rows.is_empty() {
+            return Ok(Tensor::zeros(0, dtype, &device)?);
+        }
+        Ok(Tensor::cat(&rows, 1)?.flatten_all()?)
+    }
+
+    /// Each tensor's chunk in `shard` (a shard of this layout), as views, in layout order.
+    pub fn split_shard(&self, shard: &Tensor) -> Result<Vec<Tensor>> {
+        self.check_flat(shard, self.shard_len, "split_shard")?;
+        (0..self.len())
+            .map(|i| Ok(shard.narrow(0, self.offsets[i], self.chunks[i])?))
+            .collect()
+    }
+
+    /// The tensors, with `shapes`, from every rank's shard (in rank order).
+    pub fn from_shards(&self, shards: &[Tensor], shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
+        self.check_count(shapes.len(), "from_shards")?;
+        if shards.len() != self.world {
             return Err(Error::InvalidArgument {
-                what: "FlatLayout::unflatten",
+                what: "FlatLayout::from_shards",
                 detail: format!(
-                    "a flat buffer of shape {:?}; the layout expects 1-D, {} elements (or {} \
-                     without padding)",
-                    flat.dims(),
-                    self.padded_len(),
-                    self.total
+                    "{} shards for a layout of {} ranks",
+                    shards.len(),
+                    self.world
                 ),
             });
+        }
+        for s in shards {
+            self.check_flat(s, self.shard_len, "from_shards")?;
         }
         shapes
             .iter()
@@ -193,18 +238,74 @@ impl FlatLayout {
                 let numel: usize = shape.iter().product();
                 if numel != self.numels[i] {
                     return Err(Error::InvalidArgument {
-                        what: "FlatLayout::unflatten",
+                        what: "FlatLayout",
                         detail: format!(
                             "shape {shape:?} for tensor {i}, which has {} elements",
                             self.numels[i]
                         ),
                     });
                 }
-                Ok(flat
-                    .narrow(0, self.offsets[i], numel)?
+                let chunks = shards
+                    .iter()
+                    .map(|s| s.narrow(0, self.offsets[i], self.chunks[i]))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Ok(Tensor::cat(&chunks, 0)?
+                    .narrow(0, 0, numel)?
                     .reshape(shape.as_slice())?)
             })
             .collect()
+    }
+
+    /// Cuts a flat buffer of [`padded_len`](Self::padded_len) elements (every rank's shard,
+    /// rank after rank) back into the tensors, with `shapes`.
+    pub fn unflatten(&self, flat: &Tensor, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
+        self.check_flat(flat, self.padded_len(), "unflatten")?;
+        let shards = (0..self.world)
+            .map(|r| Ok(flat.narrow(0, r * self.shard_len, self.shard_len)?))
+            .collect::<Result<Vec<_>>>()?;
+        self.from_shards(&shards, shapes)
+    }
+
+    fn check_flat(&self, t: &Tensor, len: usize, what: &str) -> Result<()> {
+        if t.rank() != 1 || t.elem_count() != len {
+            return Err(Error::InvalidArgument {
+                what: "FlatLayout",
+                detail: format!(
+                    "{what} got a tensor of shape {:?}; the layout expects 1-D, {len} elements",
+                    t.dims()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks that `tensors` fit the layout (count, sizes, one dtype and device) and returns
+    /// their dtype and device.
+    fn check_tensors(&self, tensors: &[Tensor], what: &str) -> Result<(DType, Device)> {
+        self.check_count(tensors.len(), what)?;
+        let Some(first) = tensors.first() else {
+            return Err(Error::InvalidArgument {
+                what: "FlatLayout",
+                detail: format!("{what}: no tensors, so no dtype or device for the shard"),
+            });
+        };
+        for (i, t) in tensors.iter().enumerate() {
+            if t.elem_count() != self.numels[i] || t.dtype() != first.dtype() {
+                return Err(Error::InvalidArgument {
+                    what: "FlatLayout",
+                    detail: format!(
+                        "{what}: tensor {i} has shape {:?} ({} elements, {:?}); the layout \
+                         expects {} elements of {:?}",
+                        t.dims(),
+                        t.elem_count(),
+                        t.dtype(),
+                        self.numels[i],
+                        first.dtype()
+                    ),
+                });
+            }
+        }
+        Ok((first.dtype(), first.device().clone()))
     }
 
     fn check_count(&self, given: usize, what: &str) -> Result<()> {
@@ -218,22 +319,48 @@ impl FlatLayout {
     }
 }
 
+/// `parts` laid end to end (an empty 1-D tensor of `dtype` when there are none).
+fn cat_or_empty(parts: &[Tensor], dtype: DType, device: &Device) -> Result<Tensor> {
+    Ok(match parts {
+        [] => Tensor::zeros(0, dtype, device)?,
+        [one] => one.clone(),
+        _ => Tensor::cat(parts, 0)?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::Device;
 
+    fn counting(numels: &[usize]) -> Vec<Tensor> {
+        let mut next = 1f32;
+        numels
+            .iter()
+            .map(|&n| {
+                let values: Vec<f32> = (0..n)
+                    .map(|_| {
+                        next += 1.0;
+                        next
+                    })
+                    .collect();
+                Tensor::from_vec(values, n, &Device::Cpu).unwrap()
+            })
+            .collect()
+    }
+
     #[test]
-    fn every_element_lies_in_exactly_one_piece_and_shards_differ_by_padding_only() {
+    fn every_element_lies_in_exactly_one_piece_and_every_rank_holds_a_chunk_of_every_tensor() {
         for numels in [vec![7, 1, 13], vec![1], vec![5, 5], vec![0, 3, 0]] {
             for world in 1..6 {
                 let l = FlatLayout::new(&numels, world);
-                assert!(l.padded_len() - l.total_len() < world);
+                assert_eq!(l.padded_len(), world * l.shard_len());
                 let mut seen: Vec<Vec<bool>> = numels.iter().map(|&n| vec![false; n]).collect();
                 for rank in 0..world {
                     for p in l.pieces(rank) {
                         assert_eq!(p.within.len(), p.in_shard.len());
                         assert!(p.in_shard.end <= l.shard_len());
+                        assert_eq!(p.in_shard.start, l.chunk_range(p.tensor).start);
                         for e in p.within {
                             assert!(!seen[p.tensor][e], "{numels:?} over {world}: twice");
                             seen[p.tensor][e] = true;
@@ -241,6 +368,53 @@ mod tests {
                     }
                 }
                 assert!(seen.iter().flatten().all(|&s| s), "{numels:?} over {world}");
+                // Padding: fewer than `world` elements per tensor, one for an empty tensor.
+                for (i, &n) in numels.iter().enumerate() {
+                    let padding = world * l.chunk_range(i).len() - n;
+                    assert!(padding < world || (n == 0 && padding == world));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn flatten_shard_and_unflatten_agree_for_sizes_no_world_divides() {
+        for numels in [vec![7, 1, 13], vec![0, 3, 0], vec![2]] {
+            let tensors = counting(&numels);
+            let shapes: Vec<Vec<usize>> = numels.iter().map(|&n| vec![n]).collect();
+            for world in 1..6 {
+                let l = FlatLayout::new(&numels, world);
+                let flat = l.flatten(&tensors).unwrap();
+                assert_eq!(flat.dims(), [l.padded_len()]);
+                let shards: Vec<Tensor> =
+                    (0..world).map(|r| l.shard(&tensors, r).unwrap()).collect();
+                for (r, s) in shards.iter().enumerate() {
+                    let range = l.shard_range(r);
+                    let from_flat = flat.narrow(0, range.start, range.len()).unwrap();
+                    assert_eq!(
+                        s.to_vec1::<f32>().unwrap(),
+                        from_flat.to_vec1::<f32>().unwrap()
+                    );
+                    // Each piece holds exactly the tensor's elements it names.
+                    for p in l.pieces(r) {
+                        let want = tensors[p.tensor]
+                            .narrow(0, p.within.start, p.within.len())
+                            .unwrap();
+                        let got = s.narrow(0, p.in_shard.start, p.in_shard.len()).unwrap();
+                        assert_eq!(
+                            got.to_vec1::<f32>().unwrap(),
+                            want.to_vec1::<f32>().unwrap()
+                        );
+                    }
+                    let chunks = l.split_shard(s).unwrap();
+                    assert_eq!(chunks.len(), numels.len());
+                }
+                for (t, back) in tensors.iter().zip(l.unflatten(&flat, &shapes).unwrap()) {
+                    assert_eq!(t.to_vec1::<f32>().unwrap(), back.to_vec1::<f32>().unwrap());
+                }
+                for (t, back) in tensors.iter().zip(l.from_shards(&shards, &shapes).unwrap()) {
+                    assert_eq!(t.to_vec1::<f32>().unwrap(), back.to_vec1::<f32>().unwrap());
+                }
             }
         }
     }

@@ -5,14 +5,17 @@
 //! Both hold the training state in one format (that of
 //! [`crate::checkpoint::save_training_state`]): each variable under its name, each optimizer
 //! state of a parameter under `optimizer.state.<parameter>.<state>`, each optimizer scalar under
-//! `optimizer.<scalar>`. A sharded file holds this rank's share of each flat bucket: the part
-//! of a tensor that starts at element `s` of it (flattened) under `<key>@<s>`, and the buffers
-//! and scalars whole.
+//! `optimizer.<scalar>`. A sharded file holds this rank's chunk of each parameter and of each
+//! of its optimizer states ([`crate::shard`]): the part of a tensor that starts at element `s`
+//! of it (flattened) under `<key>@<s>`, and the buffers and scalars whole. A parameter without
+//! optimizer state (frozen, or never stepped) has none in either file.
 
+use super::agreement::check_same_descriptions;
 use super::DistributedDataParallel;
 use crate::checkpoint::{optimizer_state_from, optimizer_tensors};
 use crate::error::{Error, Result};
 use crate::optim::{ElementwiseOptimizer, OptimizerState};
+use crate::shard::{chunk_elements, chunk_of};
 use crate::util::sync::lock;
 use candle_core::{Tensor, Var};
 use std::collections::{BTreeMap, HashMap};
@@ -33,6 +36,7 @@ impl<M> DistributedDataParallel<M> {
         opt: &impl ElementwiseOptimizer,
         path: impl AsRef<Path>,
     ) -> Result<()> {
+        self.refuse_inside_join("save_checkpoint")?;
         let path = path.as_ref();
         let mut tensors = self.full_state(opt)?;
         tensors.extend(self.variables());
@@ -54,6 +58,7 @@ impl<M> DistributedDataParallel<M> {
         opt: &mut impl ElementwiseOptimizer,
         path: impl AsRef<Path>,
     ) -> Result<()> {
+        self.refuse_inside_join("load_checkpoint")?;
         let path = path.as_ref();
         let tensors = crate::checkpoint::read(path)?;
         self.apply(opt, &tensors, path)
@@ -69,6 +74,7 @@ impl<M> DistributedDataParallel<M> {
         opt: &impl ElementwiseOptimizer,
         dir: impl AsRef<Path>,
     ) -> Result<()> {
+        self.refuse_inside_join("save_sharded_checkpoint")?;
         let dir = dir.as_ref();
         let (rank, world) = (self.group.rank(), self.group.world_size());
         let written = std::fs::create_dir_all(dir)
@@ -95,6 +101,7 @@ impl<M> DistributedDataParallel<M> {
         opt: &mut impl ElementwiseOptimizer,
         dir: impl AsRef<Path>,
     ) -> Result<()> {
+        self.refuse_inside_join("load_sharded_checkpoint")?;
         let dir = dir.as_ref();
         let files = sharded_files(dir)?;
         let mut whole: HashMap<String, Tensor> = HashMap::new();
@@ -159,42 +166,60 @@ impl<M> DistributedDataParallel<M> {
             .collect()
     }
 
-    /// The optimizer's whole state, keyed as in the file, with the variables gathered: under
-    /// ZeRO-2 each bucket's shards of each state are all-gathered (on every rank).
+    /// The optimizer's whole state, keyed as in the file: under ZeRO-2 each piece's state is
+    /// all-gathered (on every rank), in the parameters' order, after the ranks agreed on which
+    /// parameters have which states.
     fn full_state(&self, opt: &impl ElementwiseOptimizer) -> Result<HashMap<String, Tensor>> {
-        self.gather_parameters()?;
+        // The model must be current: the optimizer may not have gathered after its step.
+        self.reducer.gather_parameters()?;
         let state = opt.state();
         let slots = self.optimizer_slots(opt)?;
-        if self.reducer.shard_vars().is_empty() {
-            let names: Vec<String> = slots.iter().map(|&i| self.params[i].name.clone()).collect();
-            return optimizer_tensors(&names, &state);
-        }
-        // Per parameter, from each bucket's shards of each state.
-        let mut full = OptimizerState {
-            scalars: state.scalars.clone(),
-            per_var: vec![BTreeMap::new(); self.params.len()],
+        let names = |slots: &[usize]| -> Vec<String> {
+            slots.iter().map(|&i| self.params[i].name.clone()).collect()
         };
-        let buckets = self.reducer.flat_buckets();
-        for (j, &bucket) in slots.iter().enumerate() {
-            let (layout, members) = &buckets[bucket];
+        if self.reducer.pieces().is_empty() {
+            return optimizer_tensors(&names(&slots), &state);
+        }
+        let mut order: Vec<(usize, usize)> = slots.iter().copied().enumerate().collect();
+        order.sort_by_key(|&(_, i)| i);
+        let described: Vec<String> = order
+            .iter()
+            .map(|&(j, i)| {
+                let states: Vec<&str> = state.per_var[j].keys().map(String::as_str).collect();
+                format!("{} optimizer state {states:?}", self.params[i].name)
+            })
+            .collect();
+        check_same_descriptions(&self.group, &described, &self.device)?;
+        let mut works = Vec::new();
+        for &(j, i) in &order {
             for (name, t) in &state.per_var[j] {
-                let flat = Tensor::cat(&self.group.all_gather(t)?, 0)?;
-                let shapes = self.member_shapes(members);
-                for (&i, t) in members.iter().zip(layout.unflatten(&flat, &shapes)?) {
-                    full.per_var[i].insert(name.clone(), t);
-                }
+                works.push((i, name.clone(), self.group.all_gather_async(t)?));
             }
         }
-        optimizer_tensors(&self.parameter_names_in_order(), &full)
+        let mut full = OptimizerState {
+            scalars: state.scalars.clone(),
+            per_var: vec![BTreeMap::new(); order.len()],
+        };
+        for (i, name, work) in works {
+            let var = &self.params[i].var;
+            let whole = Tensor::cat(&work.wait()?, 0)?
+                .narrow(0, 0, var.elem_count())?
+                .reshape(var.shape())?;
+            let k = order.iter().position(|&(_, p)| p == i).expect("from order");
+            full.per_var[k].insert(name, whole);
+        }
+        let in_order: Vec<usize> = order.iter().map(|&(_, i)| i).collect();
+        optimizer_tensors(&names(&in_order), &full)
     }
 
-    /// This rank's part of each flat bucket, of the parameters and of each optimizer state,
-    /// keyed `<key>@<start>`; the buffers and the optimizer's scalars whole.
+    /// This rank's chunk of each parameter and of each optimizer state (see
+    /// [`crate::shard`]), keyed `<key>@<start>`; the buffers and the optimizer's scalars whole.
+    /// A parameter the optimizer has no state for has no state parts.
     fn my_share(&self, opt: &impl ElementwiseOptimizer) -> Result<HashMap<String, Tensor>> {
-        let rank = self.group.rank();
+        let (rank, world) = (self.group.rank(), self.group.world_size());
         let state = opt.state();
         let slots = self.optimizer_slots(opt)?;
-        let sharded = !self.reducer.shard_vars().is_empty();
+        let pieces = self.reducer.pieces();
         let scalars_only = OptimizerState {
             scalars: state.scalars.clone(),
             per_var: Vec::new(),
@@ -206,71 +231,38 @@ impl<M> DistributedDataParallel<M> {
                 .into_iter()
                 .filter(|(name, _)| !parameters.contains(&name.as_str())),
         );
-        let shards = self.reducer.shard_vars();
-        for (b, (layout, members)) in self.reducer.flat_buckets().iter().enumerate() {
-            let range = layout.shard_range(rank);
-            // This rank's part of the bucket: the shard it holds, or cut from the whole.
-            let mine = |whole: Vec<Tensor>| -> Result<Tensor> {
-                Ok(layout
-                    .flatten(&whole)?
-                    .narrow(0, range.start, range.len())?)
-            };
-            let value = match shards.get(b) {
-                Some(shard) => shard.as_tensor().clone(),
-                None => mine(self.member_values(members))?,
-            };
-            let mut keyed = vec![(String::new(), value)];
-            if sharded {
-                let j = slots
-                    .iter()
-                    .position(|&s| s == b)
-                    .ok_or_else(|| missing_shard(b))?;
-                keyed.extend(
-                    state.per_var[j]
-                        .iter()
-                        .map(|(n, t)| (format!(".{n}"), t.clone())),
-                );
-            } else {
-                // A state of a parameter the optimizer has not stepped yet is absent everywhere.
-                let names: Vec<String> = slots
-                    .iter()
-                    .zip(&state.per_var)
-                    .filter(|(s, _)| members.contains(s))
-                    .flat_map(|(_, m)| m.keys().cloned())
-                    .collect::<std::collections::BTreeSet<_>>()
-                    .into_iter()
-                    .collect();
-                for name in names {
-                    let whole = members
-                        .iter()
-                        .map(|&i| {
-                            let j = slots.iter().position(|&s| s == i);
-                            match j.and_then(|j| state.per_var[j].get(&name)) {
-                                Some(t) => Ok(t.clone()),
-                                None => Ok(self.params[i].var.zeros_like()?),
-                            }
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    keyed.push((format!(".{name}"), mine(whole)?));
-                }
+        // This rank's chunk of `t`, a whole tensor of parameter `i` (or already its chunk
+        // under ZeRO-2), without padding, keyed at the first element it holds.
+        let mut put = |key: String, i: usize, t: &Tensor| -> Result<()> {
+            let within = chunk_elements(self.params[i].var.elem_count(), world, rank);
+            if within.is_empty() {
+                return Ok(());
             }
-            for (suffix, part) in keyed {
-                for piece in layout.pieces(rank) {
-                    let name = &self.params[members[piece.tensor]].name;
-                    let key = match suffix.as_str() {
-                        "" => name.clone(),
-                        s => format!("{STATE}{name}{s}"),
-                    };
-                    let t = part.narrow(0, piece.in_shard.start, piece.in_shard.len())?;
-                    out.insert(format!("{key}@{}", piece.within.start), t.copy()?);
-                }
+            let chunk = match pieces.is_empty() {
+                true => chunk_of(t, world, rank)?,
+                false => t.clone(),
+            };
+            let part = chunk.narrow(0, 0, within.len())?.copy()?;
+            out.insert(format!("{key}@{}", within.start), part);
+            Ok(())
+        };
+        for (i, e) in self.params.iter().enumerate() {
+            let value = match pieces.get(i) {
+                Some(piece) => piece.as_tensor().clone(),
+                None => e.var.as_tensor().clone(),
+            };
+            put(e.name.clone(), i, &value)?;
+        }
+        for (j, &i) in slots.iter().enumerate() {
+            for (name, t) in &state.per_var[j] {
+                put(format!("{STATE}{}.{name}", self.params[i].name), i, t)?;
             }
         }
         Ok(out)
     }
 
     /// Puts a whole training state (keyed as in the file) into the variables, this rank's
-    /// shards and `opt`.
+    /// pieces and `opt`.
     fn apply(
         &self,
         opt: &mut impl ElementwiseOptimizer,
@@ -308,44 +300,35 @@ impl<M> DistributedDataParallel<M> {
             }
             values.push(t.to_device(var.device())?.to_dtype(var.dtype())?);
         }
-        // The optimizer's state: per parameter, by state name.
+        // The optimizer's state: per parameter, by state name; a parameter without state in
+        // the file (never stepped, or frozen) gets none.
         let full = optimizer_state_from(&self.parameter_names_in_order(), tensors, path)?;
         let mut state = OptimizerState {
             scalars: full.scalars,
             per_var: Vec::new(),
         };
-        let rank = self.group.rank();
-        let buckets = self.reducer.flat_buckets();
-        let sharded = !self.reducer.shard_vars().is_empty();
-        for &slot in &self.optimizer_slots(opt)? {
-            if !sharded {
-                state.per_var.push(full.per_var[slot].clone());
-                continue;
-            }
-            let (layout, members) = &buckets[slot];
-            let names: std::collections::BTreeSet<String> = members
-                .iter()
-                .flat_map(|&i| full.per_var[i].keys().cloned())
-                .collect();
+        let (rank, world) = (self.group.rank(), self.group.world_size());
+        let sharded = !self.reducer.pieces().is_empty();
+        for &i in &self.optimizer_slots(opt)? {
             let mut map = BTreeMap::new();
-            for name in names {
-                let whole = members
-                    .iter()
-                    .map(|&i| {
-                        let p = &self.params[i].name;
-                        full.per_var[i].get(&name).cloned().ok_or_else(|| {
-                            missing(
-                                &format!("{STATE}{p}.{name}"),
-                                format!("no `{name}` for `{p}`, though other parameters have one"),
-                            )
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let range = layout.shard_range(rank);
-                let shard = layout
-                    .flatten(&whole)?
-                    .narrow(0, range.start, range.len())?;
-                map.insert(name, shard);
+            for (name, t) in &full.per_var[i] {
+                let param = &self.params[i];
+                if t.dims() != param.var.dims() {
+                    let key = format!("{STATE}{}.{name}", param.name);
+                    return Err(missing(
+                        &key,
+                        format!(
+                            "`{key}` has shape {:?}; its parameter has shape {:?}",
+                            t.dims(),
+                            param.var.dims()
+                        ),
+                    ));
+                }
+                let t = match sharded {
+                    true => chunk_of(t, world, rank)?,
+                    false => t.clone(),
+                };
+                map.insert(name.clone(), t);
             }
             state.per_var.push(map);
         }
@@ -354,17 +337,17 @@ impl<M> DistributedDataParallel<M> {
         for ((_, var), t) in vars.iter().zip(&values) {
             var.set(t)?;
         }
-        self.reducer.recut_shards()
+        self.reducer.recut_pieces()
     }
 
-    /// For each of the optimizer's variables: the parameter it is (its index in `params`), or
-    /// under ZeRO-2 the bucket whose shard it is.
+    /// For each of the optimizer's variables: the parameter it is, or under ZeRO-2 the
+    /// parameter it is a piece of (its index in `params`).
     fn optimizer_slots(&self, opt: &impl ElementwiseOptimizer) -> Result<Vec<usize>> {
-        let shards = self.reducer.shard_vars();
-        let ours: Vec<&Var> = if shards.is_empty() {
+        let pieces = self.reducer.pieces();
+        let ours: Vec<&Var> = if pieces.is_empty() {
             self.params.iter().map(|e| &e.var).collect()
         } else {
-            shards.iter().collect()
+            pieces.iter().collect()
         };
         opt.vars()
             .iter()
@@ -383,20 +366,6 @@ impl<M> DistributedDataParallel<M> {
     /// The parameters' names, in the reducer's (the model's) order.
     fn parameter_names_in_order(&self) -> Vec<String> {
         self.params.iter().map(|e| e.name.clone()).collect()
-    }
-
-    fn member_shapes(&self, members: &[usize]) -> Vec<Vec<usize>> {
-        members
-            .iter()
-            .map(|&i| self.params[i].var.dims().to_vec())
-            .collect()
-    }
-
-    fn member_values(&self, members: &[usize]) -> Vec<Tensor> {
-        members
-            .iter()
-            .map(|&i| self.params[i].var.as_tensor().clone())
-            .collect()
     }
 
     /// The shapes of the keys a sharded file may hold in parts: parameters and their states.
@@ -436,16 +405,6 @@ impl<M> DistributedDataParallel<M> {
             }),
             Ok(()) => Ok(()),
         }
-    }
-}
-
-fn missing_shard(bucket: usize) -> Error {
-    Error::InvalidArgument {
-        what: "sharded checkpoint",
-        detail: format!(
-            "the optimizer does not step the shard of bucket {bucket}: make it over \
-             DistributedDataParallel::parameters()"
-        ),
     }
 }
 

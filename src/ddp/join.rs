@@ -111,7 +111,6 @@ impl<M: ModuleT> DistributedDataParallel<M> {
             self.before_forward(true)?;
             let mut grads = GradStore::default();
             self.reducer.finalize_backward(&mut grads, Instant::now())?;
-            self.stale.store(true, Ordering::SeqCst);
             opt.step(&grads)?;
         }
     }

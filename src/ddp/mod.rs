@@ -85,6 +85,7 @@ pub use unused::{named_vars_without_gradient, vars_without_gradient, UnusedRepor
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::nn;
+use crate::optim::managed::{self, Registration};
 use crate::util::sync::lock;
 use agreement::{broadcast_from_rank_0, check_same_model, travels};
 use candle_core::backprop::GradStore;
@@ -92,8 +93,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 use hook::{Entry, Kind, Registry};
 use reducer::{Param, Reducer, Setup};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 /// Options of [`DistributedDataParallel`]; `Default` gives torch's defaults.
@@ -177,14 +178,17 @@ pub struct DistributedDataParallel<M> {
     buffers: Vec<Var>,
     /// The parameters' names and variables, sorted by name.
     sorted: Vec<(String, Var)>,
+    /// The index in `params` of each of `sorted`.
+    sorted_index: Vec<usize>,
     bucket_bytes: usize,
     broadcast_buffers: bool,
     /// The groups of the model's SyncBatchNorm layers, whose backward `backward` completes.
     sync_groups: Vec<ProcessGroup>,
     /// Open `no_sync` guards.
     no_sync: AtomicUsize,
-    /// Under ZeRO-2: the shards may have changed since the parameters were last gathered.
-    stale: AtomicBool,
+    /// Under ZeRO-2, what this crate's optimizers are told about the parameters and pieces
+    /// (see [`crate::optim::managed`]), for as long as the wrapper lives.
+    _managed: Vec<Registration>,
     /// Inside `join`: how an iteration with joined ranks averages.
     joining: std::sync::Mutex<Option<JoinDivisor>>,
     /// Where the parameters live.
@@ -266,11 +270,12 @@ impl<M> DistributedDataParallel<M> {
             .filter(|e| e.kind == Kind::Buffer && travels(e.var.dtype()))
             .map(|e| e.var.clone())
             .collect();
-        let mut sorted: Vec<(String, Var)> = params
+        let mut sorted_index: Vec<usize> = (0..params.len()).collect();
+        sorted_index.sort_by(|&a, &b| params[a].name.cmp(&params[b].name));
+        let sorted: Vec<(String, Var)> = sorted_index
             .iter()
-            .map(|e| (e.name.clone(), e.var.clone()))
+            .map(|&i| (params[i].name.clone(), params[i].var.clone()))
             .collect();
-        sorted.sort_by(|a, b| a.0.cmp(&b.0));
         reducer.configure(Setup {
             group: own.clone(),
             params: params
@@ -294,6 +299,23 @@ impl<M> DistributedDataParallel<M> {
                 .collect(),
             sharding: config.sharding,
         })?;
+        let _managed = match config.sharding {
+            Sharding::None => Vec::new(),
+            Sharding::Zero2 => {
+                let weak: Weak<Reducer> = Arc::downgrade(&reducer);
+                let gather = Arc::new(move || match weak.upgrade() {
+                    Some(reducer) => reducer.after_step(),
+                    None => Ok(()),
+                });
+                vec![
+                    managed::register_whole(
+                        &sorted,
+                        "DistributedDataParallel with Sharding::Zero2",
+                    ),
+                    managed::register_pieces(&reducer.pieces(), gather),
+                ]
+            }
+        };
         Ok(Self {
             module,
             varmap: varmap.clone(),
@@ -302,30 +324,45 @@ impl<M> DistributedDataParallel<M> {
             params,
             buffers,
             sorted,
+            sorted_index,
             bucket_bytes,
             broadcast_buffers: config.broadcast_buffers,
             sync_groups,
             no_sync: AtomicUsize::new(0),
-            stale: AtomicBool::new(false),
+            _managed,
             joining: std::sync::Mutex::new(None),
             device: device.clone(),
         })
     }
 
     /// The wrapped model (torch's `.module`), computing with the variables' current values:
-    /// right after `opt.step(&grads)`, `model.module().forward(&x)` uses the new weights. Save
-    /// the variables (`varmap()`), not the module.
+    /// right after `opt.step(&grads)`, `model.module().forward(&x)` uses the new weights, on
+    /// any rank, with no collective. Save the variables (`varmap()`), not the module.
     ///
     /// The model holds copies of the parameters (the gradient hooks' outputs, which candle
     /// cannot make share the variables' storage), and candle's optimizers write the variables
     /// in place without telling anyone. So each call copies every parameter into the model,
     /// as each [`forward_t`](Self::forward_t) does: one pass over the model's bytes, small
     /// beside a forward. Take the reference once per evaluation, not once per batch, when that
-    /// copy matters. (Refreshing after each step instead would need a hook in the optimizer;
-    /// keeping the copies current at each access needs none.) Under [`Sharding::Zero2`] the
-    /// parameters are those of the last gather: call
-    /// [`gather_parameters`](Self::gather_parameters) on every rank after a step first.
+    /// copy matters.
+    ///
+    /// Under [`Sharding::Zero2`] the parameters are current after a step of this crate's
+    /// optimizers, which gather the pieces at its end. An optimizer that does not (candle-nn's)
+    /// leaves them behind until [`gather_parameters`](Self::gather_parameters) or the next
+    /// training forward: then this says so through the `log` facade (an evaluation forward
+    /// fails with [`Error::StaleParameters`]).
     pub fn module(&self) -> &M {
+        match self.reducer.stale_parameter() {
+            Ok(Some(parameter)) => log::error!(
+                "{}",
+                Error::StaleParameters {
+                    rank: self.group.rank(),
+                    parameter
+                }
+            ),
+            Ok(None) => {}
+            Err(e) => log::error!("DistributedDataParallel::module: {e}"),
+        }
         if let Err(e) = self.refresh_copies() {
             // Only a device failure can get here (the copies have the variables' shapes and
             // devices); the module then computes with the values of the last refresh.
@@ -360,37 +397,58 @@ impl<M> DistributedDataParallel<M> {
     }
 
     /// What the optimizer steps: the trainable variables (buffers excluded), sorted by name;
-    /// under [`Sharding::Zero2`] this rank's shard of each bucket instead, in bucket order.
+    /// under [`Sharding::Zero2`] this rank's piece of each of them instead, in the same order
+    /// (a 1-D chunk of the flattened parameter, see [`crate::shard`]).
     pub fn parameters(&self) -> Vec<Var> {
-        match self.reducer.shard_vars() {
-            shards if !shards.is_empty() => shards,
+        match self.reducer.pieces() {
+            pieces if !pieces.is_empty() => self
+                .sorted_index
+                .iter()
+                .map(|&i| pieces[i].clone())
+                .collect(),
             _ => self.sorted.iter().map(|(_, v)| v.clone()).collect(),
         }
     }
 
-    /// The names of [`DistributedDataParallel::parameters`], in the same order; under
-    /// [`Sharding::Zero2`], `zero2.bucket<b>` for bucket `b`'s shard.
+    /// The names of [`DistributedDataParallel::parameters`], in the same order: the
+    /// parameters' names, sorted, whatever the sharding.
     pub fn parameter_names(&self) -> Vec<String> {
-        match self.reducer.shard_vars().len() {
-            0 => self.sorted.iter().map(|(n, _)| n.clone()).collect(),
-            n => (0..n).map(|b| format!("zero2.bucket{b}")).collect(),
-        }
+        self.sorted.iter().map(|(n, _)| n.clone()).collect()
     }
 
     /// The model's trainable variables by name, sorted (whatever the sharding: under ZeRO-2
-    /// they hold the values of the last gather).
+    /// they hold the values of the last gather, see [`module`](Self::module)).
     pub fn named_parameters(&self) -> Vec<(String, Var)> {
         self.sorted.clone()
     }
 
-    /// Under [`Sharding::Zero2`], puts every rank's updated shards together into the model's
-    /// parameters (an all-gather per bucket). Each forward does it when an optimizer step may
-    /// have changed the shards; call it on every rank before reading or saving the parameters
-    /// otherwise. Does nothing without sharding.
+    /// Under [`Sharding::Zero2`], puts every rank's pieces together into the model's
+    /// parameters (an all-gather per bucket). This crate's optimizers do it at the end of each
+    /// step; after a step of another optimizer call it on every rank before reading, saving or
+    /// evaluating the model (the next training forward does it too). Does nothing without
+    /// sharding. Not inside [`join`](Self::join), where a rank that ran out of batches only
+    /// shadows training iterations.
     pub fn gather_parameters(&self) -> Result<()> {
-        self.reducer.gather_parameters()?;
-        self.stale.store(false, Ordering::SeqCst);
-        Ok(())
+        self.refuse_inside_join("gather_parameters")?;
+        self.reducer.gather_parameters()
+    }
+
+    /// Fails, naming this rank and `what`, inside [`join`](Self::join): a rank that has run
+    /// out of batches shadows only the training iterations of the others, so any other
+    /// collective would pair with one of theirs.
+    fn refuse_inside_join(&self, what: &str) -> Result<()> {
+        if lock(&self.joining).is_none() {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument {
+            what: "DistributedDataParallel::join",
+            detail: format!(
+                "rank {}: {what} inside join; a rank that ran out of batches shadows only \
+                 training iterations (a training forward, backward, one step), so it would \
+                 not take part: call {what} after join returns",
+                self.group.rank()
+            ),
+        })
     }
 
     /// DDP's own process group (a second group over the same ranks as the one given).
@@ -460,34 +518,41 @@ impl<M> DistributedDataParallel<M> {
         for group in &self.sync_groups {
             nn::finish_backward(group)?;
         }
-        let synchronised = self.no_sync.load(Ordering::SeqCst) == 0;
         self.reducer.finalize_backward(&mut grads, started)?;
-        if synchronised {
-            // The optimizer steps the shards next.
-            self.stale.store(true, Ordering::SeqCst);
-        }
         Ok(grads)
     }
 }
 
 impl<M> DistributedDataParallel<M> {
-    /// What every forward does before the model runs (and a joined rank's shadow of it): take
-    /// rank 0's buffers in training, gather the shards after a step (ZeRO-2), and refresh the
-    /// model's parameter copies.
+    /// What every forward does before the model runs (and a joined rank's shadow of it): in
+    /// training, take rank 0's buffers and (ZeRO-2) gather the pieces if the optimizer did not;
+    /// in evaluation, no collective, but (ZeRO-2) refuse a model behind its pieces. Then
+    /// refresh the model's parameter copies.
     fn before_forward(&self, train: bool) -> Result<()> {
-        if train && self.broadcast_buffers {
-            self.sync_buffers()?;
-        }
-        if self.stale.load(Ordering::SeqCst) {
-            self.gather_parameters()?;
+        if train {
+            if self.broadcast_buffers {
+                self.broadcast_buffers()?;
+            }
+            self.reducer.gather_if_due()?;
+        } else if let Some(parameter) = self.reducer.stale_parameter()? {
+            return Err(Error::StaleParameters {
+                rank: self.group.rank(),
+                parameter,
+            });
         }
         self.refresh_copies()
     }
 
     /// Overwrites this rank's buffers (BatchNorm's running statistics) with rank 0's, on every
     /// rank: what each training forward does first (unless `broadcast_buffers` is off). Call it
-    /// before evaluating or saving on every rank, for every rank to hold rank 0's statistics.
+    /// before evaluating or saving on every rank, for every rank to hold rank 0's statistics
+    /// (not inside [`join`](Self::join)).
     pub fn sync_buffers(&self) -> Result<()> {
+        self.refuse_inside_join("sync_buffers")?;
+        self.broadcast_buffers()
+    }
+
+    fn broadcast_buffers(&self) -> Result<()> {
         broadcast_from_rank_0(&self.group, &self.buffers, self.bucket_bytes)
     }
 }

@@ -33,10 +33,10 @@ use super::unused::{describe, UnusedReport};
 use super::Sharding;
 use crate::distributed::{ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
-use crate::shard::FlatLayout;
+use crate::shard::{chunk_elements, chunk_of, FlatLayout};
 use crate::util::sync::lock;
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -94,7 +94,8 @@ struct Layout {
     buckets: Vec<Vec<usize>>,
     /// Per parameter, its bucket.
     bucket_of: Vec<usize>,
-    /// Per bucket, its parameters laid end to end and cut into one shard per rank.
+    /// Per bucket, its parameters cut into one chunk per rank, each rank's chunks laid end to
+    /// end: what a reduce-scatter cuts and an all-gather puts together.
     flat: Vec<FlatLayout>,
 }
 
@@ -150,11 +151,30 @@ struct State {
     unused: Vec<usize>,
     /// The sets of such parameters reported so far (each once).
     reported: HashSet<Vec<usize>>,
-    /// Under ZeRO-2, this rank's shard of each bucket's parameters, which the optimizer steps.
-    shards: Vec<Var>,
+    /// Under ZeRO-2, this rank's pieces, which the optimizer steps.
+    zero2: Option<Zero2>,
     /// What the world's average is multiplied by in the next synchronised backward (under
     /// `join`, world / active ranks, to average over the ranks still training).
     scale: f64,
+}
+
+/// Under ZeRO-2: this rank's piece of each parameter, and where the model's parameters stand
+/// with respect to them.
+struct Zero2 {
+    /// Per parameter (in the reducer's order), this rank's chunk of it, padded
+    /// ([`crate::shard::chunk_of`]): what the optimizer steps.
+    pieces: Vec<Var>,
+    /// The pieces may have been stepped since the parameters were last gathered after a step:
+    /// set by each synchronised backward, cleared by the gather at the end of a step (this
+    /// crate's optimizers run it) or by the next training forward's.
+    gather_due: bool,
+    /// The last synchronised backward handed out a gradient for some piece.
+    handed_out: bool,
+    /// An explicit gather came since `gather_due` was set (so unchanged pieces at the next
+    /// training forward say nothing about the optimizer).
+    gathered_since: bool,
+    /// Whether the optimizer that did not step the pieces was reported.
+    warned_unstepped: bool,
 }
 
 /// The reducer. Made empty, so that the model's `GradReady` ops can point at it while the
@@ -170,9 +190,15 @@ impl Reducer {
     pub fn configure(&self, setup: Setup) -> Result<()> {
         let layout = Layout::new(&setup, &setup.expected_order);
         let n = setup.params.len();
-        let shards = match setup.sharding {
-            Sharding::None => Vec::new(),
-            Sharding::Zero2 => cut_shards(&setup, &layout)?,
+        let zero2 = match setup.sharding {
+            Sharding::None => None,
+            Sharding::Zero2 => Some(Zero2 {
+                pieces: cut_pieces(&setup)?,
+                gather_due: false,
+                handed_out: false,
+                gathered_since: false,
+                warned_unstepped: false,
+            }),
         };
         *lock(&self.state) = Some(State {
             setup,
@@ -183,7 +209,7 @@ impl Reducer {
             stats: BackwardStats::default(),
             unused: Vec::new(),
             reported: HashSet::new(),
-            shards,
+            zero2,
             scale: 1.0,
         });
         Ok(())
@@ -196,78 +222,96 @@ impl Reducer {
         }
     }
 
-    /// Under ZeRO-2, this rank's shard of each bucket, in bucket order; empty otherwise.
-    pub fn shard_vars(&self) -> Vec<Var> {
+    /// Under ZeRO-2, this rank's piece of each parameter, in the reducer's order; empty
+    /// otherwise.
+    pub fn pieces(&self) -> Vec<Var> {
         lock(&self.state)
             .as_ref()
-            .map(|st| st.shards.clone())
+            .and_then(|st| st.zero2.as_ref())
+            .map(|z| z.pieces.clone())
             .unwrap_or_default()
     }
 
-    /// Each bucket's flat layout and its parameters' indices, in bucket order.
-    pub fn flat_buckets(&self) -> Vec<(FlatLayout, Vec<usize>)> {
-        let guard = lock(&self.state);
-        let Some(st) = guard.as_ref() else {
-            return Vec::new();
-        };
-        st.layout
-            .flat
-            .iter()
-            .cloned()
-            .zip(st.layout.buckets.iter().cloned())
-            .collect()
-    }
-
-    /// Under ZeRO-2, cuts this rank's shards again from the parameters' current values (after
+    /// Under ZeRO-2, cuts this rank's pieces again from the parameters' current values (after
     /// they were loaded); does nothing without sharding.
-    pub fn recut_shards(&self) -> Result<()> {
-        let guard = lock(&self.state);
-        let Some(st) = guard.as_ref().filter(|st| !st.shards.is_empty()) else {
+    pub fn recut_pieces(&self) -> Result<()> {
+        let mut guard = lock(&self.state);
+        let Some(st) = guard.as_mut() else {
             return Ok(());
         };
-        for (shard, cut) in st.shards.iter().zip(cut_shards(&st.setup, &st.layout)?) {
-            shard.set(cut.as_tensor())?;
+        let cut = match &st.zero2 {
+            Some(_) => cut_pieces(&st.setup)?,
+            None => return Ok(()),
+        };
+        let zero2 = st.zero2.as_mut().expect("checked above");
+        for (piece, cut) in zero2.pieces.iter().zip(cut) {
+            piece.set(cut.as_tensor())?;
         }
+        zero2.gather_due = false;
         Ok(())
     }
 
-    /// Under ZeRO-2, puts every rank's shards together into the parameters: one all-gather per
+    /// Under ZeRO-2, puts every rank's pieces together into the parameters: one all-gather per
     /// bucket, all issued before the first is waited for, so that they follow each other on
     /// the backend's thread. Every rank must call it. Does nothing without sharding.
     pub fn gather_parameters(&self) -> Result<()> {
-        let guard = lock(&self.state);
-        let Some(st) = guard.as_ref().filter(|st| !st.shards.is_empty()) else {
+        let mut guard = lock(&self.state);
+        let Some(st) = guard.as_mut().filter(|st| st.zero2.is_some()) else {
             return Ok(());
         };
-        let group = &st.setup.group;
-        let works = st
-            .shards
-            .iter()
-            .map(|s| {
-                if group.world_size() == 1 {
-                    return Ok(None);
-                }
-                group.all_gather_async(s.as_tensor()).map(Some)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        for (b, work) in works.into_iter().enumerate() {
-            let flat = match work {
-                Some(work) => Tensor::cat(&work.wait()?, 0)?,
-                None => st.shards[b].as_tensor().clone(),
-            };
-            let members = &st.layout.buckets[b];
-            let shapes: Vec<Vec<usize>> = members
-                .iter()
-                .map(|&i| st.setup.params[i].var.dims().to_vec())
-                .collect();
-            for (&i, t) in members
-                .iter()
-                .zip(st.layout.flat[b].unflatten(&flat, &shapes)?)
-            {
-                st.setup.params[i].var.set(&t)?;
-            }
+        st.gather()?;
+        // Whether a step came before this gather is not known on every rank alike: the next
+        // training forward gathers again all the same.
+        if let Some(z) = st.zero2.as_mut() {
+            z.gathered_since = z.gather_due;
         }
         Ok(())
+    }
+
+    /// What this crate's optimizers run at the end of a step over the pieces: the gather, after
+    /// which the model is current.
+    pub fn after_step(&self) -> Result<()> {
+        let mut guard = lock(&self.state);
+        let Some(st) = guard.as_mut().filter(|st| st.zero2.is_some()) else {
+            return Ok(());
+        };
+        st.gather()?;
+        if let Some(z) = st.zero2.as_mut() {
+            z.gather_due = false;
+        }
+        Ok(())
+    }
+
+    /// What a training forward does first under ZeRO-2: the gather, when a synchronised
+    /// backward came since the last gather after a step (the optimizer did not run one: not
+    /// one of this crate's). Every rank must call it.
+    pub fn gather_if_due(&self) -> Result<()> {
+        let mut guard = lock(&self.state);
+        let Some(st) = guard.as_mut() else {
+            return Ok(());
+        };
+        if !st.zero2.as_ref().is_some_and(|z| z.gather_due) {
+            return Ok(());
+        }
+        let z = st.zero2.as_ref().expect("checked above");
+        if z.handed_out && !z.gathered_since && st.stale_parameter()?.is_none() {
+            st.report_unstepped();
+        }
+        st.gather()?;
+        if let Some(z) = st.zero2.as_mut() {
+            z.gather_due = false;
+        }
+        Ok(())
+    }
+
+    /// Under ZeRO-2, the first parameter whose piece was stepped since the last gather, when
+    /// one was: the model's parameters are then behind its pieces. Reads this rank's pieces
+    /// only (no collective).
+    pub fn stale_parameter(&self) -> Result<Option<String>> {
+        match lock(&self.state).as_ref() {
+            Some(st) => st.stale_parameter(),
+            None => Ok(None),
+        }
     }
 
     /// The buckets' parameter names, in bucket order.
@@ -351,6 +395,87 @@ impl Reducer {
 }
 
 impl State {
+    /// Under ZeRO-2, puts every rank's pieces together into the parameters (see
+    /// [`Reducer::gather_parameters`]).
+    fn gather(&self) -> Result<()> {
+        let Some(zero2) = &self.zero2 else {
+            return Ok(());
+        };
+        let group = &self.setup.group;
+        let shards = self
+            .layout
+            .buckets
+            .iter()
+            .map(|members| {
+                let pieces: Vec<Tensor> = members
+                    .iter()
+                    .map(|&i| zero2.pieces[i].as_tensor().clone())
+                    .collect();
+                Ok(Tensor::cat(&pieces, 0)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let works = shards
+            .iter()
+            .map(|s| match group.world_size() {
+                1 => Ok(None),
+                _ => group.all_gather_async(s).map(Some),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for ((b, work), shard) in works.into_iter().enumerate().zip(shards) {
+            let parts = match work {
+                Some(work) => work.wait()?,
+                None => vec![shard],
+            };
+            let members = &self.layout.buckets[b];
+            let shapes: Vec<Vec<usize>> = members
+                .iter()
+                .map(|&i| self.setup.params[i].var.dims().to_vec())
+                .collect();
+            let full = self.layout.flat[b].from_shards(&parts, &shapes)?;
+            for (&i, t) in members.iter().zip(full) {
+                self.setup.params[i].var.set(&t)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// See [`Reducer::stale_parameter`].
+    fn stale_parameter(&self) -> Result<Option<String>> {
+        let Some(zero2) = self.zero2.as_ref().filter(|z| z.gather_due) else {
+            return Ok(None);
+        };
+        let (world, rank) = (self.setup.group.world_size(), self.setup.group.rank());
+        for (p, piece) in self.setup.params.iter().zip(&zero2.pieces) {
+            let real = chunk_elements(p.var.elem_count(), world, rank).len();
+            if real == 0 {
+                continue;
+            }
+            let held = chunk_of(p.var.as_tensor(), world, rank)?.narrow(0, 0, real)?;
+            if differs(&piece.as_tensor().narrow(0, 0, real)?, &held)? {
+                return Ok(Some(p.name.clone()));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Says once (rank 0) that a training forward found no piece stepped since the last
+    /// backward: the optimizer steps something else, or nothing.
+    fn report_unstepped(&mut self) {
+        let rank = self.setup.group.rank();
+        let Some(z) = self.zero2.as_mut().filter(|z| !z.warned_unstepped) else {
+            return;
+        };
+        z.warned_unstepped = true;
+        if rank == 0 {
+            log::warn!(
+                "DistributedDataParallel (ZeRO-2): no parameter's piece changed between the last \
+                 backward and this forward: the optimizer is not stepping \
+                 model.parameters() (this rank's pieces), or its learning rate was 0, or the \
+                 step was skipped (said once)"
+            );
+        }
+    }
+
     /// Takes parameter `index`'s gradient: into its bucket, issuing the buckets it completes,
     /// or under no_sync into this rank's sum (torch's `mark_variable_ready`).
     fn mark_ready(&mut self, index: usize, grad: &Tensor) -> Result<()> {
@@ -463,25 +588,24 @@ impl State {
         self.issue_ready_buckets()?;
         // After the last bucket, on every rank: which parameters got a gradient anywhere.
         let used_anywhere = self.all_reduce_local_used_map(&used_here)?;
+        // Per parameter: its averaged gradient, or under ZeRO-2 this rank's chunk of it.
         let mut averaged: Vec<Option<Tensor>> = vec![None; n];
-        let mut shard_grads = Vec::with_capacity(self.shards.len());
         let it = &mut self.iteration;
         for (b, bucket) in it.buckets.iter_mut().enumerate() {
             let reduced = bucket.wait(&mut it.grads)?;
-            match self.setup.sharding {
-                Sharding::None => {
-                    for (&i, g) in bucket.params.iter().zip(reduced) {
-                        averaged[i] = Some(g);
-                    }
-                }
+            let reduced = match self.setup.sharding {
+                Sharding::None => reduced,
                 Sharding::Zero2 => {
                     // With one rank nothing travelled: the shard is the whole bucket.
                     let shard = match self.setup.group.world_size() {
-                        1 => self.layout.flat[b].flatten(&reduced)?,
+                        1 => self.layout.flat[b].shard(&reduced, 0)?,
                         _ => reduced.into_iter().next().expect("one shard per bucket"),
                     };
-                    shard_grads.push(shard);
+                    self.layout.flat[b].split_shard(&shard)?
                 }
+            };
+            for (&i, g) in bucket.params.iter().zip(reduced) {
+                averaged[i] = Some(g);
             }
         }
         let used_anywhere: Vec<bool> = match used_anywhere {
@@ -495,16 +619,23 @@ impl State {
         let scale = std::mem::replace(&mut self.scale, 1.0);
         let scaled =
             |g: Tensor| -> Result<Tensor> { Ok(if scale == 1.0 { g } else { (g * scale)? }) };
+        // A parameter used on no rank gets no gradient, nor (under ZeRO-2) do its pieces: the
+        // optimizer leaves it and its state as they are, as in one process.
+        let mut handed_out = false;
         for (i, g) in averaged.into_iter().enumerate() {
-            let var = &self.setup.params[i].var;
+            let var = match &self.zero2 {
+                Some(z) => &z.pieces[i],
+                None => &self.setup.params[i].var,
+            };
             if let Some(g) = g.filter(|_| used_anywhere[i]) {
                 grads.insert(var.as_tensor(), scaled(g.to_dtype(var.dtype())?)?);
+                handed_out = true;
             }
         }
-        // Under ZeRO-2 the gradient of a parameter used on no rank is zeros within its shard:
-        // a flat shard cannot leave out part of itself (as torch's FSDP).
-        for (shard, g) in self.shards.iter().zip(shard_grads) {
-            grads.insert(shard.as_tensor(), scaled(g.to_dtype(shard.dtype())?)?);
+        if let Some(z) = self.zero2.as_mut() {
+            z.gather_due = true;
+            z.handed_out = handed_out;
+            z.gathered_since = false;
         }
         self.stats = BackwardStats {
             autograd: autograd_done - started,
@@ -512,8 +643,8 @@ impl State {
             buckets: self.layout.buckets.len(),
             issued_during_autograd,
         };
-        // The shards, which the optimizer holds, are cut along the first buckets: they stay.
-        if self.setup.rebuild_buckets && !self.rebuilt && self.shards.is_empty() {
+        // The pieces do not depend on the buckets: they can be rebuilt under ZeRO-2 too.
+        if self.setup.rebuild_buckets && !self.rebuilt {
             self.rebuild_buckets()?;
         }
         self.report_unused()
@@ -601,26 +732,25 @@ impl State {
     }
 }
 
-/// This rank's shard of each bucket's parameters, as new variables.
-fn cut_shards(setup: &Setup, layout: &Layout) -> Result<Vec<Var>> {
-    let rank = setup.group.rank();
-    layout
-        .buckets
+/// This rank's piece of each parameter, as new variables.
+fn cut_pieces(setup: &Setup) -> Result<Vec<Var>> {
+    let (world, rank) = (setup.group.world_size(), setup.group.rank());
+    setup
+        .params
         .iter()
-        .zip(&layout.flat)
-        .map(|(members, flat)| {
-            let values: Vec<Tensor> = members
-                .iter()
-                .map(|&i| setup.params[i].var.as_tensor().clone())
-                .collect();
-            let range = flat.shard_range(rank);
-            let shard = flat
-                .flatten(&values)?
-                .narrow(0, range.start, range.len())?
-                .copy()?;
-            Ok(Var::from_tensor(&shard)?)
+        .map(|p| {
+            let chunk = chunk_of(p.var.as_tensor(), world, rank)?.copy()?;
+            Ok(Var::from_tensor(&chunk)?)
         })
         .collect()
+}
+
+/// Whether `a` and `b` (of one shape) differ anywhere, NaN counting as equal to NaN.
+fn differs(a: &Tensor, b: &Tensor) -> Result<bool> {
+    let mask = |t: &Tensor| t.to_dtype(DType::F32);
+    let ne = mask(&a.ne(b)?)?;
+    let both_nan = (mask(&a.ne(a)?)? * mask(&b.ne(b)?)?)?;
+    Ok((ne - both_nan)?.sum_all()?.to_scalar::<f32>()? > 0.0)
 }
 
 #[cfg(test)]

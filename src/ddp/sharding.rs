@@ -2,20 +2,26 @@
 
 /// What each rank of [`DistributedDataParallel`](super::DistributedDataParallel) keeps.
 ///
-/// With [`Sharding::Zero2`] (ZeRO stage 2, torch FSDP's `SHARD_GRAD_OP`), each gradient bucket
-/// is laid out flat ([`crate::shard::FlatLayout`]) and reduce-scattered instead of all-reduced,
-/// as soon as it is ready in backward. Each rank keeps its shard of each bucket's averaged
-/// gradient, and of the parameters as variables of their own:
-/// [`parameters`](super::DistributedDataParallel::parameters) gives those shards, `backward`
-/// returns their gradients, and an optimizer made over them keeps state for its shard only
-/// (the training loop is the same as without sharding). The next forward all-gathers the
-/// updated shards into the model's parameters, bucket after bucket.
+/// With [`Sharding::Zero2`] (ZeRO stage 2, torch FSDP's `SHARD_GRAD_OP`), each parameter is cut
+/// into one chunk per rank ([`crate::shard`]) and each gradient bucket is reduce-scattered
+/// instead of all-reduced, as soon as it is ready in backward. Each rank keeps its piece of
+/// each parameter as a variable of its own:
+/// [`parameters`](super::DistributedDataParallel::parameters) gives the pieces (in the order,
+/// and under the names, of the unsharded parameters), `backward` returns their averaged
+/// gradients, and an optimizer made over them keeps state for its pieces only (the training
+/// loop is the same as without sharding). A parameter that got a gradient on no rank gets none,
+/// nor do its pieces: the optimizer leaves it and its state as they are, as in one process.
+///
+/// The pieces are put together into the model's parameters by an all-gather per bucket: at the
+/// end of each step of this crate's optimizers ([`crate::optim::managed`]), so that the model,
+/// its `VarMap` and an evaluation on any rank are current with no collective; with another
+/// optimizer, by the next training forward, or by
+/// [`gather_parameters`](super::DistributedDataParallel::gather_parameters) (an evaluation of a
+/// model behind its pieces is [`crate::Error::StaleParameters`], at once).
 ///
 /// The optimizer must update each element on its own (SGD, Adam, AdamW:
 /// [`crate::optim::Sgd`], candle-nn's): one that looks across a whole tensor (LAMB, a gradient
-/// norm) would see a shard. A parameter used on no rank gets zeros within its shard (it is still
-/// reported), and the buckets are not rebuilt after the first iteration, since the optimizer
-/// holds the shards cut from them.
+/// norm) would see a piece.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Sharding {

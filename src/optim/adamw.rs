@@ -1,6 +1,6 @@
 //! `torch.optim.AdamW`.
 
-use super::{checked_state, ElementwiseOptimizer, OptimizerState};
+use super::{checked_state, managed, ElementwiseOptimizer, OptimizerState};
 use crate::error::Error;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -256,6 +256,7 @@ impl Optimizer for AdamW {
     fn new(vars: Vec<Var>, config: AdamWConfig) -> candle_core::Result<Self> {
         config.validate().map_err(Error::into_candle)?;
         let vars: Vec<Var> = vars.into_iter().filter(|v| v.dtype().is_float()).collect();
+        managed::check_vars(&vars).map_err(Error::into_candle)?;
         Ok(Self {
             moments: vec![None; vars.len()],
             vars,
@@ -266,6 +267,23 @@ impl Optimizer for AdamW {
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        managed::check_vars(&self.vars).map_err(Error::into_candle)?;
+        self.step_vars(grads)?;
+        managed::after_step(&self.vars).map_err(Error::into_candle)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.config.lr = lr
+    }
+}
+
+impl AdamW {
+    /// One step of every variable that has a gradient in `grads`.
+    fn step_vars(&mut self, grads: &GradStore) -> candle_core::Result<()> {
         let has_grad: Vec<bool> = self.vars.iter().map(|v| grads.get(v).is_some()).collect();
         if !has_grad.contains(&true) {
             return Ok(());
@@ -283,14 +301,6 @@ impl Optimizer for AdamW {
             }
         }
         Ok(())
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.config.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.config.lr = lr
     }
 }
 

@@ -29,6 +29,7 @@
 //! ```
 
 mod adamw;
+pub mod managed;
 mod sgd;
 mod sgd_kernel;
 

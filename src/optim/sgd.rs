@@ -1,6 +1,6 @@
 //! `torch.optim.SGD`.
 
-use super::{checked_state, sgd_kernel, ElementwiseOptimizer, OptimizerState};
+use super::{checked_state, managed, sgd_kernel, ElementwiseOptimizer, OptimizerState};
 use crate::error::Error;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
@@ -198,6 +198,7 @@ impl Optimizer for Sgd {
     fn new(vars: Vec<Var>, config: SgdConfig) -> candle_core::Result<Self> {
         config.validate().map_err(Error::into_candle)?;
         let vars: Vec<Var> = vars.into_iter().filter(|v| v.dtype().is_float()).collect();
+        managed::check_vars(&vars).map_err(Error::into_candle)?;
         Ok(Self {
             momentum_buffers: vec![None; vars.len()],
             handed_out: AtomicBool::new(false),
@@ -208,6 +209,7 @@ impl Optimizer for Sgd {
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        managed::check_vars(&self.vars).map_err(Error::into_candle)?;
         if std::mem::take(self.handed_out.get_mut()) {
             self.owned.fill(false);
         }
@@ -216,7 +218,7 @@ impl Optimizer for Sgd {
                 self.update(i, grad)?;
             }
         }
-        Ok(())
+        managed::after_step(&self.vars).map_err(Error::into_candle)
     }
 
     fn learning_rate(&self) -> f64 {
