@@ -1,10 +1,15 @@
 //! The `VarBuilder`s FullyShardedDataParallel builds the model through: at construction one
 //! that records what each unit (and the root) asks for, with its initial value; at each use one
 //! that serves the gathered tensors.
+//!
+//! Buffers (running statistics, and every variable that is not a float) are not sharded: they
+//! are the `VarMap`'s own variables, served as themselves so that a layer's in-place updates
+//! (candle-nn's BatchNorm) land in them, once per forward: a backward's recomputation is
+//! served copies.
 
 use crate::init::seeded_values;
 use crate::util::sync::lock;
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
 use std::collections::HashMap;
@@ -12,13 +17,21 @@ use std::sync::{Arc, Mutex};
 
 /// Where initial values come from: the `VarMap`'s variable of that name when it has one, else
 /// the builder's `Init` hint, drawn from `seed` and the name when there is a seed (the values
-/// `init::seeded_var_builder` gives).
+/// `init::seeded_var_builder` gives); and which variables are buffers.
 pub(crate) struct Source {
     pub varmap: VarMap,
     pub seed: Option<u64>,
+    /// Names (last path component) of buffers of a float dtype.
+    pub buffer_names: Vec<String>,
 }
 
 impl Source {
+    /// Whether the variable `name` of `dtype` is a buffer: named as one, or not a float.
+    pub fn is_buffer(&self, name: &str, dtype: DType) -> bool {
+        let last = name.rsplit('.').next().unwrap_or(name);
+        !dtype.is_float() || self.buffer_names.iter().any(|b| b == last)
+    }
+
     fn value(
         &self,
         shape: Shape,
@@ -37,6 +50,18 @@ impl Source {
             // A copy: the VarMap's variable is the user's, never written by the wrapper.
             return var.as_tensor().to_dtype(dtype)?.to_device(device)?.copy();
         }
+        self.fresh(shape, name, init, dtype, device)
+    }
+
+    /// A new initial value for `name`.
+    fn fresh(
+        &self,
+        shape: Shape,
+        name: &str,
+        init: Init,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
         match self.seed {
             Some(seed) => {
                 Tensor::from_vec(seeded_values(init, &shape, name, seed), shape, &Device::Cpu)?
@@ -46,13 +71,49 @@ impl Source {
             None => Ok(init.var(shape, dtype, device)?.as_tensor().clone()),
         }
     }
+
+    /// The buffer `name`: the `VarMap`'s variable, created (with its initial value) when the
+    /// `VarMap` lacks it.
+    fn buffer(
+        &self,
+        shape: Shape,
+        name: &str,
+        init: Init,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Var> {
+        let mut vars = lock(self.varmap.data());
+        if let Some(var) = vars.get(name) {
+            if var.shape() != &shape || var.dtype() != dtype {
+                candle_core::bail!(
+                    "buffer {name}: the model asks for {shape:?} {dtype:?}, the VarMap has {:?} \
+                     {:?}",
+                    var.shape(),
+                    var.dtype()
+                );
+            }
+            return Ok(var.clone());
+        }
+        let var = Var::from_tensor(&self.fresh(shape, name, init, dtype, device)?)?;
+        vars.insert(name.to_string(), var.clone());
+        Ok(var)
+    }
 }
 
-/// The variables recorded, in order, and each name's position among them.
-type Seen = (Vec<(String, Tensor)>, HashMap<String, usize>);
+/// What a recording saw, in the order first asked for: the parameters with their initial
+/// values, and the buffers.
+#[derive(Default)]
+pub(crate) struct Recorded {
+    pub params: Vec<(String, Tensor)>,
+    pub buffers: Vec<(String, Var)>,
+}
+
+/// The variables recorded, and each name's place (`Ok`: a parameter, `Err`: a buffer).
+type Seen = (Recorded, HashMap<String, std::result::Result<usize, usize>>);
 
 /// Records the variables asked for, in order (a name asked for twice, tied weights, is one
-/// variable), each with its initial value from the [`Source`].
+/// variable): parameters with their initial value from the [`Source`], buffers as the
+/// `VarMap`'s variables.
 #[derive(Clone)]
 pub(crate) struct Recording {
     source: Arc<Source>,
@@ -63,7 +124,7 @@ impl Recording {
     pub fn new(source: Arc<Source>) -> Self {
         Self {
             source,
-            seen: Arc::new(Mutex::new((Vec::new(), HashMap::new()))),
+            seen: Arc::new(Mutex::new(Default::default())),
         }
     }
 
@@ -76,10 +137,44 @@ impl Recording {
     }
 
     /// The variables recorded, in the order they were first asked for.
-    pub fn take(&self) -> Vec<(String, Tensor)> {
+    pub fn take(&self) -> Recorded {
         let mut seen = lock(&self.seen);
         seen.1.clear();
         std::mem::take(&mut seen.0)
+    }
+
+    /// What was recorded under `name` before, checked against `shape` when given.
+    fn known(&self, name: &str, shape: Option<&Shape>) -> candle_core::Result<Option<Tensor>> {
+        let seen = lock(&self.seen);
+        let t = match seen.1.get(name) {
+            Some(Ok(i)) => seen.0.params[*i].1.clone(),
+            Some(Err(i)) => seen.0.buffers[*i].1.as_tensor().clone(),
+            None => return Ok(None),
+        };
+        if let Some(s) = shape.filter(|s| t.shape() != *s) {
+            candle_core::bail!(
+                "shape mismatch on {name}: asked for {s:?}, and before for {:?}",
+                t.shape()
+            );
+        }
+        Ok(Some(t))
+    }
+
+    fn record_param(&self, name: &str, t: Tensor) -> Tensor {
+        let mut seen = lock(&self.seen);
+        let i = seen.0.params.len();
+        seen.0.params.push((name.to_string(), t.clone()));
+        seen.1.insert(name.to_string(), Ok(i));
+        t
+    }
+
+    fn record_buffer(&self, name: &str, var: Var) -> Tensor {
+        let mut seen = lock(&self.seen);
+        let i = seen.0.buffers.len();
+        let t = var.as_tensor().clone();
+        seen.0.buffers.push((name.to_string(), var));
+        seen.1.insert(name.to_string(), Err(i));
+        t
     }
 }
 
@@ -92,38 +187,29 @@ impl SimpleBackend for Recording {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        let mut seen = lock(&self.seen);
-        if let Some(&i) = seen.1.get(name) {
-            let t = seen.0[i].1.clone();
-            if t.shape() != &s {
-                candle_core::bail!(
-                    "shape mismatch on {name}: asked for {s:?}, and before for {:?}",
-                    t.shape()
-                );
-            }
+        if let Some(t) = self.known(name, Some(&s))? {
             return Ok(t);
         }
+        if self.source.is_buffer(name, dtype) {
+            let var = self.source.buffer(s, name, h, dtype, dev)?;
+            return Ok(self.record_buffer(name, var));
+        }
         let t = self.source.value(s, name, h, dtype, dev)?;
-        let i = seen.0.len();
-        seen.0.push((name.to_string(), t.clone()));
-        seen.1.insert(name.to_string(), i);
-        Ok(t)
+        Ok(self.record_param(name, t))
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
-        let seen = lock(&self.seen);
-        if let Some(&i) = seen.1.get(name) {
-            return Ok(seen.0[i].1.clone());
+        if let Some(t) = self.known(name, None)? {
+            return Ok(t);
         }
-        drop(seen);
-        match lock(self.source.varmap.data()).get(name) {
+        let var = lock(self.source.varmap.data()).get(name).cloned();
+        match var {
+            Some(var) if self.source.is_buffer(name, var.dtype()) => {
+                Ok(self.record_buffer(name, var))
+            }
             Some(var) => {
                 let t = var.as_tensor().copy()?;
-                let mut seen = lock(&self.seen);
-                let i = seen.0.len();
-                seen.0.push((name.to_string(), t.clone()));
-                seen.1.insert(name.to_string(), i);
-                Ok(t)
+                Ok(self.record_param(name, t))
             }
             None => candle_core::bail!(
                 "variable `{name}` is asked for without a shape and is not in the VarMap: \
@@ -137,16 +223,37 @@ impl SimpleBackend for Recording {
     }
 }
 
-/// A `VarBuilder` serving `tensors` (full names) at `prefix`.
+/// How a use of a unit gets the buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Buffers {
+    /// The variables themselves: a training forward's updates land in them.
+    Live,
+    /// Copies: a backward's recomputation updates nothing.
+    Copied,
+}
+
+/// A `VarBuilder` serving `tensors` (full names) and `buffers` at `prefix`.
 pub(crate) fn serving(
     names: &[String],
     tensors: Vec<Tensor>,
+    buffers: &[(String, Var)],
+    how: Buffers,
     prefix: &str,
     dtype: DType,
     device: &Device,
-) -> VarBuilder<'static> {
-    let map: HashMap<String, Tensor> = names.iter().cloned().zip(tensors).collect();
-    at_prefix(VarBuilder::from_tensors(map, dtype, device), prefix)
+) -> candle_core::Result<VarBuilder<'static>> {
+    let mut map: HashMap<String, Tensor> = names.iter().cloned().zip(tensors).collect();
+    for (name, var) in buffers {
+        let t = match how {
+            Buffers::Live => var.as_tensor().clone(),
+            Buffers::Copied => var.as_tensor().copy()?,
+        };
+        map.insert(name.clone(), t);
+    }
+    Ok(at_prefix(
+        VarBuilder::from_tensors(map, dtype, device),
+        prefix,
+    ))
 }
 
 /// `vb` at `prefix` ("" is the root, where `pp("")` would add an empty path component).

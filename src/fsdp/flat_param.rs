@@ -1,12 +1,21 @@
-//! One unit's parameters as one flat shard per rank (torch FSDP's `FlatParameter`): how it is
-//! made from the full tensors at construction, gathered back whole for a forward or backward,
-//! and how a unit's full gradient becomes this rank's shard of the world's average.
+//! One unit's parameters as one flat shard per rank (torch FSDP's `FlatParameter`, cut per
+//! parameter as FSDP2 cuts them): how it is made from the full tensors at construction,
+//! gathered back whole for a forward or backward, and how a unit's full gradient becomes this
+//! rank's pieces of the world's average.
+//!
+//! Each rank holds its chunk of every parameter of the unit ([`crate::shard`]) as a variable
+//! of its own, a piece, which the optimizer steps: a parameter that got no gradient on any rank
+//! gets none, so that the optimizer leaves it alone. The unit's buffers (running statistics)
+//! are not sharded: every rank holds them whole.
 //!
 //! Every gather carries the unit's number beside the shard, so that ranks running different
 //! units at the same point (a unit used on some ranks only) fail with a typed error naming
-//! both units, rather than combining one unit's shards with another's of the same size.
+//! both units, rather than combining one unit's shards with another's of the same size. The
+//! number travels as base-64 digits, exact in every float dtype (bf16 counts exactly to 256
+//! only).
 
-use crate::ddp::agreement::check_same_descriptions;
+use super::backend::Buffers;
+use crate::ddp::agreement::{broadcast_from_rank_0, check_same_descriptions, travels};
 use crate::distributed::{ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::shard::FlatLayout;
@@ -21,11 +30,15 @@ pub(crate) const ROOT: &str = "(root)";
 /// The name of a unit built at the root of the `VarBuilder`, in messages.
 pub(crate) const UNPREFIXED: &str = "(unprefixed)";
 
+/// How many base-64 digits a unit's number travels as: units up to 64^4.
+const TAG_DIGITS: usize = 4;
+
 /// What every flat parameter of one wrapper shares: its group, and the iteration under way.
 pub(crate) struct Shared {
     pub group: ProcessGroup,
     pub device: Device,
-    /// Training forwards so far: a unit's backward belongs to the iteration of its forward.
+    /// Backwards so far: a unit's backward belongs to the iteration of its forward (every
+    /// training forward since the last backward belongs to the next one).
     pub iteration: AtomicU64,
     /// Each flat parameter's name, by number (0 is the root).
     names: Mutex<Vec<String>>,
@@ -75,21 +88,26 @@ pub(crate) struct FlatParam {
     pub shapes: Vec<Vec<usize>>,
     pub dtype: DType,
     pub layout: FlatLayout,
-    /// This rank's shard: what the optimizer steps.
-    pub shard: Var,
+    /// This rank's piece of each parameter, in flat order: what the optimizer steps.
+    pub pieces: Vec<Var>,
+    /// The unit's buffers (whole on every rank), by full name.
+    pub buffers: Vec<(String, Var)>,
     pub shared: Arc<Shared>,
     /// Reduce-scatters of this iteration's gradients, in flight.
     pending: Mutex<Vec<Work<Tensor>>>,
+    /// Per parameter: whether it got a gradient on this rank in this iteration.
+    used: Mutex<Vec<bool>>,
 }
 
 impl FlatParam {
     /// Makes the flat parameter of `entries` (full names and values, the same on every rank
-    /// after this): checks that every rank has the same names, shapes and dtypes, takes rank
-    /// 0's values, and keeps this rank's shard only.
+    /// after this) and `buffers`: checks that every rank has the same names, shapes and
+    /// dtypes, takes rank 0's values, and keeps this rank's pieces only (and the buffers).
     pub fn new(
         shared: &Arc<Shared>,
         name: &str,
         entries: Vec<(String, Tensor)>,
+        buffers: Vec<(String, Var)>,
     ) -> Result<Arc<Self>> {
         let unit_error = |detail: String| Error::FsdpUnit {
             unit: name.to_string(),
@@ -97,7 +115,7 @@ impl FlatParam {
         };
         let Some((_, first)) = entries.first() else {
             return Err(unit_error(
-                "it asked for no variables: mark as units only modules with parameters".into(),
+                "it asked for no parameters: mark as units only modules with parameters".into(),
             ));
         };
         let dtype = first.dtype();
@@ -127,20 +145,27 @@ impl FlatParam {
                     t.dims()
                 )
             })
+            .chain(describe_buffers(name, &buffers))
             .collect();
         check_same_descriptions(group, &descriptions, &shared.device)?;
         let numels: Vec<usize> = entries.iter().map(|(_, t)| t.elem_count()).collect();
-        let layout = FlatLayout::new(&numels, group.world_size());
+        let (world, rank) = (group.world_size(), group.rank());
+        let layout = FlatLayout::new(&numels, world);
         let values: Vec<Tensor> = entries.iter().map(|(_, t)| t.clone()).collect();
         let mut flat = layout.flatten(&values)?;
         drop(values);
-        if group.world_size() > 1 {
+        if world > 1 {
             flat = group.broadcast(&flat, 0)?;
         }
-        let range = layout.shard_range(group.rank());
-        // A copy of its own, so that the full buffer is freed now.
-        let shard = flat.narrow(0, range.start, range.len())?.copy()?;
+        let range = layout.shard_range(rank);
+        // Copies of their own, so that the full buffer is freed now.
+        let pieces = layout
+            .split_shard(&flat.narrow(0, range.start, range.len())?)?
+            .iter()
+            .map(|chunk| Ok(Var::from_tensor(&chunk.copy()?)?))
+            .collect::<Result<Vec<_>>>()?;
         drop(flat);
+        broadcast_buffers(group, &buffers)?;
         let id = {
             let mut names = lock(&shared.names);
             if name == ROOT {
@@ -157,16 +182,27 @@ impl FlatParam {
             shapes: entries.iter().map(|(_, t)| t.dims().to_vec()).collect(),
             dtype,
             layout,
-            shard: Var::from_tensor(&shard)?,
+            used: Mutex::new(vec![false; pieces.len()]),
+            pieces,
+            buffers,
             shared: shared.clone(),
             pending: Mutex::new(Vec::new()),
         }))
     }
 
+    /// This rank's shard: its pieces laid end to end.
+    fn shard(&self) -> Result<Tensor> {
+        let pieces: Vec<Tensor> = self.pieces.iter().map(|p| p.as_tensor().clone()).collect();
+        Ok(Tensor::cat(&pieces, 0)?)
+    }
+
     /// Issues the all-gather of every rank's shard, tagged with this unit's number.
     pub fn gather_async(&self) -> Result<Work<Vec<Tensor>>> {
-        let tag = Tensor::new(&[self.id as f64], &self.shared.device)?.to_dtype(self.dtype)?;
-        let tagged = Tensor::cat(&[self.shard.as_tensor(), &tag], 0)?;
+        let digits: Vec<f64> = (0..TAG_DIGITS)
+            .map(|k| ((self.id >> (6 * k)) & 63) as f64)
+            .collect();
+        let tag = Tensor::new(digits.as_slice(), &self.shared.device)?.to_dtype(self.dtype)?;
+        let tagged = Tensor::cat(&[&self.shard()?, &tag], 0)?;
         self.shared.group.all_gather_async(&tagged)
     }
 
@@ -176,13 +212,22 @@ impl FlatParam {
         let n = self.layout.shard_len();
         let tags: Vec<Tensor> = parts
             .iter()
-            .map(|p| p.narrow(0, n, 1))
+            .map(|p| p.narrow(0, n, TAG_DIGITS))
             .collect::<candle_core::Result<_>>()?;
-        let tags = Tensor::cat(&tags, 0)?
+        let digits = Tensor::cat(&tags, 0)?
             .to_dtype(DType::F64)?
             .to_vec1::<f64>()?;
-        if let Some((rank, &tag)) = tags.iter().enumerate().find(|(_, &t)| t != self.id as f64) {
-            let other = self.shared.name(tag as usize);
+        let tags: Vec<usize> = digits
+            .chunks(TAG_DIGITS)
+            .map(|d| {
+                d.iter()
+                    .enumerate()
+                    .map(|(k, &v)| (v as usize) << (6 * k))
+                    .sum()
+            })
+            .collect();
+        if let Some((rank, &tag)) = tags.iter().enumerate().find(|(_, &t)| t != self.id) {
+            let other = self.shared.name(tag);
             return Err(Error::Mismatch {
                 detail: format!(
                     "FullyShardedDataParallel: rank {} gathered the parameters of unit `{}` \
@@ -198,8 +243,7 @@ impl FlatParam {
             .iter()
             .map(|p| p.narrow(0, 0, n))
             .collect::<candle_core::Result<_>>()?;
-        let full = Tensor::cat(&shards, 0)?;
-        self.layout.unflatten(&full, &self.shapes)
+        self.layout.from_shards(&shards, &self.shapes)
     }
 
     /// The full tensors, gathered from every rank's shard.
@@ -209,8 +253,12 @@ impl FlatParam {
     }
 
     /// Issues the reduce-scatter (average) of this rank's full gradients `grads` (in flat
-    /// order; `None` where a parameter got none: zeros); [`take_gradient`] waits for it.
+    /// order; `None` where a parameter got none: zeros, and it counts as unused here);
+    /// [`take_gradient`] waits for it.
     pub fn reduce_scatter(&self, grads: Vec<Option<Tensor>>) -> Result<()> {
+        for (used, g) in lock(&self.used).iter_mut().zip(&grads) {
+            *used |= g.is_some();
+        }
         let grads: Vec<Tensor> = grads
             .into_iter()
             .zip(&self.shapes)
@@ -245,12 +293,19 @@ impl FlatParam {
         Ok(sum)
     }
 
+    /// Per parameter, whether it got a gradient on this rank in the iteration; resets it.
+    pub fn take_used(&self) -> Vec<bool> {
+        let mut used = lock(&self.used);
+        std::mem::replace(&mut *used, vec![false; self.pieces.len()])
+    }
+
     /// Drops the reduce-scatters in flight after a failed backward, waiting for each (a
     /// collective cannot be withdrawn once issued).
     pub fn abandon(&self) {
         for work in std::mem::take(&mut *lock(&self.pending)) {
             let _ = work.wait();
         }
+        self.take_used();
     }
 
     /// The iteration under way.
@@ -259,24 +314,67 @@ impl FlatParam {
     }
 
     /// A `VarBuilder` at the unit's prefix serving `tensors` (full, in flat order) under the
-    /// variables' names: what the unit's constructor is given at each use.
-    pub fn var_builder(&self, tensors: Vec<Tensor>) -> candle_nn::VarBuilder<'static> {
+    /// variables' names, and the buffers as `how` says: what the unit's constructor is given
+    /// at each use.
+    pub fn var_builder(
+        &self,
+        tensors: Vec<Tensor>,
+        how: Buffers,
+    ) -> Result<candle_nn::VarBuilder<'static>> {
         let prefix = if self.id == 0 || self.name == UNPREFIXED {
             ""
         } else {
             self.name.as_str()
         };
-        super::backend::serving(
+        Ok(super::backend::serving(
             &self.names,
             tensors,
+            &self.buffers,
+            how,
             prefix,
             self.dtype,
             &self.shared.device,
-        )
+        )?)
     }
 
     /// The bytes of this rank's shard.
     pub fn shard_bytes(&self) -> usize {
         self.layout.shard_len() * self.dtype.size_in_bytes()
     }
+}
+
+/// "name buffer of unit U dtype [shape]" for each of `buffers`: what every rank must agree on.
+fn describe_buffers<'a>(
+    unit: &'a str,
+    buffers: &'a [(String, Var)],
+) -> impl Iterator<Item = String> + 'a {
+    buffers.iter().map(move |(n, v)| {
+        format!(
+            "{n} buffer of unit {unit} {} {:?}",
+            v.dtype().as_str(),
+            v.dims()
+        )
+    })
+}
+
+/// Overwrites `buffers` with rank 0's values, on every rank (every rank must call it).
+pub(crate) fn broadcast_buffers(group: &ProcessGroup, buffers: &[(String, Var)]) -> Result<()> {
+    let travelling: Vec<Var> = buffers
+        .iter()
+        .filter(|(_, v)| travels(v.dtype()))
+        .map(|(_, v)| v.clone())
+        .collect();
+    broadcast_from_rank_0(group, &travelling, 25 << 20)
+}
+
+/// Checks that every rank has the same `buffers` (outside any unit: `unit` is the root) and
+/// takes rank 0's values.
+pub(crate) fn agree_on_buffers(
+    shared: &Shared,
+    unit: &str,
+    buffers: &[(String, Var)],
+) -> Result<()> {
+    let descriptions: Vec<String> = describe_buffers(unit, buffers).collect();
+    check_same_descriptions(&shared.group, &descriptions, &shared.device)?;
+    broadcast_buffers(&shared.group, buffers)
 }

@@ -5,18 +5,23 @@
 //! The model marks its units where it builds them, with [`unit`] (each transformer block, say);
 //! the parameters outside every unit (embeddings, the final norm and head) are the root. At
 //! construction every rank builds the model, the ranks check that they built the same
-//! variables, take rank 0's initial values and keep one flat shard per unit and one for the
-//! root, nearly equal whatever the tensor sizes ([`crate::shard::FlatLayout`]); the full
-//! tensors are freed unit by unit.
+//! variables, take rank 0's initial values and keep their chunk of every parameter, one flat
+//! shard per unit and one for the root, nearly equal whatever the tensor sizes
+//! ([`crate::shard`]); the full tensors are freed unit by unit.
 //!
 //! In training, as with [`crate::DistributedDataParallel`]: [`parameters`] are this rank's
-//! shards (give them to the optimizer), `forward_t` computes, `backward(&loss)` returns a
-//! `GradStore` holding each shard's part of the world-averaged gradient, and `opt.step` steps
-//! the shards. A training loop is the same under DDP, ZeRO-2 and FSDP.
+//! pieces of the parameters (give them to the optimizer), `forward_t` computes,
+//! `backward(&loss)` returns a `GradStore` holding each piece's part of the world-averaged
+//! gradient, and `opt.step` steps the pieces. A training loop is the same under DDP, ZeRO-2 and
+//! FSDP. A parameter that got a gradient on no rank (frozen by `detach`, a branch not taken)
+//! gets none, so that the optimizer leaves it and its state alone, as in one process.
 //!
-//! - Forward: the root's parameters are gathered (they live until backward ends); each unit's
-//!   use gathers its parameters, builds the module, computes without a graph and frees them.
-//!   The output enters autograd's graph through a custom op.
+//! - Forward: in training, rank 0's buffers are broadcast first (as DDP does); the root's
+//!   parameters are gathered (they live until backward ends); each unit's use gathers its
+//!   parameters, builds the module, computes without a graph and frees them. The output enters
+//!   autograd's graph through a custom op. Every training forward since the last backward
+//!   belongs to the next backward (two forwards summed into one loss train as in one
+//!   process).
 //! - Backward: that op gathers the unit's parameters again, rebuilds it over fresh variables,
 //!   recomputes its forward with a graph and back-propagates through it, then reduce-scatters
 //!   the unit's gradient (asynchronously: backward goes on with the unit before it). `backward`
@@ -67,11 +72,21 @@
 //! [`Error::Mismatch`] naming the units, never a silent mix); a unit computes the same output
 //! each time for the same input (no dropout: the backward recomputes it); tensors a unit
 //! captures besides its input ([`Unit::forward_with`]) are constants. A unit used twice in one
-//! forward (shared weights) gets both uses' gradients; a unit whose output reaches the loss on
-//! no rank gets no gradient (`None` in the `GradStore`, so the optimizer leaves it), and rank 0
-//! says so through the `log` facade. Parameters of the root that get no gradient contribute
-//! zeros (they share one flat gradient). Buffers (BatchNorm's running statistics) are not
-//! supported.
+//! forward (shared weights) gets both uses' gradients; a parameter whose gradient reaches the
+//! loss on no rank gets no gradient (`None` in the `GradStore`, so the optimizer leaves it), and
+//! rank 0 says so through the `log` facade unless it is declared frozen
+//! ([`FsdpConfig::frozen_parameters`]).
+//!
+//! Buffers (BatchNorm's running statistics, and every variable that is not a float) are not
+//! sharded: they are the `VarMap`'s own variables, whole on every rank, updated in place by
+//! each training forward (once: a backward's recomputation works on copies), broadcast from
+//! rank 0 before each training forward ([`FsdpConfig::broadcast_buffers`]), and part of
+//! [`FullyShardedDataParallel::full_parameters`]. The `VarMap`'s parameters keep their initial
+//! values: the trained ones are the pieces, which `full_parameters` gathers. An optimizer of
+//! this crate made over the `VarMap`'s parameters is refused ([`crate::optim::managed`]).
+//!
+//! Evaluation (`forward_t(x, false)`) gathers each unit too: every rank must evaluate. A rank
+//! that left the group meanwhile makes it fail at once, naming it.
 //!
 //! [`parameters`]: FullyShardedDataParallel::parameters
 
@@ -82,15 +97,17 @@ mod unit;
 
 pub use unit::{unit, Unit};
 
-use crate::distributed::ProcessGroup;
+use crate::ddp::unused::{describe, is_declared};
+use crate::distributed::{ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::memory::MemoryReport;
+use crate::optim::managed::{self, Registration};
 use crate::util::sync::lock;
-use backend::{serving, Recording, Source};
+use backend::{serving, Buffers, Recorded, Recording, Source};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
-use flat_param::{FlatParam, Shared, ROOT};
+use flat_param::{agree_on_buffers, broadcast_buffers, FlatParam, Shared, ROOT};
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -104,6 +121,16 @@ pub struct FsdpConfig {
     /// name (the values of [`crate::init::seeded_var_builder`]), or, without a seed (the
     /// default), from candle's random initialisation. Rank 0's are taken either way.
     pub seed: Option<u64>,
+    /// Variables whose name ends in one of these path components are buffers, not
+    /// parameters: never sharded, never given to the optimizer (default: DDP's, candle-nn's
+    /// BatchNorm statistics and torch's `num_batches_tracked`). Variables that are not floats
+    /// are buffers whatever their name.
+    pub buffer_names: Vec<String>,
+    /// Broadcast rank 0's buffers before each training forward (default true, as DDP).
+    pub broadcast_buffers: bool,
+    /// Parameters frozen on purpose, never reported for having no gradient: names, or
+    /// prefixes of a whole path component (as [`crate::DdpConfig::frozen_parameters`]).
+    pub frozen_parameters: Vec<String>,
 }
 
 impl Default for FsdpConfig {
@@ -111,6 +138,9 @@ impl Default for FsdpConfig {
         Self {
             dtype: DType::F32,
             seed: None,
+            buffer_names: crate::ddp::unused::BUFFER_NAMES.map(String::from).to_vec(),
+            broadcast_buffers: true,
+            frozen_parameters: Vec::new(),
         }
     }
 }
@@ -124,9 +154,18 @@ pub struct FullyShardedDataParallel<M> {
     shared: Arc<Shared>,
     /// The root's flat parameter, when the model has parameters outside its units.
     root: Option<Arc<FlatParam>>,
+    /// The buffers outside every unit.
+    root_buffers: Vec<(String, Var)>,
     units: Arc<Vec<Arc<FlatParam>>>,
-    /// The model of the last training forward and the root's variables in it, until backward.
-    live: Mutex<Option<Live<M>>>,
+    /// The models of the training forwards since the last backward and the root's variables
+    /// in each, until backward.
+    live: Mutex<Vec<Live<M>>>,
+    broadcast_buffers: bool,
+    frozen: Vec<String>,
+    /// The sets of parameters without a gradient reported so far (each once).
+    reported: Mutex<HashSet<Vec<String>>>,
+    /// Refuses optimizers over the `VarMap`'s parameters, for as long as the wrapper lives.
+    _managed: Registration,
 }
 
 /// What a training forward leaves for its backward.
@@ -135,6 +174,9 @@ struct Live<M> {
     _model: M,
     root_vars: Vec<Var>,
 }
+
+/// Training forwards without a backward after which the wrapper says that it keeps them all.
+const PILING_UP: usize = 16;
 
 impl<M> FullyShardedDataParallel<M> {
     /// Shards the model that `build` constructs, with default options. Every rank of `group`
@@ -171,45 +213,64 @@ impl<M> FullyShardedDataParallel<M> {
         let source = Arc::new(Source {
             varmap: varmap.clone(),
             seed: config.seed,
+            buffer_names: config.buffer_names.clone(),
         });
         let recording = Recording::new(source.clone());
         let vb = recording.var_builder("", config.dtype, device);
         let (model, units) = unit::record(&shared, &source, || build(vb));
         let model = model.map_err(|e| shared.take_error().unwrap_or(Error::Candle(e)))?;
         drop(model);
-        let root_entries = recording.take();
-        check_disjoint(&root_entries, &units)?;
-        let root = if root_entries.is_empty() {
+        let root_recorded = recording.take();
+        check_disjoint(&root_recorded, &units)?;
+        let root = if root_recorded.params.is_empty() {
             None
         } else {
-            Some(FlatParam::new(&shared, ROOT, root_entries)?)
+            Some(FlatParam::new(
+                &shared,
+                ROOT,
+                root_recorded.params,
+                Vec::new(),
+            )?)
         };
+        agree_on_buffers(&shared, ROOT, &root_recorded.buffers)?;
+        let flat: Vec<&Arc<FlatParam>> = units.iter().chain(root.iter()).collect();
+        let in_varmap: Vec<(String, Var)> = {
+            let vars = lock(varmap.data());
+            flat.iter()
+                .flat_map(|p| p.names.iter())
+                .filter_map(|n| vars.get(n).map(|v| (n.clone(), v.clone())))
+                .collect()
+        };
+        let _managed = managed::register_whole(&in_varmap, "FullyShardedDataParallel");
         Ok(Self {
             build: Box::new(build),
             shared,
             root,
+            root_buffers: root_recorded.buffers,
             units: Arc::new(units),
-            live: Mutex::new(None),
+            live: Mutex::new(Vec::new()),
+            broadcast_buffers: config.broadcast_buffers,
+            frozen: config.frozen_parameters,
+            reported: Mutex::new(HashSet::new()),
+            _managed,
         })
     }
 
-    /// This rank's shards, to give to the optimizer: one per unit in the order the model asks
-    /// for them, then the root's (when the model has parameters outside its units).
+    /// This rank's pieces of the parameters, to give to the optimizer: each unit's in the order
+    /// the model asks for the units (and each unit for its variables), then the root's (the
+    /// parameters outside every unit). Each is a 1-D chunk of the flattened parameter
+    /// ([`crate::shard`]).
     pub fn parameters(&self) -> Vec<Var> {
-        self.flat_params().map(|p| p.shard.clone()).collect()
+        self.flat_params()
+            .flat_map(|p| p.pieces.iter().cloned())
+            .collect()
     }
 
-    /// The names of [`parameters`](Self::parameters), in the same order: `"{unit}.flat_param"`
-    /// and `"flat_param"` for the root.
+    /// The names of [`parameters`](Self::parameters), in the same order: the parameters' full
+    /// names.
     pub fn parameter_names(&self) -> Vec<String> {
         self.flat_params()
-            .map(|p| {
-                if p.id == 0 {
-                    "flat_param".to_string()
-                } else {
-                    format!("{}.flat_param", p.name)
-                }
-            })
+            .flat_map(|p| p.names.iter().cloned())
             .collect()
     }
 
@@ -218,10 +279,20 @@ impl<M> FullyShardedDataParallel<M> {
         self.units.iter().map(|p| p.name.clone()).collect()
     }
 
-    /// The full names of the variables in each of [`parameters`](Self::parameters), in flat
-    /// order.
+    /// The full names of the parameters of each unit (in the order of
+    /// [`units`](Self::units)), then of the root's when the model has parameters outside its
+    /// units.
     pub fn variable_names(&self) -> Vec<Vec<String>> {
         self.flat_params().map(|p| p.names.clone()).collect()
+    }
+
+    /// The buffers (running statistics, integer variables), by name: the `VarMap`'s variables,
+    /// whole on every rank.
+    pub fn buffers(&self) -> Vec<(String, Var)> {
+        self.flat_params()
+            .flat_map(|p| p.buffers.iter().cloned())
+            .chain(self.root_buffers.iter().cloned())
+            .collect()
     }
 
     /// FSDP's own process group (a second group over the same ranks as the one given).
@@ -229,13 +300,18 @@ impl<M> FullyShardedDataParallel<M> {
         &self.shared.group
     }
 
-    /// The full value of every variable, by name, gathered from the shards (every rank must
-    /// call it; every rank gets them all): what a checkpoint of the whole model holds.
+    /// The full value of every variable, by name: the parameters gathered from the pieces,
+    /// then the buffers (this rank's; the same on every rank after a training forward with
+    /// [`FsdpConfig::broadcast_buffers`]). Every rank must call it; every rank gets them all:
+    /// what a checkpoint of the whole model holds.
     pub fn full_parameters(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
         for p in self.flat_params() {
             let tensors = p.gather()?;
             out.extend(p.names.iter().cloned().zip(tensors));
+        }
+        for (name, var) in self.buffers() {
+            out.push((name, var.as_tensor().copy()?));
         }
         Ok(out)
     }
@@ -257,19 +333,28 @@ impl<M> FullyShardedDataParallel<M> {
         self.units.iter().chain(self.root.iter())
     }
 
-    /// Averages the gradients of `loss` over the world, each rank getting its shards' part:
+    /// Averages the gradients of `loss` over the world, each rank getting its pieces' part:
     /// runs backward (each unit's gradient is reduce-scattered as soon as it is computed), then
-    /// reduce-scatters the root's and waits for all. The returned `GradStore` holds, under each
-    /// of [`parameters`](Self::parameters), this rank's shard of the averaged gradient; a unit
-    /// whose output reached the loss on no rank has none. Call it once after each training
-    /// forward, on every rank.
+    /// reduce-scatters the root's, agrees with the other ranks on which parameters got a
+    /// gradient anywhere (one small all-reduce) and waits for all. The returned `GradStore`
+    /// holds, under each of [`parameters`](Self::parameters), this rank's piece of the averaged
+    /// gradient; a parameter whose gradient reached the loss on no rank has none. Call it once
+    /// after the training forwards whose outputs `loss` is made of, on every rank.
     ///
     /// Fails with [`Error::FsdpBackwardWithoutForward`] when no training forward came since the
     /// last backward, and with [`Error::Mismatch`] when the ranks ran different units.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
-        let live = lock(&self.live)
-            .take()
-            .ok_or(Error::FsdpBackwardWithoutForward)?;
+        let live = std::mem::take(&mut *lock(&self.live));
+        if live.is_empty() {
+            return Err(Error::FsdpBackwardWithoutForward);
+        }
+        let result = self.reduce(loss, live);
+        // The graphs of this iteration are done with, whatever happened.
+        self.shared.iteration.fetch_add(1, Ordering::SeqCst);
+        result
+    }
+
+    fn reduce(&self, loss: &Tensor, live: Vec<Live<M>>) -> Result<GradStore> {
         let mut grads = match loss.backward() {
             Ok(g) => g,
             Err(e) => {
@@ -280,42 +365,111 @@ impl<M> FullyShardedDataParallel<M> {
             }
         };
         if let Some(root) = &self.root {
-            let root_grads = live
-                .root_vars
-                .iter()
-                .map(|v| grads.remove(v.as_tensor()))
-                .collect();
+            // Each training forward's root variables got their part of the gradient.
+            let mut root_grads: Vec<Option<Tensor>> = vec![None; root.names.len()];
+            for l in &live {
+                for (sum, v) in root_grads.iter_mut().zip(&l.root_vars) {
+                    if let Some(g) = grads.remove(v.as_tensor()) {
+                        *sum = Some(match sum.take() {
+                            Some(s) => (s + g)?,
+                            None => g,
+                        });
+                    }
+                }
+            }
             root.reduce_scatter(root_grads)?;
         }
         drop(live);
+        let used_here: Vec<bool> = self.flat_params().flat_map(|p| p.take_used()).collect();
+        let used_anywhere = self.agree_on_used(&used_here)?;
         let mut without = Vec::new();
+        let mut next = 0;
         for p in self.flat_params() {
-            match p.take_gradient()? {
-                Some(g) => {
-                    grads.insert(p.shard.as_tensor(), g);
+            let used = &used_anywhere[next..next + p.pieces.len()];
+            next += p.pieces.len();
+            let Some(shard) = p.take_gradient()? else {
+                without.extend(p.names.iter().cloned());
+                continue;
+            };
+            for ((piece, g), (&used, name)) in p
+                .pieces
+                .iter()
+                .zip(p.layout.split_shard(&shard)?)
+                .zip(used.iter().zip(&p.names))
+            {
+                match used {
+                    true => {
+                        grads.insert(piece.as_tensor(), g);
+                    }
+                    false => without.push(name.clone()),
                 }
-                None => without.push(p.name.clone()),
             }
         }
-        if !without.is_empty() && self.shared.group.rank() == 0 {
+        self.report_without(without);
+        Ok(grads)
+    }
+
+    /// Which parameters got a gradient on any rank: the maximum of every rank's 0/1 map.
+    fn agree_on_used(&self, used_here: &[bool]) -> Result<Vec<bool>> {
+        let group = &self.shared.group;
+        if group.world_size() == 1 || used_here.is_empty() {
+            return Ok(used_here.to_vec());
+        }
+        let map: Vec<f32> = used_here.iter().map(|&u| f32::from(u8::from(u))).collect();
+        let map =
+            Tensor::from_vec(map, used_here.len(), &Device::Cpu)?.to_device(&self.shared.device)?;
+        let all = group
+            .all_reduce(&map, ReduceOp::Max)?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f32>()?;
+        Ok(all.into_iter().map(|u| u > 0.5).collect())
+    }
+
+    /// Says once per distinct set (rank 0) which parameters got no gradient on any rank,
+    /// leaving out those declared frozen.
+    fn report_without(&self, without: Vec<String>) {
+        let mut names: Vec<String> = without
+            .into_iter()
+            .filter(|n| !is_declared(n, &self.frozen))
+            .collect();
+        names.sort();
+        if names.is_empty() || self.shared.group.rank() != 0 {
+            return;
+        }
+        if lock(&self.reported).insert(names.clone()) {
             log::warn!(
-                "FullyShardedDataParallel: unit(s) {} got no gradient: their output did not \
-                 reach the loss; the optimizer leaves them as they are",
-                without.join(", ")
+                "FullyShardedDataParallel: {}; the optimizer leaves them as they are (declare \
+                 them in FsdpConfig::frozen_parameters if that is meant)",
+                describe(&names)
             );
         }
-        Ok(grads)
     }
 }
 
 impl<M: ModuleT> FullyShardedDataParallel<M> {
     /// The forward pass in training (`train = true`: the output is part of a graph for
-    /// [`backward`](Self::backward)) or evaluation mode (no graph; nothing is kept).
+    /// [`backward`](Self::backward)) or evaluation mode (no graph; nothing is kept). Every
+    /// rank must call it, in either mode: it gathers each unit's parameters.
+    ///
+    /// Every training forward since the last backward belongs to the next backward: their
+    /// root parameters are kept until then (evaluate with `train = false`).
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        if train {
-            // A training forward not followed by a backward is forgotten.
-            lock(&self.live).take();
-            self.shared.iteration.fetch_add(1, Ordering::SeqCst);
+        self.forward_inner(xs, train).map_err(|e| match e {
+            Error::PeerLost { rank, detail } => Error::PeerLost {
+                rank,
+                detail: format!(
+                    "{detail}; FullyShardedDataParallel's forward (in training and evaluation) \
+                     gathers each unit's parameters from every rank: run it on every rank, or \
+                     take full_parameters() on every rank and evaluate a plain model alone"
+                ),
+            },
+            other => other,
+        })
+    }
+
+    fn forward_inner(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        if train && self.broadcast_buffers {
+            broadcast_buffers(&self.shared.group, &self.buffers())?;
         }
         let (names, tensors) = match &self.root {
             Some(root) => (root.names.clone(), root.gather()?),
@@ -335,16 +489,32 @@ impl<M: ModuleT> FullyShardedDataParallel<M> {
             tensors
         };
         let dtype = self.root.as_ref().map_or(DType::F32, |r| r.dtype);
-        let vb = serving(&names, served, "", dtype, &self.shared.device);
+        let vb = serving(
+            &names,
+            served,
+            &self.root_buffers,
+            Buffers::Live,
+            "",
+            dtype,
+            &self.shared.device,
+        )?;
         let model = unit::serve(&self.shared, &self.units, train, || (self.build)(vb))?;
         let out = model
             .forward_t(xs, train)
             .map_err(|e| self.shared.take_error().unwrap_or(Error::Candle(e)))?;
         if train {
-            *lock(&self.live) = Some(Live {
+            let mut live = lock(&self.live);
+            live.push(Live {
                 _model: model,
                 root_vars,
             });
+            if live.len() == PILING_UP && self.shared.group.rank() == 0 {
+                log::warn!(
+                    "FullyShardedDataParallel: {PILING_UP} training forwards without a \
+                     backward: each is kept (with its copy of the root's parameters) for the \
+                     next backward; evaluate with forward_t(x, false)"
+                );
+            }
         }
         Ok(out)
     }
@@ -358,13 +528,20 @@ impl<M: ModuleT> candle_core::Module for FullyShardedDataParallel<M> {
 }
 
 /// Fails when a variable belongs to two units, or to a unit and the root.
-fn check_disjoint(root: &[(String, Tensor)], units: &[Arc<FlatParam>]) -> Result<()> {
+fn check_disjoint(root: &Recorded, units: &[Arc<FlatParam>]) -> Result<()> {
     let mut owner: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
-    let all = root.iter().map(|(n, _)| (n.as_str(), ROOT)).chain(
-        units
+    let root_names = root
+        .params
+        .iter()
+        .map(|(n, _)| n)
+        .chain(root.buffers.iter().map(|(n, _)| n));
+    let unit_names = units.iter().flat_map(|u| {
+        u.names
             .iter()
-            .flat_map(|u| u.names.iter().map(move |n| (n.as_str(), u.name.as_str()))),
-    );
+            .chain(u.buffers.iter().map(|(n, _)| n))
+            .map(move |n| (n.as_str(), u.name.as_str()))
+    });
+    let all = root_names.map(|n| (n.as_str(), ROOT)).chain(unit_names);
     let mut seen = HashSet::new();
     for (name, unit) in all {
         if !seen.insert(name) {

@@ -1,13 +1,16 @@
 //! How a unit's output, computed without a graph, enters autograd's graph: [`UnitOp`], a custom
-//! op over the unit's input and its flat shard. Its forward hands on the output computed
+//! op over the unit's input and its first piece. Its forward hands on the output computed
 //! beforehand; its backward gathers the unit's parameters again, rebuilds the unit over fresh
-//! variables, recomputes the forward with a graph from the input, back-propagates the output's
-//! gradient through it, and reduce-scatters the parameters' gradient into this rank's shard.
+//! variables (and copies of its buffers, so that the recomputation updates no running
+//! statistics a second time), recomputes the forward with a graph from the input,
+//! back-propagates the output's gradient through it, and reduce-scatters the parameters'
+//! gradient into this rank's pieces.
 //!
-//! The shard is an argument so that the op is in the graph even when the input needs no
+//! The piece is an argument so that the op is in the graph even when the input needs no
 //! gradient (a unit fed by the data). Its gradient is not returned to candle: it comes from a
 //! reduce-scatter still in flight, which `FullyShardedDataParallel::backward` waits for.
 
+use super::backend::Buffers;
 use super::flat_param::FlatParam;
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
@@ -30,7 +33,7 @@ pub(crate) struct UnitOp {
 
 impl UnitOp {
     /// `out` (computed from `xs` without a graph) as the output of a `UnitOp` over `xs` and the
-    /// unit's shard.
+    /// unit's first piece.
     pub fn attach(param: Arc<FlatParam>, run: Run, xs: &Tensor, out: Tensor) -> Result<Tensor> {
         // The op's forward copies a compact tensor's storage.
         let out = if out.is_contiguous() && out.layout().start_offset() == 0 {
@@ -38,14 +41,14 @@ impl UnitOp {
         } else {
             out.copy()?
         };
-        let shard = param.shard.as_tensor().clone();
+        let piece = param.pieces[0].as_tensor().clone();
         let op = UnitOp {
             iteration: param.iteration(),
             param,
             run,
             out: Mutex::new(Some(out)),
         };
-        Ok(xs.apply_op2(&shard, op)?)
+        Ok(xs.apply_op2(&piece, op)?)
     }
 
     fn take_out(&self) -> candle_core::Result<Tensor> {
@@ -61,9 +64,10 @@ impl UnitOp {
             return Err(Error::FsdpUnit {
                 unit: self.param.name.clone(),
                 detail: format!(
-                    "a backward went through the graph of training forward {} while forward {now} \
-                     is the current one: run FullyShardedDataParallel::backward once after each \
-                     training forward, on the loss of that forward",
+                    "a backward went through the graph of a training forward of iteration {} \
+                     while iteration {now} is the current one: the graph was already \
+                     back-propagated by FullyShardedDataParallel::backward; run it once on the \
+                     loss of the training forwards since the last one",
                     self.iteration
                 ),
             });
@@ -74,9 +78,10 @@ impl UnitOp {
             .map(Var::from_tensor)
             .collect::<candle_core::Result<Vec<_>>>()?;
         drop(tensors);
-        let vb = self
-            .param
-            .var_builder(vars.iter().map(|v| v.as_tensor().clone()).collect());
+        let vb = self.param.var_builder(
+            vars.iter().map(|v| v.as_tensor().clone()).collect(),
+            Buffers::Copied,
+        )?;
         let input = Var::from_tensor(&xs.detach())?;
         let out = (self.run)(vb, input.as_tensor())?;
         let grads = (out * grad)?.sum_all()?.backward()?;
@@ -131,7 +136,7 @@ impl candle_core::CustomOp2 for UnitOp {
     fn bwd(
         &self,
         xs: &Tensor,
-        _shard: &Tensor,
+        _piece: &Tensor,
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {

@@ -7,7 +7,7 @@
 //! DDP) [`unit`] builds the module at once and a [`Unit`] is a plain wrapper around it, so one
 //! model definition serves every way of training.
 
-use super::backend::{Recording, Source};
+use super::backend::{Buffers, Recording, Source};
 use super::flat_param::{FlatParam, Shared, UNPREFIXED};
 use super::op::{Run, UnitOp};
 use crate::error::{Error, Result};
@@ -76,9 +76,14 @@ where
             let inside = recording.var_builder(&prefix, vb.dtype(), vb.device());
             let module = in_unit(&shared, &prefix, || build(inside))?;
             drop(module);
-            let entries = recording.take();
-            let param =
-                FlatParam::new(&shared, unit_name(&prefix), entries).map_err(|e| shared.fail(e))?;
+            let recorded = recording.take();
+            let param = FlatParam::new(
+                &shared,
+                unit_name(&prefix),
+                recorded.params,
+                recorded.buffers,
+            )
+            .map_err(|e| shared.fail(e))?;
             RECORDED.with(|r| r.borrow_mut().push(param));
             Ok(Unit {
                 inner: Inner::Recorded,
@@ -202,7 +207,7 @@ impl<M: ModuleT + 'static> Unit<M> {
 /// One use of a sharded unit: gather, build, compute without a graph, free; in a training
 /// forward the output then enters the graph through [`UnitOp`], whose backward recomputes.
 fn apply(param: &Arc<FlatParam>, run: Run, xs: &Tensor, graph: bool) -> Result<Tensor> {
-    let vb = param.var_builder(param.gather()?);
+    let vb = param.var_builder(param.gather()?, Buffers::Live)?;
     let out = run(vb, &xs.detach())?;
     if !graph {
         return Ok(out);
