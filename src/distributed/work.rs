@@ -93,7 +93,22 @@ impl<T: Send + 'static> Work<T> {
     /// once the collective is enqueued, and makes the device's stream wait for it: kernels
     /// launched afterwards see the result, and the host never waits for the GPU.
     pub fn wait(self) -> Result<T> {
-        self.pending.wait()
+        let what = self.what;
+        // Name the call, which the transport that noticed the failure does not know.
+        self.pending.wait().map_err(|e| match e {
+            Error::Timeout {
+                what: waiting,
+                waited,
+            } => Error::Timeout {
+                what: format!("{waiting} ({what})"),
+                waited,
+            },
+            Error::PeerLost { rank, detail } => Error::PeerLost {
+                rank,
+                detail: format!("{detail} (this rank was in {what})"),
+            },
+            other => other,
+        })
     }
 
     /// Whether the collective has finished (successfully or not), on the host and, for device
