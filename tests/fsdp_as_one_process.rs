@@ -8,7 +8,7 @@ mod common;
 
 use candle_core::{DType, Device, Module, ModuleT, Tensor};
 use candle_nn::{batch_norm, linear, loss, BatchNorm, Linear, Optimizer, VarBuilder, VarMap};
-use candle_parallel::distributed::{self, ProcessGroup};
+use candle_parallel::distributed::ProcessGroup;
 use candle_parallel::fsdp::{self, FsdpConfig, Unit};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{AdamW, AdamWConfig};
@@ -402,11 +402,13 @@ fn chain(units: usize) -> impl Fn(VarBuilder) -> candle_core::Result<Chain> {
 
 #[test]
 fn more_units_than_half_precision_counts_exactly_train_as_ddp() {
-    // bf16 counts integers exactly to 256, f16 to 2048: the units' numbers must still tell
-    // them apart.
-    for (dtype, units) in [(DType::BF16, 300), (DType::F16, 2100)] {
-        let losses = distributed::spawn_threads(2, |pg| {
-            let x = Tensor::ones((3, 2), dtype, &Device::Cpu)?;
+    let test = "more_units_than_half_precision_counts_exactly_train_as_ddp";
+    if is_child() {
+        let pg = join_child();
+        // bf16 counts integers exactly to 256, f16 to 2048: the units' numbers must still tell
+        // them apart.
+        for (dtype, units) in [(DType::BF16, 300), (DType::F16, 2100)] {
+            let x = Tensor::ones((3, 2), dtype, &Device::Cpu).unwrap();
             let config = FsdpConfig {
                 dtype,
                 seed: Some(SEED),
@@ -418,25 +420,36 @@ fn more_units_than_half_precision_counts_exactly_train_as_ddp() {
                 &Device::Cpu,
                 config,
                 chain(units),
-            )?;
-            let l = f.forward_t(&x, true)?.sqr()?.sum_all()?;
-            let grads = f.backward(&l)?;
+            )
+            .unwrap();
+            let l = f
+                .forward_t(&x, true)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            let grads = f.backward(&l).unwrap();
             let pieces = f.parameters();
             assert!(pieces.iter().all(|p| grads.get(p.as_tensor()).is_some()));
             let varmap = VarMap::new();
-            chain(units)(seeded_var_builder(&varmap, SEED, dtype, &Device::Cpu))?;
-            let ddp = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, chain(units))?;
-            let want = ddp.forward_t(&x, true)?.sqr()?.sum_all()?;
-            Ok((
-                l.to_dtype(DType::F32)?.to_scalar::<f32>()?,
-                want.to_dtype(DType::F32)?.to_scalar::<f32>()?,
-            ))
-        })
-        .unwrap();
-        for (got, want) in losses {
-            assert_eq!(got, want, "{dtype:?} with {units} units");
+            chain(units)(seeded_var_builder(&varmap, SEED, dtype, &Device::Cpu)).unwrap();
+            let ddp =
+                DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, chain(units)).unwrap();
+            let want = ddp
+                .forward_t(&x, true)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap();
+            let scalar = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap();
+            assert_eq!(scalar(&l), scalar(&want), "{dtype:?} with {units} units");
         }
+        done();
+        return;
     }
+    Ranks::world(test, WORLD).assert_all_pass(LIMIT);
 }
 
 // --- evaluation on one rank -----------------------------------------------------------------
