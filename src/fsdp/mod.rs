@@ -60,10 +60,10 @@
 //!     let loss = model.forward_t(&x, true)?.sqr()?.sum_all()?;
 //!     let grads = model.backward(&loss)?; // this rank's shard of the averaged gradient
 //!     opt.step(&grads)?;
-//!     // a: 40 parameters, b: 18; two shards of 20 and two of 9 per rank.
+//!     // Each rank holds half of each parameter: a's weight (32) and bias (8), b's (16, 2).
 //!     Ok(model.parameters().iter().map(|p| p.elem_count()).collect::<Vec<_>>())
 //! })?;
-//! assert_eq!(shards, [vec![20, 9], vec![20, 9]]);
+//! assert_eq!(shards, [vec![16, 4, 8, 1], vec![16, 4, 8, 1]]);
 //! # Ok(()) }
 //! ```
 //!
