@@ -32,7 +32,7 @@ use candle_parallel::devices::gpu_count;
 use candle_parallel::distributed::{ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::launch::{self, LaunchConfig};
-use candle_parallel::optim::Sgd;
+use candle_parallel::optim::{FiniteLoss, Sgd};
 use candle_parallel::sampler::{DistributedSampler, SamplerConfig};
 use candle_parallel::{checkpoint, DistributedDataParallel};
 use clap::Parser;
@@ -175,6 +175,7 @@ fn train<M: ModuleT>(
         }
     }
 
+    let mut finite = args.train.finite_loss(device)?;
     let started = Instant::now();
     let epochs = args.train.epochs;
     let mut history = Vec::with_capacity(epochs);
@@ -187,9 +188,10 @@ fn train<M: ModuleT>(
             0
         };
         at.epoch = epoch as u64;
-        let training = Training {
+        let mut training = Training {
             checkpoints: checkpoints.as_ref(),
             every: args.checkpoint_every,
+            finite: &mut finite,
         };
         let (rate, train_loss) = training.epoch(
             &model,
@@ -204,7 +206,10 @@ fn train<M: ModuleT>(
         model.sync_buffers()?;
         let (loss, correct, n) = evaluate(&model, pg, &data.test, device)?;
         if rank == 0 {
-            println!("Epoch {epoch}/{epochs}: {rate:.0} images/s");
+            match rate {
+                Some(rate) => println!("Epoch {epoch}/{epochs}: {rate:.0} images/s"),
+                None => println!("Epoch {epoch}/{epochs}: trained before the restart"),
+            }
             cli::print_test_line(loss, correct, n);
         }
         history.push(plot::Epoch {
@@ -260,20 +265,23 @@ fn draw(
     Ok(())
 }
 
-/// How the training loop checkpoints.
+/// How the training loop checkpoints, and watches its losses.
 struct Training<'a> {
     checkpoints: Option<&'a ResumeDir>,
     every: u64,
+    /// `None` with --allow-non-finite.
+    finite: &'a mut Option<FiniteLoss>,
 }
 
 impl Training<'_> {
     /// One pass over this rank's share of the training set, from `at.position` on (a resumed
-    /// epoch), keeping `at` up to date and checkpointing every `every` steps; returns the
-    /// whole job's throughput in images/s and the training loss averaged over the images every
-    /// rank trained on (NaN when a resumed epoch had no step left).
+    /// epoch), keeping `at` up to date and checkpointing every `every` steps (after checking
+    /// that no loss so far was NaN or infinite, as at the end); returns the whole job's
+    /// throughput in images/s (`None` when a resumed epoch had no step left) and the training
+    /// loss averaged over the images every rank trained on (NaN then).
     #[allow(clippy::too_many_arguments)]
     fn epoch<M: ModuleT>(
-        &self,
+        &mut self,
         model: &DistributedDataParallel<M>,
         opt: &mut Sgd,
         train: &Split,
@@ -281,7 +289,7 @@ impl Training<'_> {
         args: &Args,
         at: &mut Progress,
         device: &Device,
-    ) -> Result<(f64, f64)> {
+    ) -> Result<(Option<f64>, f64)> {
         let world = model.process_group().world_size();
         let leader = model.process_group().rank() == 0;
         let indices = sampler.indices();
@@ -302,10 +310,16 @@ impl Training<'_> {
             opt.step(&grads)?;
             loss_sum = (loss_sum + (loss.detach() * batch.len() as f64)?)?;
             at.step += 1;
+            if let Some(f) = self.finite.as_mut() {
+                f.observe(&loss, at.step)?;
+            }
             at.position += batch.len();
             // Every rank takes a step of the same size: the job's images.
             bar.inc((batch.len() * world) as u64);
             if let Some(c) = self.checkpoints.filter(|_| at.step % self.every == 0) {
+                if let Some(f) = self.finite.as_ref() {
+                    f.check()?;
+                }
                 let folder = c.save(at, |path| model.save_checkpoint(opt, path))?;
                 if leader {
                     bar.suspend(|| {
@@ -318,17 +332,24 @@ impl Training<'_> {
                 }
             }
         }
+        if let Some(f) = self.finite.as_ref() {
+            f.check()?;
+        }
         // Reading the summed loss waits for the device, so the time covers all the work.
         let loss_sum = f64::from(loss_sum.to_scalar::<f32>()?);
         let seconds = started.elapsed().as_secs_f64();
         bar.finish_and_clear();
         let trained = indices.len() - skip;
+        if trained == 0 {
+            // Every rank resumed past this epoch's training (their shares are equally long).
+            return Ok((None, f64::NAN));
+        }
         let sums = Tensor::new(&[loss_sum, trained as f64], device)?;
         let sums = model
             .process_group()
             .all_reduce(&sums, ReduceOp::Sum)?
             .to_vec1::<f64>()?;
-        Ok(((trained * world) as f64 / seconds, sums[0] / sums[1]))
+        Ok((Some((trained * world) as f64 / seconds), sums[0] / sums[1]))
     }
 }
 

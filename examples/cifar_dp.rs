@@ -14,7 +14,7 @@ use candle_nn::{loss, Optimizer, VarMap};
 use candle_parallel::cifar::{Net, Split};
 use candle_parallel::devices::replica_devices;
 use candle_parallel::init::seeded_var_builder;
-use candle_parallel::optim::Sgd;
+use candle_parallel::optim::{FiniteLoss, Sgd};
 use candle_parallel::rng::Rng;
 use candle_parallel::{checkpoint, DataParallel};
 use clap::Parser;
@@ -74,12 +74,20 @@ fn main() -> Result<()> {
     let model = DataParallel::new(&varmap, devices, Net::new)?;
     let mut opt = Sgd::new(model.parameters(), args.train.sgd())?;
 
+    let mut finite = args.train.finite_loss(&main_device)?;
     let started = Instant::now();
     let epochs = args.train.epochs;
     let mut history = Vec::with_capacity(epochs);
     for epoch in 1..=epochs {
-        let (rate, train_loss) =
-            train_epoch(&model, &mut opt, &data.train, &args, epoch, &main_device)?;
+        let (rate, train_loss) = train_epoch(
+            &model,
+            &mut opt,
+            &data.train,
+            &args,
+            epoch,
+            &main_device,
+            &mut finite,
+        )?;
         let (loss, correct) = evaluate(&model, &data.test, &main_device)?;
         println!("Epoch {epoch}/{epochs}: {rate:.0} images/s");
         cli::print_test_line(loss, correct, data.test.len());
@@ -125,7 +133,8 @@ fn main() -> Result<()> {
 }
 
 /// One pass over the shuffled training set; returns the training throughput in images/s and
-/// the training loss averaged over the epoch's images.
+/// the training loss averaged over the epoch's images. Fails, naming the step, when a step's
+/// loss was NaN or infinite (unless `finite` is `None`: --allow-non-finite).
 fn train_epoch(
     model: &DataParallel<Net>,
     opt: &mut Sgd,
@@ -133,6 +142,7 @@ fn train_epoch(
     args: &Args,
     epoch: usize,
     device: &Device,
+    finite: &mut Option<FiniteLoss>,
 ) -> Result<(f64, f64)> {
     let seed = args.train.seed;
     let order =
@@ -141,13 +151,20 @@ fn train_epoch(
     let started = Instant::now();
     // The loss summed over the epoch's images, kept on the device so no step waits for it.
     let mut loss_sum = Tensor::zeros((), DType::F32, device)?;
-    for indices in order.chunks(args.batch_size) {
+    let steps_before = (epoch - 1) * train.len().div_ceil(args.batch_size);
+    for (step, indices) in order.chunks(args.batch_size).enumerate() {
         let (images, labels) = train.batch(indices, device)?;
         let logits = model.forward_t(&images, true)?;
         let loss = loss::cross_entropy(&logits, &labels)?;
         opt.backward_step(&loss)?;
         loss_sum = (loss_sum + (loss.detach() * indices.len() as f64)?)?;
+        if let Some(f) = finite.as_mut() {
+            f.observe(&loss, (steps_before + step + 1) as u64)?;
+        }
         bar.inc(indices.len() as u64);
+    }
+    if let Some(f) = finite.as_ref() {
+        f.check()?;
     }
     // Reading the summed loss waits for the device, so the time covers all the work.
     let loss_sum = f64::from(loss_sum.to_scalar::<f32>()?);

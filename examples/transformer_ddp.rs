@@ -53,7 +53,7 @@ use candle_parallel::distributed::{ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::launch::{self, LaunchConfig};
 use candle_parallel::memory::{self, MemoryReport};
-use candle_parallel::optim::{AdamW, AdamWConfig};
+use candle_parallel::optim::{AdamW, AdamWConfig, FiniteLoss};
 use candle_parallel::sampler::{DistributedSampler, SamplerConfig};
 use candle_parallel::{checkpoint, DistributedDataParallel, FsdpConfig, FullyShardedDataParallel};
 use clap::{Parser, ValueEnum};
@@ -136,6 +136,10 @@ struct Args {
     /// Optimizer steps between two checkpoints (with --checkpoint-dir).
     #[arg(long, default_value_t = 100)]
     checkpoint_every: usize,
+    /// Go on training when a step's loss is NaN or infinite (by default the run stops with an
+    /// error naming the step, before it saves anything).
+    #[arg(long)]
+    allow_non_finite: bool,
     /// Save the trained weights here (safetensors, plain variable names; rank 0).
     #[arg(long)]
     save: Option<PathBuf>,
@@ -343,6 +347,10 @@ fn rank_main(args: &Args) -> Result<()> {
             at = p;
         }
     }
+    let mut finite = match args.allow_non_finite {
+        true => None,
+        false => Some(FiniteLoss::new(&device)?),
+    };
     let started = Instant::now();
     for epoch in at.epoch as usize..=args.epochs {
         sampler.set_epoch(epoch as u64);
@@ -373,11 +381,17 @@ fn rank_main(args: &Args) -> Result<()> {
                 let loss = (sort_loss(&logits, &answers)? / k)?;
                 grads = Some(model.backward(&loss)?);
                 loss_sum = (loss_sum + loss.detach())?;
+                if let Some(f) = finite.as_mut() {
+                    f.observe(&loss, at.step)?;
+                }
             }
             opt.step(&grads.expect("a step has at least one micro-batch"))?;
             at.position += chunk.len();
             if let (Some(c), Model::Ddp(m)) = (&checkpoints, &model) {
                 if step % args.checkpoint_every == 0 {
+                    if let Some(f) = finite.as_ref() {
+                        f.check()?;
+                    }
                     let folder = c.save(&at, |path| m.save_checkpoint(&opt, path))?;
                     if rank == 0 {
                         println!("Checkpoint at step {step} saved to {}", folder.display());
@@ -385,18 +399,36 @@ fn rank_main(args: &Args) -> Result<()> {
                 }
             }
         }
+        if let Some(f) = finite.as_ref() {
+            f.check()?;
+        }
         let loss_sum = f64::from(loss_sum.to_scalar::<f32>()?);
-        let loss = all_reduce_mean(&pg, loss_sum / steps_per_epoch as f64, &device)?;
+        // The steps and tokens of this epoch that this run trained (a resumed epoch has fewer;
+        // every rank's share is equally long, so they agree).
+        let steps = (indices.len() - skip).div_ceil(micro * args.accumulate);
+        let loss = all_reduce_mean(&pg, loss_sum / steps.max(1) as f64, &device)?;
         let seconds = epoch_started.elapsed().as_secs_f64();
-        let tokens = (sampler.total_size() * train.context()) as f64;
+        let tokens = ((indices.len() - skip) * world * train.context()) as f64;
         let (correct, n) = evaluate(&model, &pg, &test, &device)?;
         if rank == 0 {
-            println!(
-                "Epoch {epoch}/{}: train loss {loss:.6}, lr {:.2e}, {:.0} tokens/s",
-                args.epochs,
-                opt.learning_rate(),
-                tokens / seconds
-            );
+            let lr = opt.learning_rate();
+            match steps {
+                0 => println!(
+                    "Epoch {epoch}/{}: trained before the restart, lr {lr:.2e}",
+                    args.epochs
+                ),
+                s if s < steps_per_epoch => println!(
+                    "Epoch {epoch}/{}: train loss {loss:.6} over its last {s} of \
+                     {steps_per_epoch} steps (resumed), lr {lr:.2e}, {:.0} tokens/s",
+                    args.epochs,
+                    tokens / seconds
+                ),
+                _ => println!(
+                    "Epoch {epoch}/{}: train loss {loss:.6}, lr {lr:.2e}, {:.0} tokens/s",
+                    args.epochs,
+                    tokens / seconds
+                ),
+            }
             println!(
                 "Held-out: exact match {correct}/{n} ({:.1}%), greedy decoding",
                 100.0 * correct as f64 / n as f64

@@ -1,8 +1,17 @@
-//! Saving model variables, and whole training states, as safetensors, atomically.
+//! Saving model variables, and whole training states, as safetensors, atomically and with a
+//! checksum of every tensor.
 //!
 //! A checkpoint is written to a temporary file beside its destination, flushed to disk, and
 //! renamed over the destination, so a crash or a full disk never leaves a half-written
-//! checkpoint under the real name: readers see the old file or the new one.
+//! checkpoint under the real name: readers see the old file or the new one. Temporary files
+//! that a killed process left are removed at the next save of the same file. A full disk is
+//! [`Error::DiskFull`], naming the file, what it needed and what was free.
+//!
+//! Every tensor's CRC-32C (of its dtype, shape and bytes) is in the file's metadata and is
+//! checked when the file is read: a flipped bit or a changed header is an error naming the file
+//! and the tensor, and nothing is loaded. Files without checksums (another program's) load with
+//! a warning. A tensor whose dtype differs from its variable's is an error unless
+//! [`LoadOptions::convert_dtypes`] asks for the conversion (which is logged).
 //!
 //! A training state ([`save_training_state`], [`load_training_state`]) holds the variables and
 //! the optimizer's state in one file:
@@ -42,6 +51,8 @@
 //! # Ok(()) }
 //! ```
 
+mod crc32c;
+mod format;
 pub mod resume;
 
 use crate::error::{Error, Result};
@@ -61,30 +72,172 @@ pub fn save_varmap(varmap: &VarMap, path: impl AsRef<Path>) -> Result<()> {
     save(&tensors, path)
 }
 
-/// Saves `tensors` to `path` in the safetensors format, atomically. Tensors on GPUs are copied
-/// to the host first.
+/// Saves `tensors` to `path` in the safetensors format, with a checksum of every tensor,
+/// atomically. Tensors on GPUs are copied to the host first.
 pub fn save(tensors: &HashMap<String, Tensor>, path: impl AsRef<Path>) -> Result<()> {
     let host: HashMap<&str, Tensor> = tensors
         .iter()
         .map(|(k, t)| Ok((k.as_str(), t.to_device(&Device::Cpu)?)))
         .collect::<Result<_>>()?;
-    write_atomically(path.as_ref(), |tmp| {
-        Ok(candle_core::safetensors::save(&host, tmp)?)
+    let prepared = format::prepare(&host)?;
+    let path = path.as_ref();
+    write_atomically(path, |tmp| {
+        // Flushed and synced here, so that a full disk found only then is named as one.
+        let written = std::fs::File::create(tmp).and_then(|f| {
+            let mut out = std::io::BufWriter::with_capacity(1 << 20, &f);
+            prepared.write(&mut out)?;
+            drop(out);
+            f.sync_all()
+        });
+        written.map_err(|source| write_error(path, tmp, prepared.len, source))
     })
+}
+
+/// The error of a failed write of `len` bytes to `tmp` (for `path`): [`Error::DiskFull`] when
+/// the disk (or a quota) is full, else [`Error::File`].
+pub(crate) fn write_error(path: &Path, tmp: &Path, len: u64, source: std::io::Error) -> Error {
+    let full = source.kind() == std::io::ErrorKind::StorageFull
+        || source.kind() == std::io::ErrorKind::QuotaExceeded;
+    if !full {
+        return Error::File {
+            action: "writing",
+            path: tmp.to_path_buf(),
+            source,
+        };
+    }
+    let folder = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    Error::DiskFull {
+        available: free_bytes(&folder).unwrap_or(0),
+        path: path.to_path_buf(),
+        folder,
+        needed: len,
+        hint: "free space there, or write elsewhere".into(),
+    }
+}
+
+/// The bytes free to an unprivileged writer on the file system of `dir`.
+pub(crate) fn free_bytes(dir: &Path) -> Option<u64> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+        // SAFETY: statvfs writes into the zeroed struct we own; `c` is a valid C string.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+            return None;
+        }
+        #[allow(clippy::unnecessary_cast)]
+        Some(st.f_bavail as u64 * st.f_frsize as u64)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        None
+    }
+}
+
+/// The temporary name `write_atomically` writes `path` under, for process `pid`.
+fn temporary(path: &Path, pid: u32) -> Option<std::path::PathBuf> {
+    let file_name = path.file_name()?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(file_name);
+    tmp_name.push(format!(".tmp-{pid}"));
+    Some(path.with_file_name(tmp_name))
+}
+
+/// Whether process `pid` is alive on this machine (unknown elsewhere than unix: assumed alive).
+fn alive(pid: u32) -> bool {
+    #[cfg(unix)]
+    {
+        let Ok(pid) = libc::pid_t::try_from(pid) else {
+            return false;
+        };
+        // SAFETY: signal 0 only checks that the process exists.
+        let r = unsafe { libc::kill(pid, 0) };
+        r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = pid;
+        true
+    }
+}
+
+/// Removes the temporary files of `path` (`.name.tmp-<pid>`) that dead processes left: a save
+/// killed before its rename.
+fn remove_leftovers_of(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let prefix = format!(".{}.tmp-", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let Some(pid) = file
+            .to_str()
+            .and_then(|f| f.strip_prefix(&prefix))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !alive(pid) {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => log::info!(
+                    "removed {}, left by a save that was killed",
+                    entry.path().display()
+                ),
+                Err(e) => log::warn!("could not remove {}: {e}", entry.path().display()),
+            }
+        }
+    }
+}
+
+/// Removes every temporary file of a save (`.<name>.tmp-<pid>`) in `dir`, whoever left it: for
+/// a folder where nobody else is saving at the moment (a job's checkpoint folder between two
+/// saves).
+pub(crate) fn remove_temporaries(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let temporary = name.starts_with('.')
+            && name
+                .rsplit_once(".tmp-")
+                .is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()));
+        if temporary && entry.path().is_file() {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => log::info!(
+                    "removed {}, left by a save that was interrupted",
+                    entry.path().display()
+                ),
+                Err(e) => log::warn!("could not remove {}: {e}", entry.path().display()),
+            }
+        }
+    }
 }
 
 /// Writes the file at `path` atomically: `write` fills a temporary file beside it, which is
 /// flushed to disk and renamed over `path`, and the folder is synced so that the rename lasts.
-/// On failure the temporary file is removed and `path` is untouched.
+/// On failure the temporary file is removed and `path` is untouched. Temporary files of `path`
+/// that dead processes left are removed first.
 pub(crate) fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let file_name = path.file_name().ok_or_else(|| Error::InvalidArgument {
+    let tmp = temporary(path, std::process::id()).ok_or_else(|| Error::InvalidArgument {
         what: "checkpoint path",
         detail: format!("{} does not name a file", path.display()),
     })?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(file_name);
-    tmp_name.push(format!(".tmp-{}", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
+    remove_leftovers_of(path);
     let written = write(&tmp)
         .and_then(|()| sync(&tmp, "writing"))
         .and_then(|()| {
@@ -97,6 +250,23 @@ pub(crate) fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
+    // What is free once the partial file is gone, which is what the user will find.
+    let written = written.map_err(|e| match e {
+        Error::DiskFull {
+            path,
+            folder,
+            needed,
+            hint,
+            available,
+        } => Error::DiskFull {
+            available: free_bytes(&folder).unwrap_or(available),
+            path,
+            folder,
+            needed,
+            hint,
+        },
+        other => other,
+    });
     written?;
     // Make the rename itself durable.
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -136,30 +306,76 @@ pub fn save_training_state(
     save(&tensors, path)
 }
 
-/// Reads every tensor of the safetensors file at `path` onto the CPU: an I/O failure is
-/// [`Error::File`], contents that are not safetensors [`Error::Checkpoint`].
-pub(crate) fn read(path: &Path) -> Result<HashMap<String, Tensor>> {
+/// Reads every tensor of the safetensors file at `path` onto the CPU, checking each one's
+/// checksum: an I/O failure is [`Error::File`]; contents that are not safetensors, or a tensor
+/// that does not match its checksum, [`Error::Checkpoint`] naming it (nothing is returned).
+pub fn read(path: impl AsRef<Path>) -> Result<HashMap<String, Tensor>> {
+    let path = path.as_ref();
     let bytes = std::fs::read(path).map_err(|source| Error::File {
         action: "reading",
         path: path.to_path_buf(),
         source,
     })?;
-    candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| Error::Checkpoint {
-        key: String::new(),
-        path: path.to_path_buf(),
-        detail: format!("not a safetensors file: {e}"),
-    })
+    format::parse(&bytes, path)
+}
+
+/// How a checkpoint is loaded into variables.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Convert a tensor whose dtype differs from its variable's (said through the `log`
+    /// facade), instead of failing (default: fail, naming the tensor and both dtypes: a
+    /// checkpoint of another model, or a corrupt one).
+    pub convert_dtypes: bool,
+}
+
+impl LoadOptions {
+    /// `t` (tensor `name` of the file at `path`) in `var`'s dtype and on its device, or the
+    /// error that its dtype differs.
+    pub(crate) fn fit(&self, name: &str, t: &Tensor, var: &Var, path: &Path) -> Result<Tensor> {
+        if t.dtype() != var.dtype() {
+            if !self.convert_dtypes {
+                return Err(Error::Checkpoint {
+                    key: name.to_string(),
+                    path: path.to_path_buf(),
+                    detail: format!(
+                        "`{name}` is {:?} in the file and {:?} in the model: a checkpoint of \
+                         another model, or a corrupt one; to convert on purpose, load with \
+                         LoadOptions {{ convert_dtypes: true, .. }}",
+                        t.dtype(),
+                        var.dtype()
+                    ),
+                });
+            }
+            log::warn!(
+                "{}: `{name}` is {:?}, the variable {:?}: converting, as LoadOptions asks",
+                path.display(),
+                t.dtype(),
+                var.dtype()
+            );
+        }
+        Ok(t.to_device(var.device())?.to_dtype(var.dtype())?)
+    }
 }
 
 /// Loads a training state saved by [`save_training_state`] into `varmap`'s variables and into
 /// `opt`, whose variables must be `varmap`'s (in any order: the state follows the names).
-/// Every variable of `varmap` and every scalar `opt` keeps must be in the file; nothing is
-/// changed unless all of it fits. Weights of another dtype are converted (and said so through
-/// the `log` facade); optimizer state is converted to the dtype the optimizer keeps it in.
+/// Every variable of `varmap` and every scalar `opt` keeps must be in the file, each tensor
+/// must match its checksum and have its variable's dtype; nothing is changed unless all of it
+/// fits. Optimizer state is converted to the dtype the optimizer keeps it in.
 pub fn load_training_state(
     varmap: &VarMap,
     opt: &mut impl ElementwiseOptimizer,
     path: impl AsRef<Path>,
+) -> Result<()> {
+    load_training_state_with(varmap, opt, path, LoadOptions::default())
+}
+
+/// As [`load_training_state`], with options (converting dtypes on purpose).
+pub fn load_training_state_with(
+    varmap: &VarMap,
+    opt: &mut impl ElementwiseOptimizer,
+    path: impl AsRef<Path>,
+    options: LoadOptions,
 ) -> Result<()> {
     let path = path.as_ref();
     let tensors = read(path)?;
@@ -190,15 +406,7 @@ pub fn load_training_state(
                 ),
             });
         }
-        if t.dtype() != var.dtype() {
-            log::warn!(
-                "{}: `{name}` is {:?}, the variable {:?}: converting",
-                path.display(),
-                t.dtype(),
-                var.dtype()
-            );
-        }
-        weights.push(t.to_device(var.device())?.to_dtype(var.dtype())?);
+        weights.push(options.fit(name, t, var, path)?);
     }
     let state = optimizer_state_from(&names, &tensors, path)?;
     // Our optimizers keep the same states for every variable that has any: one that has fewer
@@ -537,6 +745,76 @@ mod tests {
             matches!(&err, Error::VariableNotInVarMap { index: 4, shape } if shape == &[2, 5]),
             "{err}"
         );
+        Ok(())
+    }
+
+    #[test]
+    fn a_save_removes_what_dead_processes_left_and_keeps_what_live_ones_write() -> Result<()> {
+        let dir = std::env::temp_dir().join(format!("cp-leftover-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("model.safetensors");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        // Killed and waited for when dropped, whatever the test does.
+        struct Live(std::process::Child);
+        impl Drop for Live {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let live = Live(
+            std::process::Command::new("sleep")
+                .arg("5")
+                .spawn()
+                .unwrap(),
+        );
+        let left = temporary(&path, dead).unwrap();
+        let busy = temporary(&path, live.0.id()).unwrap();
+        let other = temporary(&dir.join("other.safetensors"), dead).unwrap();
+        for f in [&left, &busy, &other] {
+            std::fs::write(f, b"partial").unwrap();
+        }
+        let mut tensors = HashMap::new();
+        tensors.insert("a".to_string(), Tensor::new(&[1f32, 2.], &Device::Cpu)?);
+        save(&tensors, &path)?;
+        assert!(!left.exists(), "a dead process's temporary file stayed");
+        assert!(
+            busy.exists() && other.exists(),
+            "another save's file was removed"
+        );
+        drop(live);
+        std::fs::remove_dir_all(dir).unwrap();
+        Ok(())
+    }
+
+    #[test]
+    fn a_weight_of_another_dtype_is_refused_unless_the_conversion_is_asked_for() -> Result<()> {
+        let varmap = VarMap::new();
+        let m = model(&varmap)?;
+        let mut opt = AdamW::new(varmap.all_vars(), Default::default())?;
+        train(&m, &mut opt, 0..1);
+        let path = temp("dtype.safetensors");
+        let names = var_names(&varmap, opt.vars())?;
+        let mut tensors = optimizer_tensors(&names, &opt.state())?;
+        for (n, v) in lock(varmap.data()).iter() {
+            tensors.insert(n.clone(), v.as_tensor().clone());
+        }
+        let bias = tensors["fc1.bias"].to_dtype(DType::F64)?;
+        tensors.insert("fc1.bias".into(), bias);
+        save(&tensors, &path)?;
+        let err = load_training_state(&varmap, &mut opt, &path).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("`fc1.bias` is F64 in the file and F32 in the model"),
+            "{err}"
+        );
+        let options = LoadOptions {
+            convert_dtypes: true,
+        };
+        load_training_state_with(&varmap, &mut opt, &path, options)?;
+        std::fs::remove_file(path).unwrap();
         Ok(())
     }
 

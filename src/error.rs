@@ -407,6 +407,38 @@ pub enum Error {
         parameter: String,
     },
 
+    /// A training step's loss was NaN or infinite (see [`crate::optim::FiniteLoss`]).
+    #[error(
+        "the training loss is {value} at step {step}: the weights are no longer numbers to \
+         trust, so training stops there; lower the learning rate, or check that step's data \
+         and the checkpoint it resumed from"
+    )]
+    NonFiniteLoss {
+        /// The first step whose loss was not finite.
+        step: u64,
+        /// Its loss.
+        value: f64,
+    },
+
+    /// A file could not be written for want of space (or of quota).
+    #[error(
+        "no space left to write {path}: it needs {} and {} are free in {folder}; {hint}",
+        human_bytes(*needed),
+        human_bytes(*available)
+    )]
+    DiskFull {
+        /// The file that was being written.
+        path: PathBuf,
+        /// The folder it goes in.
+        folder: PathBuf,
+        /// Its size in bytes.
+        needed: u64,
+        /// The bytes free in the folder's file system when the write failed.
+        available: u64,
+        /// What to do.
+        hint: String,
+    },
+
     /// A checkpoint lacks a tensor it must have, or holds one that does not fit.
     #[error("checkpoint {path}: {detail}")]
     Checkpoint {
@@ -448,6 +480,24 @@ impl Error {
             other => candle_core::Error::wrap(other),
         }
     }
+}
+
+/// A size in words, for messages: `512 bytes`, `3.2 MB` (powers of 1000, as `df -H`).
+pub(crate) fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["kB", "MB", "GB", "TB", "PB"];
+    if n < 1000 {
+        return format!("{n} bytes");
+    }
+    let mut v = n as f64;
+    let mut unit = "";
+    for u in UNITS {
+        v /= 1000.0;
+        unit = u;
+        if v < 1000.0 {
+            break;
+        }
+    }
+    format!("{v:.1} {unit}")
 }
 
 /// A device in words, for error messages: `cpu` or `cuda:0`.

@@ -222,8 +222,11 @@ fn exhausted_restarts_exit_with_the_failing_ranks_code_and_ranks_see_their_round
             "{err}"
         );
     }
+    // The last line says that no restart was left.
+    let last = err.lines().last().unwrap_or("");
     assert!(
-        err.contains("candle-run: rank 1 failed: exited with status 7"),
+        last.starts_with("candle-run: rank 1 failed: exited with status 7")
+            && last.contains("the last of --max-restarts 2 (the job ran 3 times)"),
         "{err}"
     );
 }

@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Tensor, D};
 use candle_nn::loss;
 use candle_parallel::cifar::{self, Cifar10, Split};
-use candle_parallel::optim::SgdConfig;
+use candle_parallel::optim::{FiniteLoss, SgdConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
 
@@ -47,6 +47,20 @@ pub struct TrainArgs {
     /// per epoch into this SVG file at the end of the run.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
+    /// Go on training when a step's loss is NaN or infinite (by default the run stops with an
+    /// error naming the step, before it saves anything).
+    #[arg(long)]
+    pub allow_non_finite: bool,
+}
+
+impl TrainArgs {
+    /// The watch over the losses, unless `--allow-non-finite`.
+    pub fn finite_loss(&self, device: &candle_core::Device) -> Result<Option<FiniteLoss>> {
+        Ok(match self.allow_non_finite {
+            true => None,
+            false => Some(FiniteLoss::new(device)?),
+        })
+    }
 }
 
 /// The synthetic default: 100 steps of 128 per epoch, so the first epoch ends past the initial

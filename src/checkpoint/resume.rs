@@ -9,7 +9,10 @@
 //! `state.safetensors` and `rank-<r>-of-<world>.progress.safetensors`, and the file `latest`
 //! names the last complete one. `latest` is replaced (atomically, like every file) only once
 //! every rank has written its part, so a job killed while saving resumes from the checkpoint
-//! before; older subfolders are removed after.
+//! before; older subfolders are removed after. What a killed save left (temporary files, a
+//! subfolder never completed) is removed at the next load or save. A full disk names the
+//! folder, the size that was needed and what was free, and says that the folder needs room for
+//! the last checkpoint and the next one; every rank reports the failing rank's words.
 //!
 //! ```rust
 //! use candle_core::{DType, Device};
@@ -41,8 +44,9 @@
 //! # Ok(()) }
 //! ```
 
+use crate::distributed::objects::agree_on;
 use crate::distributed::{ProcessGroup, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::{human_bytes, Error, Result};
 use crate::rng::Rng;
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
@@ -135,19 +139,11 @@ impl ResumeDir {
                     folder.join(progress_file(rank, world)),
                 )
             });
-        self.agree(mine, || {
-            format!(
-                "a rank could not write its progress into {}",
-                folder.display()
-            )
-        })?;
+        self.agree(mine, &folder)
+            .map_err(|e| self.room_for_two(e))?;
         let state = save_state(&folder.join(STATE_FILE));
-        self.agree(state, || {
-            format!(
-                "a rank could not save the training state into {}",
-                folder.display()
-            )
-        })?;
+        self.agree(state, &folder)
+            .map_err(|e| self.room_for_two(e))?;
         let committed = match rank {
             0 => super::write_atomically(&self.dir.join(LATEST), |tmp| {
                 std::fs::write(tmp, format!("{name}\n")).map_err(|source| Error::File {
@@ -158,11 +154,12 @@ impl ResumeDir {
             }),
             _ => Ok(()),
         };
-        self.agree(committed, || {
-            format!("rank 0 could not write {}", self.dir.join(LATEST).display())
-        })?;
+        self.agree(committed, &self.dir.join(LATEST))?;
         if rank == 0 {
+            // Every rank is done writing: whatever else is in the folder is left over.
             self.remove_all_but(&name);
+            super::remove_temporaries(&self.dir);
+            super::remove_temporaries(&folder);
         }
         log::debug!("checkpoint saved: {}", folder.display());
         Ok(folder)
@@ -190,19 +187,22 @@ impl ResumeDir {
                 "no checkpoint in {}: training starts from the beginning",
                 self.dir.display()
             );
+            if rank == 0 {
+                super::remove_temporaries(&self.dir);
+            }
             return Ok(None);
         };
+        if rank == 0 {
+            // Nobody writes while a job loads: what a killed save left goes now.
+            let keep = folder.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            self.remove_all_but(keep);
+            super::remove_temporaries(&self.dir);
+            super::remove_temporaries(&folder);
+        }
         let file = folder.join(progress_file(rank, world));
-        let progress = self.agree(read_progress(&file, &folder, rank, world), || {
-            format!("a rank could not read its progress in {}", folder.display())
-        })?;
+        let progress = self.agree(read_progress(&file, &folder, rank, world), &file)?;
         let state = folder.join(STATE_FILE);
-        self.agree(load_state(&state), || {
-            format!(
-                "a rank could not load the training state {}",
-                state.display()
-            )
-        })?;
+        self.agree(load_state(&state), &state)?;
         log::info!(
             "resumed from {}: epoch {}, step {}, position {} in the epoch",
             folder.display(),
@@ -275,23 +275,68 @@ impl ResumeDir {
         }
     }
 
-    /// `result` on this rank, or an error made by `why` when another rank failed: every rank
-    /// fails together (one process: `result` itself).
-    fn agree<T>(&self, result: Result<T>, why: impl Fn() -> String) -> Result<T> {
+    /// `result` on this rank, or, when another rank failed, an error naming it and giving its
+    /// own words (about `path`): every rank fails together (one process: `result` itself).
+    fn agree<T>(&self, result: Result<T>, path: &Path) -> Result<T> {
         let Some((group, device)) = &self.group else {
             return result;
         };
-        let failed = Tensor::new(&[f64::from(u8::from(result.is_err()))], device)?;
-        let failed = group.all_reduce(&failed, ReduceOp::Max)?;
-        let failed = failed.to_device(&Device::Cpu)?.to_vec1::<f64>()?[0] > 0.0;
-        match result {
-            Err(e) => Err(e),
-            Ok(_) if failed => Err(Error::Checkpoint {
+        agree_on(group, device, result, |rank, e| Error::Checkpoint {
+            key: String::new(),
+            path: path.to_path_buf(),
+            detail: format!("rank {rank} failed: {e}"),
+        })
+    }
+
+    /// A failed save, said with what to do about it when the folder lacks the room: the last
+    /// complete checkpoint stays until the next one is written, so the folder needs room for
+    /// both. Every rank measures the same folder after the same failure, so all say the same.
+    fn room_for_two(&self, e: Error) -> Error {
+        let Ok(Some((last, _))) = self.latest() else {
+            return e;
+        };
+        let kept: u64 = std::fs::read_dir(&last)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|f| f.metadata().ok())
+            .map(|m| m.len())
+            .sum();
+        let Some(free) = super::free_bytes(&self.dir).filter(|&free| free < kept) else {
+            return e;
+        };
+        let why = format!(
+            "the last checkpoint ({}, {}) is kept until this one is complete, so {} needs room \
+             for both ({} free)",
+            last.display(),
+            human_bytes(kept),
+            self.dir.display(),
+            human_bytes(free)
+        );
+        match e {
+            Error::DiskFull {
+                path,
+                folder,
+                needed,
+                available,
+                ..
+            } => Error::DiskFull {
+                path,
+                folder,
+                needed,
+                available,
+                hint: format!("{why}: free space there, or give the job another checkpoint folder"),
+            },
+            Error::Checkpoint { key, path, detail } => Error::Checkpoint {
+                key,
+                path,
+                detail: format!("{detail}; {why}"),
+            },
+            other => Error::Checkpoint {
                 key: String::new(),
                 path: self.dir.clone(),
-                detail: why(),
-            }),
-            ok => ok,
+                detail: format!("{other}; {why}"),
+            },
         }
     }
 

@@ -4,7 +4,7 @@
 
 use super::bucket::{assign_buckets, BucketParam};
 use super::hook::{Entry, Kind};
-use super::integers;
+use crate::distributed::objects::all_gather_bytes;
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -21,34 +21,6 @@ fn describe(e: &Entry) -> String {
         e.var.dtype().as_str(),
         e.var.dims()
     )
-}
-
-/// Every rank's `bytes`, in rank order (torch's `all_gather_object`, for bytes): first the
-/// lengths, then the bytes padded to the longest, both as [`integers`].
-fn all_gather_bytes(group: &ProcessGroup, bytes: &[u8], device: &Device) -> Result<Vec<Vec<u8>>> {
-    let len = integers::to_tensor([bytes.len()], device)?;
-    let lens: Vec<usize> = group
-        .all_gather(&len)?
-        .iter()
-        .map(|t| Ok(integers::from_tensor(t)?.first().copied().unwrap_or(0)))
-        .collect::<Result<_>>()?;
-    let longest = lens.iter().copied().max().unwrap_or(0);
-    let padded = bytes
-        .iter()
-        .map(|&b| usize::from(b))
-        .chain(std::iter::repeat(0))
-        .take(longest);
-    let mine = integers::to_tensor(padded, device)?;
-    group
-        .all_gather(&mine)?
-        .iter()
-        .zip(&lens)
-        .map(|(t, &n)| {
-            let values = integers::from_tensor(t)?;
-            // Only this function's bytes travel here, each below 256.
-            Ok(values[..n].iter().map(|&v| v as u8).collect())
-        })
-        .collect()
 }
 
 /// Fails, on every rank and with the same message, unless every rank built the same variables

@@ -12,7 +12,7 @@
 
 use super::agreement::check_same_descriptions;
 use super::DistributedDataParallel;
-use crate::checkpoint::{optimizer_state_from, optimizer_tensors};
+use crate::checkpoint::{optimizer_state_from, optimizer_tensors, LoadOptions};
 use crate::error::{Error, Result};
 use crate::optim::{ElementwiseOptimizer, OptimizerState};
 use crate::shard::{chunk_elements, chunk_of};
@@ -44,24 +44,35 @@ impl<M> DistributedDataParallel<M> {
             0 => crate::checkpoint::save(&tensors, path),
             _ => Ok(()),
         };
-        self.agree_on(written, || {
-            format!("rank 0 could not write {}", path.display())
-        })
+        self.agree_on(written, path)
     }
 
     /// Loads a file written by [`save_checkpoint`](Self::save_checkpoint) (at any world size,
     /// or by a one-process run's [`crate::checkpoint::save_training_state`]) into the variables,
-    /// this rank's shards and `opt`. Every rank reads `path`, which must be readable on every
-    /// rank; every rank must call it.
+    /// this rank's pieces and `opt`. Every rank reads `path`, which must be readable on every
+    /// rank; every rank must call it. Every tensor must match its checksum and have its
+    /// variable's dtype; nothing is changed on any rank unless every rank could load it.
     pub fn load_checkpoint(
         &self,
         opt: &mut impl ElementwiseOptimizer,
         path: impl AsRef<Path>,
     ) -> Result<()> {
+        self.load_checkpoint_with(opt, path, LoadOptions::default())
+    }
+
+    /// As [`load_checkpoint`](Self::load_checkpoint), with options (converting dtypes on
+    /// purpose).
+    pub fn load_checkpoint_with(
+        &self,
+        opt: &mut impl ElementwiseOptimizer,
+        path: impl AsRef<Path>,
+        options: LoadOptions,
+    ) -> Result<()> {
         self.refuse_inside_join("load_checkpoint")?;
         let path = path.as_ref();
-        let tensors = crate::checkpoint::read(path)?;
-        self.apply(opt, &tensors, path)
+        let tensors = crate::checkpoint::read(path);
+        let tensors = self.agree_on(tensors, path)?;
+        self.apply(opt, &tensors, path, options)
     }
 
     /// Saves this rank's share of the training state into `dir` (created if missing) as
@@ -87,22 +98,38 @@ impl<M> DistributedDataParallel<M> {
             .and_then(|tensors| {
                 crate::checkpoint::save(&tensors, dir.join(file_name(rank, world)))
             });
-        self.agree_on(written, || {
-            format!("a rank could not write its part into {}", dir.display())
-        })
+        self.agree_on(written, dir)
     }
 
     /// Loads the files [`save_sharded_checkpoint`](Self::save_sharded_checkpoint) wrote into
     /// `dir`, at the world size they were written at or any other: every rank reads every file
     /// (so `dir` must be readable on every rank) and takes what it holds. Fails, naming the
-    /// tensor, when a file is missing or a part of a tensor is not in any file.
+    /// tensor, when a file is missing, a part of a tensor is not in any file, a tensor does not
+    /// match its checksum or has another dtype than its variable.
     pub fn load_sharded_checkpoint(
         &self,
         opt: &mut impl ElementwiseOptimizer,
         dir: impl AsRef<Path>,
     ) -> Result<()> {
+        self.load_sharded_checkpoint_with(opt, dir, LoadOptions::default())
+    }
+
+    /// As [`load_sharded_checkpoint`](Self::load_sharded_checkpoint), with options.
+    pub fn load_sharded_checkpoint_with(
+        &self,
+        opt: &mut impl ElementwiseOptimizer,
+        dir: impl AsRef<Path>,
+        options: LoadOptions,
+    ) -> Result<()> {
         self.refuse_inside_join("load_sharded_checkpoint")?;
         let dir = dir.as_ref();
+        let whole = self.read_sharded(dir);
+        let whole = self.agree_on(whole, dir)?;
+        self.apply(opt, &whole, dir, options)
+    }
+
+    /// Every tensor of the sharded checkpoint in `dir`, whole.
+    fn read_sharded(&self, dir: &Path) -> Result<HashMap<String, Tensor>> {
         let files = sharded_files(dir)?;
         let mut whole: HashMap<String, Tensor> = HashMap::new();
         let mut parts: HashMap<String, Vec<(usize, Tensor)>> = HashMap::new();
@@ -155,7 +182,7 @@ impl<M> DistributedDataParallel<M> {
             let flat: Vec<Tensor> = pieces.into_iter().map(|(_, t)| t).collect();
             whole.insert(key, Tensor::cat(&flat, 0)?.reshape(shape.as_slice())?);
         }
-        self.apply(opt, &whole, dir)
+        Ok(whole)
     }
 
     /// Every variable of the model's `VarMap` (under ZeRO-2, as of the last gather), by name.
@@ -268,6 +295,7 @@ impl<M> DistributedDataParallel<M> {
         opt: &mut impl ElementwiseOptimizer,
         tensors: &HashMap<String, Tensor>,
         path: &Path,
+        options: LoadOptions,
     ) -> Result<()> {
         let missing = |key: &str, detail: String| Error::Checkpoint {
             key: key.to_string(),
@@ -298,7 +326,7 @@ impl<M> DistributedDataParallel<M> {
                     ),
                 ));
             }
-            values.push(t.to_device(var.device())?.to_dtype(var.dtype())?);
+            values.push(options.fit(name, t, var, path)?);
         }
         // The optimizer's state: per parameter, by state name; a parameter without state in
         // the file (never stepped, or frozen) gets none.
@@ -388,23 +416,16 @@ impl<M> DistributedDataParallel<M> {
         .collect()
     }
 
-    /// Makes every rank return an error when one failed (this rank's own, or `why`).
-    fn agree_on(&self, result: Result<()>, why: impl Fn() -> String) -> Result<()> {
-        let failed = super::integers::to_tensor([usize::from(result.is_err())], &self.device)?;
-        let failed = super::integers::from_tensor(
-            &self
-                .group
-                .all_reduce(&failed, crate::distributed::ReduceOp::Max)?,
-        )?[0];
-        match result {
-            Err(e) => Err(e),
-            Ok(()) if failed > 0 => Err(Error::Checkpoint {
+    /// Makes every rank return an error when one failed: this rank's own, or the failing
+    /// rank's words about `path`.
+    fn agree_on<T>(&self, result: Result<T>, path: &Path) -> Result<T> {
+        crate::distributed::objects::agree_on(&self.group, &self.device, result, |rank, e| {
+            Error::Checkpoint {
                 key: String::new(),
-                path: PathBuf::new(),
-                detail: why(),
-            }),
-            Ok(()) => Ok(()),
-        }
+                path: path.to_path_buf(),
+                detail: format!("rank {rank} failed: {e}"),
+            }
+        })
     }
 }
 

@@ -55,6 +55,7 @@ mod communicator;
 mod config;
 pub mod error_file;
 mod group;
+pub mod objects;
 pub mod reduce_op;
 mod rendezvous;
 mod spawn;

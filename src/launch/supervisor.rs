@@ -122,11 +122,28 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
         };
         let outcome = job.run(&catch, guardian.as_mut());
         let failure = match &outcome {
-            Err(Error::RankFailed { rank, status, .. }) => (*rank, status.clone()),
+            Err(Error::RankFailed { rank, status, code }) => (*rank, status.clone(), *code),
             _ => return outcome,
         };
-        if round >= config.max_restarts || catch.ever().is_some() {
+        if catch.ever().is_some() {
             return outcome;
+        }
+        if round >= config.max_restarts {
+            if config.max_restarts == 0 {
+                return outcome;
+            }
+            // The last line of the job must say that no restart is left, not only the failure.
+            return Err(Error::RankFailed {
+                rank: failure.0,
+                status: format!(
+                    "{}; that was the last of --max-restarts {} (the job ran {} times): fix the \
+                     cause, or allow more restarts",
+                    failure.1,
+                    config.max_restarts,
+                    config.max_restarts + 1
+                ),
+                code: failure.2,
+            });
         }
         round += 1;
         log::warn!(

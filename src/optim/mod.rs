@@ -29,11 +29,13 @@
 //! ```
 
 mod adamw;
+mod finite;
 pub mod managed;
 mod sgd;
 mod sgd_kernel;
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use finite::FiniteLoss;
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::error::Error;
