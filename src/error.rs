@@ -420,6 +420,19 @@ pub enum Error {
         value: f64,
     },
 
+    /// `clip_grad_norm` with `error_if_nonfinite` found a total norm that is NaN or infinite.
+    #[error(
+        "the total norm of order {norm_type} of the gradients is {total}, not finite, so they \
+         cannot be clipped (a NaN or an overflow in backward); skip this step, or clip with \
+         error_if_nonfinite off to scale them anyway"
+    )]
+    NonFiniteGradientNorm {
+        /// The norm's order.
+        norm_type: f64,
+        /// The total norm.
+        total: f64,
+    },
+
     /// A file could not be written for want of space (or of quota).
     #[error(
         "no space left to write {path}: it needs {} and {} are free in {folder}; {hint}",

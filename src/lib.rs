@@ -22,7 +22,8 @@
 //!   [`nn::RmsNorm`]; candle 0.11's have none, candle issue #2168); `Conv2d` and `max_pool2d`
 //!   with CPU training kernels of our own.
 //! - [`optim`]: SGD and AdamW with PyTorch's semantics, and their state as tensors
-//!   ([`optim::OptimizerState`]) for checkpoints and sharding.
+//!   ([`optim::OptimizerState`]) for checkpoints and sharding; gradient clipping over shards.
+//! - [`amp`]: mixed precision: `GradScaler` for f16.
 //! - [`sampler`]: `DistributedSampler`, each rank's share of a dataset.
 //! - [`shard`]: flat shards, the layout ZeRO-2 and fully sharded training cut parameters by.
 //! - [`init`]: seeded, reproducible variable initialisation.
@@ -49,6 +50,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod amp;
 pub mod checkpoint;
 pub mod cifar;
 pub mod ddp;

@@ -22,6 +22,7 @@ const LAYERS: &[&[&str]] = &[
         "memory",
         "sampler",
         "shard",
+        "amp",
     ],
     // The wrappers.
     &["ddp", "fsdp", "parallel"],

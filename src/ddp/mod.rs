@@ -433,6 +433,29 @@ impl<M> DistributedDataParallel<M> {
         self.reducer.gather_parameters()
     }
 
+    /// torch's `clip_grad_norm_` over the gradients `backward` returned, with the whole
+    /// model's norm whatever the sharding: under [`Sharding::Zero2`] every rank holds its
+    /// pieces' gradients only, and their norms are added over the ranks (one all-reduce), so
+    /// every rank scales by the same coefficient. Returns the total norm. Every rank must call
+    /// it. See [`crate::optim::clip_grad_norm`].
+    pub fn clip_grad_norm(
+        &self,
+        grads: &mut GradStore,
+        max_norm: f64,
+        norm_type: f64,
+        error_if_nonfinite: bool,
+    ) -> Result<f64> {
+        let sharded = !self.reducer.pieces().is_empty();
+        crate::optim::clip_grad_norm_over(
+            grads,
+            &self.parameters(),
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            sharded.then_some(&self.group),
+        )
+    }
+
     /// Fails, naming this rank and `what`, inside [`join`](Self::join): a rank that has run
     /// out of batches shadows only the training iterations of the others, so any other
     /// collective would pair with one of theirs.

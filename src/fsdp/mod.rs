@@ -274,6 +274,27 @@ impl<M> FullyShardedDataParallel<M> {
             .collect()
     }
 
+    /// torch's `clip_grad_norm_` over the gradients `backward` returned, with the whole
+    /// model's norm: each rank holds its pieces' gradients, their norms are added over the
+    /// ranks (one all-reduce), and every rank scales by the same coefficient. Returns the total
+    /// norm. Every rank must call it. See [`crate::optim::clip_grad_norm`].
+    pub fn clip_grad_norm(
+        &self,
+        grads: &mut GradStore,
+        max_norm: f64,
+        norm_type: f64,
+        error_if_nonfinite: bool,
+    ) -> Result<f64> {
+        crate::optim::clip_grad_norm_over(
+            grads,
+            &self.parameters(),
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            Some(&self.shared.group),
+        )
+    }
+
     /// The units' prefixes, in the order the model asks for them.
     pub fn units(&self) -> Vec<String> {
         self.units.iter().map(|p| p.name.clone()).collect()

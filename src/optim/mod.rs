@@ -29,12 +29,14 @@
 //! ```
 
 mod adamw;
+mod clip;
 mod finite;
 pub mod managed;
 mod sgd;
 mod sgd_kernel;
 
 pub use adamw::{AdamW, AdamWConfig};
+pub use clip::{clip_grad_norm, clip_grad_norm_over, clip_grad_value};
 pub use finite::FiniteLoss;
 pub use sgd::{Sgd, SgdConfig};
 
