@@ -87,6 +87,7 @@ fn tf(vb: VarBuilder) -> candle_core::Result<Transformer> {
         dim: 512,
         heads: 8,
         layers: 8,
+        checkpoint_every: 0,
     };
     Transformer::new(config, vb)
 }

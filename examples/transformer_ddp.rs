@@ -140,6 +140,10 @@ struct Args {
     /// error naming the step, before it saves anything).
     #[arg(long)]
     allow_non_finite: bool,
+    /// Drop each block's activations in forward and recompute them in backward (activation
+    /// checkpointing); with K, every K-th block only.
+    #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "1")]
+    activation_checkpointing: Option<usize>,
     /// Save the trained weights here (safetensors, plain variable names; rank 0).
     #[arg(long)]
     save: Option<PathBuf>,
@@ -229,6 +233,7 @@ impl Args {
             dim: self.dim,
             heads: self.heads,
             layers: self.layers,
+            checkpoint_every: self.activation_checkpointing.unwrap_or(0),
         }
     }
 

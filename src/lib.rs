@@ -24,6 +24,7 @@
 //! - [`optim`]: SGD and AdamW with PyTorch's semantics, and their state as tensors
 //!   ([`optim::OptimizerState`]) for checkpoints and sharding; gradient clipping over shards.
 //! - [`amp`]: mixed precision: `GradScaler` for f16.
+//! - [`activation_checkpointing`]: blocks whose activations are recomputed in backward.
 //! - [`sampler`]: `DistributedSampler`, each rank's share of a dataset.
 //! - [`shard`]: flat shards, the layout ZeRO-2 and fully sharded training cut parameters by.
 //! - [`init`]: seeded, reproducible variable initialisation.
@@ -50,6 +51,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod activation_checkpointing;
 pub mod amp;
 pub mod checkpoint;
 pub mod cifar;

@@ -23,6 +23,7 @@ const LAYERS: &[&[&str]] = &[
         "sampler",
         "shard",
         "amp",
+        "activation_checkpointing",
     ],
     // The wrappers.
     &["ddp", "fsdp", "parallel"],

@@ -118,6 +118,22 @@ fn two_processes_print_the_losses_of_one_with_the_same_global_batch() {
 }
 
 #[test]
+fn activation_checkpointing_takes_exactly_the_steps_without_it_under_every_sharding() {
+    for sharding in ["none", "zero2", "full"] {
+        let base = ["--nproc", "2", "--batch-size", "16", "--sharding", sharding];
+        let plain = epochs(&base);
+        let recomputed = epochs(&[&base[..], &["--activation-checkpointing"]].concat());
+        assert_eq!(
+            (&plain.0, &plain.1),
+            (&recomputed.0, &recomputed.1),
+            "{sharding}:\n{}\n---\n{}",
+            plain.2,
+            recomputed.2
+        );
+    }
+}
+
+#[test]
 fn bf16_compression_trains_to_nearly_the_same_losses() {
     let plain = epochs(&["--nproc", "2", "--batch-size", "16"]);
     let bf16 = epochs(&[
@@ -165,6 +181,7 @@ fn the_saved_model_loads_into_a_plain_transformer_that_sorts_as_reported() {
         dim: 32,
         heads: 2,
         layers: 1,
+        checkpoint_every: 0,
     };
     let model = Transformer::new(config, vb).unwrap();
     let (_, test) = SortTask::generate(4, 1024, 200, 0);

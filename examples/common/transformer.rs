@@ -12,6 +12,7 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear, Embedding, Linear, VarBuilder};
+use candle_parallel::activation_checkpointing::{checkpoint_if, Checkpointed};
 use candle_parallel::fsdp::{self, Unit};
 use candle_parallel::nn::ops::softmax_last_dim;
 use candle_parallel::nn::{layer_norm, LayerNorm};
@@ -33,6 +34,8 @@ pub struct Config {
     pub heads: usize,
     /// Blocks.
     pub layers: usize,
+    /// Activation checkpointing of every k-th block (block 0, k, 2k, ...; 0: none).
+    pub checkpoint_every: usize,
 }
 
 impl Config {
@@ -133,8 +136,9 @@ pub struct Transformer {
     tok_emb: Embedding,
     pos_emb: Embedding,
     /// Each block is a unit of fully sharded training (gathered, used and freed on its own);
-    /// anywhere else a unit is just the block.
-    blocks: Vec<Unit<Block>>,
+    /// anywhere else a unit is just the block. Inside, a block may drop its activations in
+    /// forward and recompute them in backward (`Config::checkpoint_every`).
+    blocks: Vec<Unit<Checkpointed<Block>>>,
     ln_f: LayerNorm,
     head: Linear,
     max_len: usize,
@@ -145,11 +149,12 @@ impl Transformer {
     /// `h.{i}.{ln1,attn.qkv,attn.proj,ln2,mlp.fc1,mlp.fc2}.{weight,bias}`, `ln_f.*`, `head.*`.
     pub fn new(config: Config, vb: VarBuilder) -> Result<Self> {
         config.check().map_err(candle_core::Error::msg)?;
-        let (dim, heads) = (config.dim, config.heads);
+        let (dim, heads, every) = (config.dim, config.heads, config.checkpoint_every);
         let blocks = (0..config.layers)
             .map(|i| {
+                let recompute = every > 0 && i % every == 0;
                 fsdp::unit(vb.pp(format!("h.{i}")), move |vb| {
-                    Block::new(dim, heads, vb)
+                    checkpoint_if(recompute, vb, move |vb| Block::new(dim, heads, vb))
                 })
             })
             .collect::<Result<_>>()?;
@@ -194,7 +199,10 @@ impl Module for Transformer {
         let mask = causal_mask(t, tokens.device())?;
         for block in &self.blocks {
             let mask = mask.clone();
-            x = block.forward_with(&x, move |b, x| b.forward(x, &mask))?;
+            x = block.forward_with(&x, move |b, x| {
+                let mask = mask.clone();
+                b.forward_with(x, move |b, x| b.forward(x, &mask))
+            })?;
         }
         x.apply(&self.ln_f)?.apply(&self.head)
     }
