@@ -293,8 +293,9 @@ pub enum Error {
 
     /// `DistributedDataParallel::backward` ran with no forward since the last one.
     #[error(
-        "DistributedDataParallel: backward was called without a forward before it: run \
-         DistributedDataParallel::forward_t before each backward"
+        "DistributedDataParallel: backward was called without a forward since the last backward \
+         (a second backward of one forward's loss?): run DistributedDataParallel::forward_t \
+         before each backward"
     )]
     BackwardWithoutForward,
 
@@ -325,8 +326,9 @@ pub enum Error {
 
     /// `FullyShardedDataParallel::backward` ran with no training forward since the last one.
     #[error(
-        "FullyShardedDataParallel: backward was called without a training forward before it: \
-         run forward_t(xs, true) before each backward"
+        "FullyShardedDataParallel: backward was called without a training forward since the \
+         last backward (a second backward of one loss?): run forward_t(xs, true) before each \
+         backward"
     )]
     FsdpBackwardWithoutForward,
 

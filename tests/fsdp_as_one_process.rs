@@ -11,7 +11,7 @@ use candle_nn::{batch_norm, linear, loss, BatchNorm, Linear, Optimizer, VarBuild
 use candle_parallel::distributed::ProcessGroup;
 use candle_parallel::fsdp::{self, FsdpConfig, Unit};
 use candle_parallel::init::seeded_var_builder;
-use candle_parallel::optim::{AdamW, AdamWConfig};
+use candle_parallel::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
 use candle_parallel::{DistributedDataParallel, Error, FullyShardedDataParallel};
 use common::models::{share, CLASSES, IN};
 use common::{done, is_child, join_child, Ranks};
@@ -37,6 +37,39 @@ const ADAMW: AdamWConfig = AdamWConfig {
 };
 
 type Weights = HashMap<String, Tensor>;
+
+/// SGD beside AdamW: AdamW's step barely depends on a gradient's scale, so a gradient off by a
+/// constant factor would pass unseen with AdamW alone.
+const SGD: SgdConfig = SgdConfig {
+    lr: 0.1,
+    momentum: 0.9,
+    dampening: 0.0,
+    weight_decay: 0.05,
+    nesterov: false,
+    maximize: false,
+};
+
+/// One step of an optimizer of this crate, whichever.
+enum Opt {
+    AdamW(AdamW),
+    Sgd(Sgd),
+}
+
+impl Opt {
+    fn new(sgd: bool, vars: Vec<candle_core::Var>) -> Self {
+        match sgd {
+            true => Opt::Sgd(Sgd::new(vars, SGD).unwrap()),
+            false => Opt::AdamW(AdamW::new(vars, ADAMW).unwrap()),
+        }
+    }
+
+    fn step(&mut self, grads: &candle_core::backprop::GradStore) {
+        match self {
+            Opt::AdamW(o) => o.step(grads).unwrap(),
+            Opt::Sgd(o) => o.step(grads).unwrap(),
+        }
+    }
+}
 
 fn max_diff(a: &Weights, b: &Weights) -> f32 {
     let mut names: Vec<&String> = a.keys().collect();
@@ -265,12 +298,12 @@ fn skipped_at(step: usize) -> bool {
 }
 
 /// One process over the whole batches.
-fn one_process(units: usize, two_forwards: bool) -> Weights {
+fn one_process(units: usize, two_forwards: bool, sgd: bool) -> Weights {
     let flag = Arc::new(AtomicBool::new(true));
     let varmap = VarMap::new();
     let m = net(units, flag.clone())(seeded_var_builder(&varmap, SEED, DType::F32, &Device::Cpu))
         .unwrap();
-    let mut opt = AdamW::new(varmap.all_vars(), ADAMW).unwrap();
+    let mut opt = Opt::new(sgd, varmap.all_vars());
     for step in 0..STEPS {
         flag.store(!skipped_at(step), Ordering::SeqCst);
         // Each rank's share is two halves; one process takes the ranks' halves in order.
@@ -288,12 +321,12 @@ fn one_process(units: usize, two_forwards: bool) -> Weights {
         } else {
             step_loss(&|x| m.forward(x), &x, &y, false).unwrap()
         };
-        opt.backward_step(&l).unwrap();
+        opt.step(&l.backward().unwrap());
     }
     varmap_weights(&varmap)
 }
 
-fn fully_sharded(pg: &ProcessGroup, units: usize, two_forwards: bool) -> Weights {
+fn fully_sharded(pg: &ProcessGroup, units: usize, two_forwards: bool, sgd: bool) -> Weights {
     let flag = Arc::new(AtomicBool::new(true));
     let varmap = VarMap::new();
     net(units, flag.clone())(seeded_var_builder(&varmap, SEED, DType::F32, &Device::Cpu)).unwrap();
@@ -314,7 +347,7 @@ fn fully_sharded(pg: &ProcessGroup, units: usize, two_forwards: bool) -> Weights
         .unwrap_err()
         .to_string();
     assert!(err.contains("FullyShardedDataParallel"), "{err}");
-    let mut opt = AdamW::new(f.parameters(), ADAMW).unwrap();
+    let mut opt = Opt::new(sgd, f.parameters());
     for step in 0..STEPS {
         flag.store(!skipped_at(step), Ordering::SeqCst);
         let (x, y) = share(step, WORLD, PER, pg.rank());
@@ -331,7 +364,7 @@ fn fully_sharded(pg: &ProcessGroup, units: usize, two_forwards: bool) -> Weights
                 "step {step}: {name}"
             );
         }
-        opt.step(&grads).unwrap();
+        opt.step(&grads);
     }
     f.full_parameters().unwrap().into_iter().collect()
 }
@@ -341,35 +374,41 @@ fn frozen_unused_and_skipped_parameters_and_two_forwards_train_as_one_process() 
     let test = "frozen_unused_and_skipped_parameters_and_two_forwards_train_as_one_process";
     if is_child() {
         let pg = join_child();
-        for units in [2, 0] {
-            for two_forwards in [false, true] {
-                let want = one_process(units, two_forwards);
-                let got = fully_sharded(&pg, units, two_forwards);
-                let d = max_diff(&got, &want);
-                assert!(
-                    d <= TOLERANCE,
-                    "rank {} ({units} units, two forwards: {two_forwards}): differs by {d}",
-                    pg.rank()
+        for (units, two_forwards, sgd) in [
+            (2, false, false),
+            (2, true, false),
+            (0, false, false),
+            (0, true, false),
+            (2, false, true),
+            (0, true, true),
+        ] {
+            let want = one_process(units, two_forwards, sgd);
+            let got = fully_sharded(&pg, units, two_forwards, sgd);
+            let d = max_diff(&got, &want);
+            assert!(
+                d <= TOLERANCE,
+                "rank {} ({units} units, two forwards: {two_forwards}, SGD: {sgd}): \
+                 differs by {d}",
+                pg.rank()
+            );
+            // Frozen and unused layers are where they started.
+            let start = {
+                let varmap = VarMap::new();
+                net(units, Arc::new(AtomicBool::new(true)))(seeded_var_builder(
+                    &varmap,
+                    SEED,
+                    DType::F32,
+                    &Device::Cpu,
+                ))
+                .unwrap();
+                varmap_weights(&varmap)
+            };
+            for name in ["stem.weight", "stem.bias", "unused.weight", "unused.bias"] {
+                assert_eq!(
+                    common::max_abs_diff(&got[name], &start[name]),
+                    0.0,
+                    "{name}"
                 );
-                // Frozen and unused layers are where they started.
-                let start = {
-                    let varmap = VarMap::new();
-                    net(units, Arc::new(AtomicBool::new(true)))(seeded_var_builder(
-                        &varmap,
-                        SEED,
-                        DType::F32,
-                        &Device::Cpu,
-                    ))
-                    .unwrap();
-                    varmap_weights(&varmap)
-                };
-                for name in ["stem.weight", "stem.bias", "unused.weight", "unused.bias"] {
-                    assert_eq!(
-                        common::max_abs_diff(&got[name], &start[name]),
-                        0.0,
-                        "{name}"
-                    );
-                }
             }
         }
         done();

@@ -261,8 +261,13 @@ impl<M> DistributedDataParallel<M> {
         // This rank's chunk of `t`, a whole tensor of parameter `i` (or already its chunk
         // under ZeRO-2), without padding, keyed at the first element it holds.
         let mut put = |key: String, i: usize, t: &Tensor| -> Result<()> {
-            let within = chunk_elements(self.params[i].var.elem_count(), world, rank);
+            let numel = self.params[i].var.elem_count();
+            let within = chunk_elements(numel, world, rank);
             if within.is_empty() {
+                if numel == 0 && rank == 0 {
+                    // Every chunk of an empty tensor is empty: rank 0 says it exists.
+                    out.insert(format!("{key}@0"), t.flatten_all()?.narrow(0, 0, 0)?);
+                }
                 return Ok(());
             }
             let chunk = match pieces.is_empty() {

@@ -75,6 +75,7 @@ mod iteration;
 mod join;
 mod reducer;
 mod sharding;
+mod zero2;
 
 pub use compression::Compression;
 pub use join::JoinDivisor;
@@ -304,7 +305,7 @@ impl<M> DistributedDataParallel<M> {
             Sharding::Zero2 => {
                 let weak: Weak<Reducer> = Arc::downgrade(&reducer);
                 let gather = Arc::new(move || match weak.upgrade() {
-                    Some(reducer) => reducer.after_step(),
+                    Some(reducer) => reducer.gather_parameters(),
                     None => Ok(()),
                 });
                 vec![
@@ -556,7 +557,7 @@ impl<M> DistributedDataParallel<M> {
             if self.broadcast_buffers {
                 self.broadcast_buffers()?;
             }
-            self.reducer.gather_if_due()?;
+            self.reducer.before_training_forward()?;
         } else if let Some(parameter) = self.reducer.stale_parameter()? {
             return Err(Error::StaleParameters {
                 rank: self.group.rank(),

@@ -30,13 +30,14 @@ use super::compression::Compression;
 use super::integers;
 use super::iteration::{Iteration, Phase};
 use super::unused::{describe, UnusedReport};
+use super::zero2::Zero2;
 use super::Sharding;
 use crate::distributed::{ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
-use crate::shard::{chunk_elements, chunk_of, FlatLayout};
+use crate::shard::FlatLayout;
 use crate::util::sync::lock;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -158,25 +159,6 @@ struct State {
     scale: f64,
 }
 
-/// Under ZeRO-2: this rank's piece of each parameter, and where the model's parameters stand
-/// with respect to them.
-struct Zero2 {
-    /// Per parameter (in the reducer's order), this rank's chunk of it, padded
-    /// ([`crate::shard::chunk_of`]): what the optimizer steps.
-    pieces: Vec<Var>,
-    /// The pieces may have been stepped since the parameters were last gathered after a step:
-    /// set by each synchronised backward, cleared by the gather at the end of a step (this
-    /// crate's optimizers run it) or by the next training forward's.
-    gather_due: bool,
-    /// The last synchronised backward handed out a gradient for some piece.
-    handed_out: bool,
-    /// An explicit gather came since `gather_due` was set (so unchanged pieces at the next
-    /// training forward say nothing about the optimizer).
-    gathered_since: bool,
-    /// Whether the optimizer that did not step the pieces was reported.
-    warned_unstepped: bool,
-}
-
 /// The reducer. Made empty, so that the model's `GradReady` ops can point at it while the
 /// model is built; [`Reducer::configure`] gives it the parameters.
 #[derive(Default)]
@@ -192,13 +174,7 @@ impl Reducer {
         let n = setup.params.len();
         let zero2 = match setup.sharding {
             Sharding::None => None,
-            Sharding::Zero2 => Some(Zero2 {
-                pieces: cut_pieces(&setup)?,
-                gather_due: false,
-                handed_out: false,
-                gathered_since: false,
-                warned_unstepped: false,
-            }),
+            Sharding::Zero2 => Some(Zero2::cut(&setup.params, &setup.group)?),
         };
         *lock(&self.state) = Some(State {
             setup,
@@ -236,80 +212,72 @@ impl Reducer {
     /// they were loaded); does nothing without sharding.
     pub fn recut_pieces(&self) -> Result<()> {
         let mut guard = lock(&self.state);
-        let Some(st) = guard.as_mut() else {
-            return Ok(());
-        };
-        let cut = match &st.zero2 {
-            Some(_) => cut_pieces(&st.setup)?,
-            None => return Ok(()),
-        };
-        let zero2 = st.zero2.as_mut().expect("checked above");
-        for (piece, cut) in zero2.pieces.iter().zip(cut) {
-            piece.set(cut.as_tensor())?;
+        match guard.as_mut() {
+            Some(st) => match st.zero2.as_mut() {
+                Some(z) => z.recut(&st.setup.params, &st.setup.group),
+                None => Ok(()),
+            },
+            None => Ok(()),
         }
-        zero2.gather_due = false;
-        Ok(())
     }
 
     /// Under ZeRO-2, puts every rank's pieces together into the parameters: one all-gather per
     /// bucket, all issued before the first is waited for, so that they follow each other on
-    /// the backend's thread. Every rank must call it. Does nothing without sharding.
+    /// the backend's thread (parameters written in the `VarMap` since first get their pieces
+    /// cut again). Every rank must call it. Does nothing without sharding. This crate's
+    /// optimizers call it at the end of their steps.
     pub fn gather_parameters(&self) -> Result<()> {
-        let mut guard = lock(&self.state);
-        let Some(st) = guard.as_mut().filter(|st| st.zero2.is_some()) else {
-            return Ok(());
-        };
-        st.gather()?;
-        // Whether a step came before this gather is not known on every rank alike: the next
-        // training forward gathers again all the same.
-        if let Some(z) = st.zero2.as_mut() {
-            z.gathered_since = z.gather_due;
-        }
-        Ok(())
-    }
-
-    /// What this crate's optimizers run at the end of a step over the pieces: the gather, after
-    /// which the model is current.
-    pub fn after_step(&self) -> Result<()> {
-        let mut guard = lock(&self.state);
-        let Some(st) = guard.as_mut().filter(|st| st.zero2.is_some()) else {
-            return Ok(());
-        };
-        st.gather()?;
-        if let Some(z) = st.zero2.as_mut() {
-            z.gather_due = false;
-        }
-        Ok(())
-    }
-
-    /// What a training forward does first under ZeRO-2: the gather, when a synchronised
-    /// backward came since the last gather after a step (the optimizer did not run one: not
-    /// one of this crate's). Every rank must call it.
-    pub fn gather_if_due(&self) -> Result<()> {
         let mut guard = lock(&self.state);
         let Some(st) = guard.as_mut() else {
             return Ok(());
         };
-        if !st.zero2.as_ref().is_some_and(|z| z.gather_due) {
-            return Ok(());
+        let State {
+            setup,
+            layout,
+            zero2,
+            ..
+        } = st;
+        match zero2 {
+            Some(z) => z.gather(&setup.params, &layout.buckets, &layout.flat, &setup.group),
+            None => Ok(()),
         }
-        let z = st.zero2.as_ref().expect("checked above");
-        if z.handed_out && !z.gathered_since && st.stale_parameter()?.is_none() {
-            st.report_unstepped();
-        }
-        st.gather()?;
-        if let Some(z) = st.zero2.as_mut() {
-            z.gather_due = false;
-        }
-        Ok(())
     }
 
-    /// Under ZeRO-2, the first parameter whose piece was stepped since the last gather, when
-    /// one was: the model's parameters are then behind its pieces. Reads this rank's pieces
-    /// only (no collective).
+    /// What a training forward does first under ZeRO-2: the gather, when any rank's pieces
+    /// were stepped since the last one (not by this crate's optimizers, which gather), or a
+    /// backward came since. Every rank must call it.
+    pub fn before_training_forward(&self) -> Result<()> {
+        let mut guard = lock(&self.state);
+        let Some(st) = guard.as_mut() else {
+            return Ok(());
+        };
+        let State {
+            setup,
+            layout,
+            zero2,
+            ..
+        } = st;
+        match zero2 {
+            Some(z) => z.before_training_forward(
+                &setup.params,
+                &layout.buckets,
+                &layout.flat,
+                &setup.group,
+            ),
+            None => Ok(()),
+        }
+    }
+
+    /// Under ZeRO-2, a parameter whose value in the model may be behind its pieces (the model
+    /// would evaluate with weights of before a step), with no collective; see
+    /// [`super::zero2`].
     pub fn stale_parameter(&self) -> Result<Option<String>> {
-        match lock(&self.state).as_ref() {
-            Some(st) => st.stale_parameter(),
+        let mut guard = lock(&self.state);
+        match guard.as_mut() {
+            Some(st) => match st.zero2.as_mut() {
+                Some(z) => z.stale(&st.setup.params, &st.setup.group),
+                None => Ok(None),
+            },
             None => Ok(None),
         }
     }
@@ -395,87 +363,6 @@ impl Reducer {
 }
 
 impl State {
-    /// Under ZeRO-2, puts every rank's pieces together into the parameters (see
-    /// [`Reducer::gather_parameters`]).
-    fn gather(&self) -> Result<()> {
-        let Some(zero2) = &self.zero2 else {
-            return Ok(());
-        };
-        let group = &self.setup.group;
-        let shards = self
-            .layout
-            .buckets
-            .iter()
-            .map(|members| {
-                let pieces: Vec<Tensor> = members
-                    .iter()
-                    .map(|&i| zero2.pieces[i].as_tensor().clone())
-                    .collect();
-                Ok(Tensor::cat(&pieces, 0)?)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let works = shards
-            .iter()
-            .map(|s| match group.world_size() {
-                1 => Ok(None),
-                _ => group.all_gather_async(s).map(Some),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        for ((b, work), shard) in works.into_iter().enumerate().zip(shards) {
-            let parts = match work {
-                Some(work) => work.wait()?,
-                None => vec![shard],
-            };
-            let members = &self.layout.buckets[b];
-            let shapes: Vec<Vec<usize>> = members
-                .iter()
-                .map(|&i| self.setup.params[i].var.dims().to_vec())
-                .collect();
-            let full = self.layout.flat[b].from_shards(&parts, &shapes)?;
-            for (&i, t) in members.iter().zip(full) {
-                self.setup.params[i].var.set(&t)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// See [`Reducer::stale_parameter`].
-    fn stale_parameter(&self) -> Result<Option<String>> {
-        let Some(zero2) = self.zero2.as_ref().filter(|z| z.gather_due) else {
-            return Ok(None);
-        };
-        let (world, rank) = (self.setup.group.world_size(), self.setup.group.rank());
-        for (p, piece) in self.setup.params.iter().zip(&zero2.pieces) {
-            let real = chunk_elements(p.var.elem_count(), world, rank).len();
-            if real == 0 {
-                continue;
-            }
-            let held = chunk_of(p.var.as_tensor(), world, rank)?.narrow(0, 0, real)?;
-            if differs(&piece.as_tensor().narrow(0, 0, real)?, &held)? {
-                return Ok(Some(p.name.clone()));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Says once (rank 0) that a training forward found no piece stepped since the last
-    /// backward: the optimizer steps something else, or nothing.
-    fn report_unstepped(&mut self) {
-        let rank = self.setup.group.rank();
-        let Some(z) = self.zero2.as_mut().filter(|z| !z.warned_unstepped) else {
-            return;
-        };
-        z.warned_unstepped = true;
-        if rank == 0 {
-            log::warn!(
-                "DistributedDataParallel (ZeRO-2): no parameter's piece changed between the last \
-                 backward and this forward: the optimizer is not stepping \
-                 model.parameters() (this rank's pieces), or its learning rate was 0, or the \
-                 step was skipped (said once)"
-            );
-        }
-    }
-
     /// Takes parameter `index`'s gradient: into its bucket, issuing the buckets it completes,
     /// or under no_sync into this rank's sum (torch's `mark_variable_ready`).
     fn mark_ready(&mut self, index: usize, grad: &Tensor) -> Result<()> {
@@ -633,9 +520,7 @@ impl State {
             }
         }
         if let Some(z) = self.zero2.as_mut() {
-            z.gather_due = true;
-            z.handed_out = handed_out;
-            z.gathered_since = false;
+            z.backward_done(handed_out);
         }
         self.stats = BackwardStats {
             autograd: autograd_done - started,
@@ -730,27 +615,6 @@ impl State {
         self.rebuilt = true;
         Ok(())
     }
-}
-
-/// This rank's piece of each parameter, as new variables.
-fn cut_pieces(setup: &Setup) -> Result<Vec<Var>> {
-    let (world, rank) = (setup.group.world_size(), setup.group.rank());
-    setup
-        .params
-        .iter()
-        .map(|p| {
-            let chunk = chunk_of(p.var.as_tensor(), world, rank)?.copy()?;
-            Ok(Var::from_tensor(&chunk)?)
-        })
-        .collect()
-}
-
-/// Whether `a` and `b` (of one shape) differ anywhere, NaN counting as equal to NaN.
-fn differs(a: &Tensor, b: &Tensor) -> Result<bool> {
-    let mask = |t: &Tensor| t.to_dtype(DType::F32);
-    let ne = mask(&a.ne(b)?)?;
-    let both_nan = (mask(&a.ne(a)?)? * mask(&b.ne(b)?)?)?;
-    Ok((ne - both_nan)?.sum_all()?.to_scalar::<f32>()? > 0.0)
 }
 
 #[cfg(test)]

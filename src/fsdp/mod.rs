@@ -164,8 +164,9 @@ pub struct FullyShardedDataParallel<M> {
     frozen: Vec<String>,
     /// The sets of parameters without a gradient reported so far (each once).
     reported: Mutex<HashSet<Vec<String>>>,
-    /// Refuses optimizers over the `VarMap`'s parameters, for as long as the wrapper lives.
-    _managed: Registration,
+    /// Refuses optimizers over the `VarMap`'s parameters and buffers, for as long as the
+    /// wrapper lives.
+    _managed: [Registration; 2],
 }
 
 /// What a training forward leaves for its backward.
@@ -241,7 +242,15 @@ impl<M> FullyShardedDataParallel<M> {
                 .filter_map(|n| vars.get(n).map(|v| (n.clone(), v.clone())))
                 .collect()
         };
-        let _managed = managed::register_whole(&in_varmap, "FullyShardedDataParallel");
+        let buffers: Vec<(String, Var)> = flat
+            .iter()
+            .flat_map(|p| p.buffers.iter().cloned())
+            .chain(root_recorded.buffers.iter().cloned())
+            .collect();
+        let _managed = [
+            managed::register_whole(&in_varmap, "FullyShardedDataParallel"),
+            managed::register_buffers(&buffers, "FullyShardedDataParallel"),
+        ];
         Ok(Self {
             build: Box::new(build),
             shared,

@@ -212,6 +212,18 @@ fn apply(param: &Arc<FlatParam>, run: Run, xs: &Tensor, graph: bool) -> Result<T
     if !graph {
         return Ok(out);
     }
+    if out.track_op() {
+        // Computed from a detached input and untracked parameters, so the forward captured a
+        // tensor that needs a gradient: the unit's backward could not hand it on.
+        return Err(Error::FsdpUnit {
+            unit: param.name.clone(),
+            detail: "its forward used a tensor that needs a gradient besides its input (a \
+                     parameter of the root or of another unit, or an activation): its gradient \
+                     cannot reach it through the unit's recomputation; pass it as the unit's \
+                     input, make it a parameter of the unit, or detach it if it is a constant"
+                .into(),
+        });
+    }
     UnitOp::attach(param.clone(), run, xs, out)
 }
 

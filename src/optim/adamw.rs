@@ -250,6 +250,12 @@ impl AdamW {
     }
 }
 
+impl Drop for AdamW {
+    fn drop(&mut self) {
+        managed::release(&self.vars);
+    }
+}
+
 impl Optimizer for AdamW {
     type Config = AdamWConfig;
 
@@ -257,6 +263,10 @@ impl Optimizer for AdamW {
         config.validate().map_err(Error::into_candle)?;
         let vars: Vec<Var> = vars.into_iter().filter(|v| v.dtype().is_float()).collect();
         managed::check_vars(&vars).map_err(Error::into_candle)?;
+        if vars.is_empty() {
+            log::warn!("AdamW made over no variables: its steps change nothing");
+        }
+        managed::hold(&vars);
         Ok(Self {
             moments: vec![None; vars.len()],
             vars,

@@ -30,11 +30,50 @@ enum Role {
     Whole { name: String, wrapper: &'static str },
     /// A rank's piece of a parameter.
     Piece(AfterStep),
+    /// A buffer (running statistics) of a wrapper whose parameters are not in the `VarMap`.
+    Buffer { name: String, wrapper: &'static str },
 }
 
 fn registry() -> &'static Mutex<HashMap<TensorId, Role>> {
     static REGISTRY: OnceLock<Mutex<HashMap<TensorId, Role>>> = OnceLock::new();
     REGISTRY.get_or_init(Default::default)
+}
+
+/// How many of this crate's optimizers hold each variable (those whose step runs
+/// [`after_step`]).
+fn holders() -> &'static Mutex<HashMap<TensorId, usize>> {
+    static HOLDERS: OnceLock<Mutex<HashMap<TensorId, usize>>> = OnceLock::new();
+    HOLDERS.get_or_init(Default::default)
+}
+
+/// Notes that an optimizer of this crate (whose step ends with [`after_step`]) steps `vars`,
+/// until [`release`].
+pub(crate) fn hold(vars: &[Var]) {
+    let mut h = lock(holders());
+    for v in vars {
+        *h.entry(v.as_tensor().id()).or_insert(0) += 1;
+    }
+}
+
+/// Undoes [`hold`] (an optimizer of this crate dropped).
+pub(crate) fn release(vars: &[Var]) {
+    let mut h = lock(holders());
+    for v in vars {
+        let id = v.as_tensor().id();
+        if let Some(n) = h.get_mut(&id) {
+            *n -= 1;
+            if *n == 0 {
+                h.remove(&id);
+            }
+        }
+    }
+}
+
+/// Whether every one of `pieces` is stepped by an optimizer of this crate, so that a step over
+/// them always ends with the wrapper's gather.
+pub(crate) fn all_stepped_by_this_crate(pieces: &[Var]) -> bool {
+    let h = lock(holders());
+    pieces.iter().all(|p| h.contains_key(&p.as_tensor().id()))
 }
 
 /// Variables registered by a wrapper, forgotten when this is dropped (with the wrapper).
@@ -58,6 +97,26 @@ pub(crate) fn register_whole(named: &[(String, Var)], wrapper: &'static str) -> 
         .map(|(name, var)| {
             let id = var.as_tensor().id();
             let role = Role::Whole {
+                name: name.clone(),
+                wrapper,
+            };
+            map.insert(id, role);
+            id
+        })
+        .collect();
+    Registration(ids)
+}
+
+/// Registers the buffers of a wrapper whose parameters are not in the `VarMap` (fully sharded):
+/// an optimizer of this crate made over them (`varmap.all_vars()`, which holds only those) is
+/// refused.
+pub(crate) fn register_buffers(named: &[(String, Var)], wrapper: &'static str) -> Registration {
+    let mut map = lock(registry());
+    let ids = named
+        .iter()
+        .map(|(name, var)| {
+            let id = var.as_tensor().id();
+            let role = Role::Buffer {
                 name: name.clone(),
                 wrapper,
             };
@@ -92,11 +151,24 @@ pub fn check_vars(vars: &[Var]) -> Result<()> {
         return Ok(());
     }
     for var in vars {
-        if let Some(Role::Whole { name, wrapper }) = map.get(&var.as_tensor().id()) {
-            return Err(Error::ShardedParameterInOptimizer {
-                parameter: name.clone(),
-                wrapper,
-            });
+        match map.get(&var.as_tensor().id()) {
+            Some(Role::Whole { name, wrapper }) => {
+                return Err(Error::ShardedParameterInOptimizer {
+                    parameter: name.clone(),
+                    wrapper,
+                })
+            }
+            Some(Role::Buffer { name, wrapper }) => {
+                return Err(Error::InvalidArgument {
+                    what: "optimizer variables",
+                    detail: format!(
+                        "`{name}` is a buffer of {wrapper} (not trained), whose parameters are \
+                         not in the VarMap: make the optimizer over model.parameters() (this \
+                         rank's pieces), not over the VarMap's variables"
+                    ),
+                })
+            }
+            _ => {}
         }
     }
     Ok(())

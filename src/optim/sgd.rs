@@ -192,6 +192,12 @@ impl Sgd {
     }
 }
 
+impl Drop for Sgd {
+    fn drop(&mut self) {
+        managed::release(&self.vars);
+    }
+}
+
 impl Optimizer for Sgd {
     type Config = SgdConfig;
 
@@ -199,6 +205,10 @@ impl Optimizer for Sgd {
         config.validate().map_err(Error::into_candle)?;
         let vars: Vec<Var> = vars.into_iter().filter(|v| v.dtype().is_float()).collect();
         managed::check_vars(&vars).map_err(Error::into_candle)?;
+        if vars.is_empty() {
+            log::warn!("Sgd made over no variables: its steps change nothing");
+        }
+        managed::hold(&vars);
         Ok(Self {
             momentum_buffers: vec![None; vars.len()],
             handed_out: AtomicBool::new(false),

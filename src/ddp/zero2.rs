@@ -1,0 +1,243 @@
+//! ZeRO-2's pieces, and how they are kept in step with the model's parameters.
+//!
+//! Each rank holds its chunk of every parameter ([`crate::shard`]) as a variable of its own,
+//! which the optimizer steps; an all-gather per bucket puts the pieces together into the
+//! parameters (the `VarMap`'s variables, which the model computes with). Two things can change
+//! behind the wrapper's back, and it keeps a copy of its pieces as they were when pieces and
+//! parameters last agreed (`synced`) to tell which:
+//! - a piece, stepped by an optimizer (this crate's gather at the end of their step; others do
+//!   not): the parameters are then behind, and the next training forward gathers;
+//! - a parameter, written by the user (`varmap.load(..)`, `Var::set`) after wrapping: the
+//!   piece is cut again from it, so that the user's weights are the ones that train.
+//!
+//! Both at once for one parameter is refused. Whether to gather is agreed by every rank at each
+//! training forward (one small all-reduce), since a step may leave one rank's pieces as they
+//! were (a zero gradient) and change another's. An evaluation needs no collective: it is
+//! refused ([`crate::Error::StaleParameters`]) when this rank's pieces moved, or when a
+//! backward came since the last gather and some piece is not held by one of this crate's
+//! optimizers (whose step gathers), since another rank's pieces may then have moved.
+
+use super::reducer::Param;
+use crate::distributed::{ProcessGroup, ReduceOp};
+use crate::error::{Error, Result};
+use crate::optim::managed;
+use crate::shard::{chunk_elements, chunk_of, FlatLayout};
+use candle_core::{DType, Device, Tensor, Var};
+
+/// This rank's pieces and where they stand with respect to the parameters.
+pub(super) struct Zero2 {
+    /// Per parameter (in the reducer's order), this rank's chunk of it, padded: what the
+    /// optimizer steps.
+    pub(super) pieces: Vec<Var>,
+    /// The pieces when pieces and parameters last agreed.
+    synced: Vec<Tensor>,
+    /// A synchronised backward came since the last gather: an optimizer may step next.
+    gather_due: bool,
+    /// That backward handed out a gradient for some piece.
+    handed_out: bool,
+    /// Whether an optimizer that stepped no piece was reported.
+    warned_unstepped: bool,
+}
+
+/// Whether `a` and `b` (of one shape) differ anywhere, NaN counting as equal to NaN.
+fn differs(a: &Tensor, b: &Tensor) -> Result<bool> {
+    let mask = |t: &Tensor| t.to_dtype(DType::F32);
+    let ne = mask(&a.ne(b)?)?;
+    let both_nan = (mask(&a.ne(a)?)? * mask(&b.ne(b)?)?)?;
+    Ok((ne - both_nan)?.sum_all()?.to_scalar::<f32>()? > 0.0)
+}
+
+/// This rank's chunk of `param`, as a tensor of its own.
+fn cut(param: &Param, group: &ProcessGroup) -> Result<Tensor> {
+    Ok(chunk_of(param.var.as_tensor(), group.world_size(), group.rank())?.copy()?)
+}
+
+impl Zero2 {
+    /// Cuts this rank's pieces from the parameters' current values.
+    pub(super) fn cut(params: &[Param], group: &ProcessGroup) -> Result<Self> {
+        let mut pieces = Vec::with_capacity(params.len());
+        let mut synced = Vec::with_capacity(params.len());
+        for p in params {
+            let chunk = cut(p, group)?;
+            pieces.push(Var::from_tensor(&chunk.copy()?)?);
+            synced.push(chunk);
+        }
+        Ok(Self {
+            pieces,
+            synced,
+            gather_due: false,
+            handed_out: false,
+            warned_unstepped: false,
+        })
+    }
+
+    /// Cuts the pieces again from the parameters (after a checkpoint was loaded into them).
+    pub(super) fn recut(&mut self, params: &[Param], group: &ProcessGroup) -> Result<()> {
+        for (i, p) in params.iter().enumerate() {
+            let chunk = cut(p, group)?;
+            self.pieces[i].set(&chunk)?;
+            self.synced[i] = chunk;
+        }
+        self.gather_due = false;
+        Ok(())
+    }
+
+    /// A synchronised backward handed out its gradients (`any`: for some piece).
+    pub(super) fn backward_done(&mut self, any: bool) {
+        self.gather_due = true;
+        self.handed_out = any;
+    }
+
+    /// Compares each piece and each parameter's chunk with `synced`: a parameter written since
+    /// (and not stepped) gets its piece cut again; one written and stepped is an error. Returns
+    /// the first parameter whose piece was stepped, if one was. No collective.
+    fn reconcile(&mut self, params: &[Param], group: &ProcessGroup) -> Result<Option<usize>> {
+        let (world, rank) = (group.world_size(), group.rank());
+        let mut stepped = None;
+        for (i, p) in params.iter().enumerate() {
+            let piece_moved = differs(self.pieces[i].as_tensor(), &self.synced[i])?;
+            let real = chunk_elements(p.var.elem_count(), world, rank).len();
+            let written = real > 0 && {
+                let now = chunk_of(p.var.as_tensor(), world, rank)?.narrow(0, 0, real)?;
+                differs(&now, &self.synced[i].narrow(0, 0, real)?)?
+            };
+            match (piece_moved, written) {
+                (true, true) => {
+                    return Err(Error::InvalidArgument {
+                        what: "DistributedDataParallel (ZeRO-2)",
+                        detail: format!(
+                            "rank {rank}: `{}` was written in the VarMap and its piece was \
+                             stepped since they last agreed, so there are two models; write \
+                             weights before the step (or load them with load_checkpoint)",
+                            p.name
+                        ),
+                    })
+                }
+                (false, true) => {
+                    let chunk = cut(p, group)?;
+                    self.pieces[i].set(&chunk)?;
+                    self.synced[i] = chunk;
+                }
+                (true, false) => {
+                    stepped.get_or_insert(i);
+                }
+                (false, false) => {}
+            }
+        }
+        Ok(stepped)
+    }
+
+    /// Puts every rank's pieces together into the parameters: one all-gather per bucket, all
+    /// issued before the first is waited for. Every rank must call it.
+    pub(super) fn gather(
+        &mut self,
+        params: &[Param],
+        buckets: &[Vec<usize>],
+        flat: &[FlatLayout],
+        group: &ProcessGroup,
+    ) -> Result<()> {
+        self.reconcile(params, group)?;
+        let shards = buckets
+            .iter()
+            .map(|members| {
+                let pieces: Vec<Tensor> = members
+                    .iter()
+                    .map(|&i| self.pieces[i].as_tensor().clone())
+                    .collect();
+                Ok(Tensor::cat(&pieces, 0)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let works = shards
+            .iter()
+            .map(|s| match group.world_size() {
+                1 => Ok(None),
+                _ => group.all_gather_async(s).map(Some),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for ((b, work), shard) in works.into_iter().enumerate().zip(shards) {
+            let parts = match work {
+                Some(work) => work.wait()?,
+                None => vec![shard],
+            };
+            let members = &buckets[b];
+            let shapes: Vec<Vec<usize>> = members
+                .iter()
+                .map(|&i| params[i].var.dims().to_vec())
+                .collect();
+            for (&i, t) in members.iter().zip(flat[b].from_shards(&parts, &shapes)?) {
+                params[i].var.set(&t)?;
+            }
+        }
+        for (synced, piece) in self.synced.iter_mut().zip(&self.pieces) {
+            *synced = piece.as_tensor().copy()?;
+        }
+        self.gather_due = false;
+        Ok(())
+    }
+
+    /// What a training forward does first: every rank says whether its pieces were stepped
+    /// (one all-reduce), and the pieces are gathered when any were, or when a backward came
+    /// since the last gather. Every rank must call it.
+    pub(super) fn before_training_forward(
+        &mut self,
+        params: &[Param],
+        buckets: &[Vec<usize>],
+        flat: &[FlatLayout],
+        group: &ProcessGroup,
+    ) -> Result<()> {
+        let stepped_here = self.reconcile(params, group)?.is_some();
+        let stepped = match group.world_size() {
+            1 => stepped_here,
+            _ => {
+                let device = params
+                    .first()
+                    .map_or(Device::Cpu, |p| p.var.device().clone());
+                let flag = Tensor::new(&[f32::from(u8::from(stepped_here))], &Device::Cpu)?
+                    .to_device(&device)?;
+                group
+                    .all_reduce(&flag, ReduceOp::Max)?
+                    .to_device(&Device::Cpu)?
+                    .to_vec1::<f32>()?[0]
+                    > 0.0
+            }
+        };
+        if self.gather_due && self.handed_out && !stepped {
+            self.report_unstepped(group.rank());
+        }
+        if stepped || self.gather_due {
+            self.gather(params, buckets, flat, group)?;
+        }
+        Ok(())
+    }
+
+    /// The first parameter whose model value may be behind its pieces, when an evaluation
+    /// would compute with weights of before a step; see the [module documentation](self).
+    pub(super) fn stale(
+        &mut self,
+        params: &[Param],
+        group: &ProcessGroup,
+    ) -> Result<Option<String>> {
+        if let Some(i) = self.reconcile(params, group)? {
+            return Ok(Some(params[i].name.clone()));
+        }
+        if self.gather_due && !managed::all_stepped_by_this_crate(&self.pieces) {
+            // Another rank's pieces may have moved, by an optimizer that does not gather.
+            return Ok(params.first().map(|p| p.name.clone()));
+        }
+        Ok(None)
+    }
+
+    /// Says once (rank 0) that a training forward found no piece stepped since the last
+    /// backward: the optimizer steps something else, or nothing.
+    fn report_unstepped(&mut self, rank: usize) {
+        if std::mem::replace(&mut self.warned_unstepped, true) || rank != 0 {
+            return;
+        }
+        log::warn!(
+            "DistributedDataParallel (ZeRO-2): no parameter's piece changed between the last \
+             backward and this forward, on any rank: the optimizer is not stepping \
+             model.parameters() (this rank's pieces), or its learning rate was 0, or the step \
+             was skipped (said once)"
+        );
+    }
+}
