@@ -46,6 +46,7 @@ use candle_core::backprop::GradStore;
 use candle_core::Var;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
+use candle_parallel::amp::{GradScaler, GradScalerConfig, MixedPrecision};
 use candle_parallel::checkpoint::resume::{Progress, ResumeDir};
 use candle_parallel::ddp::{Compression, DdpConfig, NoSync, Sharding};
 use candle_parallel::devices::gpu_count;
@@ -140,6 +141,13 @@ struct Args {
     /// error naming the step, before it saves anything).
     #[arg(long)]
     allow_non_finite: bool,
+    /// The dtype the model computes in (mixed precision: the weights and AdamW's state stay
+    /// f32; f16 trains with a gradient scaler).
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
+    /// Clip the gradients' total 2-norm (over every rank's shard) to this before each step.
+    #[arg(long, value_name = "N")]
+    clip_grad_norm: Option<f64>,
     /// Drop each block's activations in forward and recompute them in backward (activation
     /// checkpointing); with K, every K-th block only.
     #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "1")]
@@ -173,6 +181,16 @@ impl std::fmt::Display for ShardingArg {
             Self::Full => "full",
         })
     }
+}
+
+/// The dtype the model computes in; the weights and AdamW's state stay f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Precision {
+    F32,
+    /// bf16 compute, f32 gradient averaging (torchtitan's default).
+    Bf16,
+    /// f16 compute, f32 gradient averaging, with a gradient scaler.
+    F16,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -234,6 +252,14 @@ impl Args {
             heads: self.heads,
             layers: self.layers,
             checkpoint_every: self.activation_checkpointing.unwrap_or(0),
+        }
+    }
+
+    fn mixed_precision(&self) -> MixedPrecision {
+        match self.precision {
+            Precision::F32 => MixedPrecision::default(),
+            Precision::Bf16 => MixedPrecision::bf16(),
+            Precision::F16 => MixedPrecision::f16(),
         }
     }
 
@@ -352,6 +378,14 @@ fn rank_main(args: &Args) -> Result<()> {
             at = p;
         }
     }
+    let mut scaler = match args.precision {
+        Precision::F16 => Some(GradScaler::for_group(
+            GradScalerConfig::default(),
+            &pg,
+            &device,
+        )?),
+        _ => None,
+    };
     let mut finite = match args.allow_non_finite {
         true => None,
         false => Some(FiniteLoss::new(&device)?),
@@ -384,13 +418,32 @@ fn rank_main(args: &Args) -> Result<()> {
                 let _local = (i + 1 < micros.len()).then(|| model.no_sync());
                 let logits = model.forward_t(&inputs, true)?;
                 let loss = (sort_loss(&logits, &answers)? / k)?;
-                grads = Some(model.backward(&loss)?);
+                let scaled = match &scaler {
+                    Some(s) => s.scale(&loss)?,
+                    None => loss.clone(),
+                };
+                grads = Some(model.backward(&scaled)?);
                 loss_sum = (loss_sum + loss.detach())?;
-                if let Some(f) = finite.as_mut() {
+                // Under f16 the scaler skips the steps whose gradients overflow instead.
+                if let (Some(f), None) = (finite.as_mut(), &scaler) {
                     f.observe(&loss, at.step)?;
                 }
             }
-            opt.step(&grads.expect("a step has at least one micro-batch"))?;
+            let mut grads = grads.expect("a step has at least one micro-batch");
+            let vars = opt.vars().to_vec();
+            if let Some(s) = scaler.as_mut() {
+                s.unscale(&mut grads, &vars)?;
+            }
+            if let Some(max) = args.clip_grad_norm {
+                model.clip_grad_norm(&mut grads, max)?;
+            }
+            match scaler.as_mut() {
+                Some(s) => {
+                    s.step(&mut opt, &mut grads)?;
+                    s.update();
+                }
+                None => opt.step(&grads)?,
+            }
             at.position += chunk.len();
             if let (Some(c), Model::Ddp(m)) = (&checkpoints, &model) {
                 if step % args.checkpoint_every == 0 {
@@ -501,6 +554,7 @@ impl Model {
             // The same seeded weights, created unit by unit: no rank ever holds the whole model.
             let fsdp = FsdpConfig {
                 seed: Some(args.seed),
+                mixed_precision: args.mixed_precision(),
                 ..FsdpConfig::default()
             };
             return Ok(Self::Full(FullyShardedDataParallel::with_config(
@@ -515,6 +569,7 @@ impl Model {
                 ShardingArg::Zero2 => Sharding::Zero2,
                 _ => Sharding::None,
             },
+            mixed_precision: args.mixed_precision(),
             ..DdpConfig::default()
         };
         Ok(Self::Ddp(DistributedDataParallel::with_config(
@@ -540,6 +595,14 @@ impl Model {
         match self {
             Self::Ddp(m) => m.backward(loss),
             Self::Full(m) => m.backward(loss),
+        }
+    }
+
+    /// Clips the gradients' total 2-norm over the whole model (every rank's shard).
+    fn clip_grad_norm(&self, grads: &mut GradStore, max: f64) -> candle_parallel::Result<f64> {
+        match self {
+            Self::Ddp(m) => m.clip_grad_norm(grads, max, 2.0, false),
+            Self::Full(m) => m.clip_grad_norm(grads, max, 2.0, false),
         }
     }
 

@@ -95,7 +95,8 @@ impl Attention {
         let k = qkv.get(1)?.contiguous()?;
         let v = qkv.get(2)?.contiguous()?;
         let scores = (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
-        let att = softmax_last_dim(&scores.broadcast_add(mask)?)?;
+        // The mask in the scores' dtype: the model may compute in bf16 or f16.
+        let att = softmax_last_dim(&scores.broadcast_add(&mask.to_dtype(scores.dtype())?)?)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
         y.apply(&self.proj)
     }

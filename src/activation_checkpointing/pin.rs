@@ -200,11 +200,17 @@ impl candle_core::CustomOp2 for Pin {
     fn bwd(
         &self,
         marker: &Tensor,
-        _param: &Tensor,
+        param: &Tensor,
         _res: &Tensor,
         _grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = lock(&self.recompute.grads)[self.index].take();
+        let g = match lock(&self.recompute.grads)[self.index].take() {
+            Some(g) => Some(g),
+            // A parameter the block did not use: candle's backward expects a gradient for a
+            // tensor made by an op (DDP's copies), none for a variable.
+            None if !param.is_variable() => Some(param.zeros_like()?),
+            None => None,
+        };
         Ok((Some(marker.zeros_like()?), g))
     }
 }

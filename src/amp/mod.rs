@@ -1,4 +1,6 @@
-//! Mixed precision (torch's `torch.amp`): [`GradScaler`] for f16's dynamic loss scaling.
+//! Mixed precision (torch's `torch.amp` and FSDP2's `MixedPrecisionPolicy`): [`MixedPrecision`],
+//! the dtypes the data-parallel wrappers compute and average gradients in beside their f32
+//! master weights, and [`GradScaler`] for f16's dynamic loss scaling.
 //!
 //! ```rust
 //! use candle_parallel::amp::{GradScaler, GradScalerConfig};
@@ -9,5 +11,7 @@
 //! ```
 
 mod grad_scaler;
+mod policy;
 
 pub use grad_scaler::{GradScaler, GradScalerConfig};
+pub use policy::MixedPrecision;

@@ -27,6 +27,9 @@ use std::sync::{Arc, Mutex};
 pub(crate) struct GradReady {
     pub index: usize,
     pub reducer: Arc<Reducer>,
+    /// The dtype the copy is made in (mixed precision's compute dtype), when not the
+    /// variable's: the cast is part of the identity, so that backward stops at the variable.
+    pub dtype: Option<DType>,
 }
 
 impl candle_core::CustomOp1 for GradReady {
@@ -35,7 +38,7 @@ impl candle_core::CustomOp1 for GradReady {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        crate::util::pass_through::cpu(s, l)
+        crate::util::pass_through::cpu_as(s, l, self.dtype)
     }
 
     #[cfg(feature = "cuda")]
@@ -44,7 +47,7 @@ impl candle_core::CustomOp1 for GradReady {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        crate::util::pass_through::cuda(s, l)
+        crate::util::pass_through::cuda_as(s, l, self.dtype)
     }
 
     /// Hands the gradient to the reducer, which from now on owns it: the variable itself gets
@@ -82,6 +85,8 @@ pub(crate) struct Registry {
     device: Device,
     is_buffer: Box<dyn Fn(&str) -> bool + Send + Sync>,
     reducer: Arc<Reducer>,
+    /// The dtype parameters compute in (mixed precision), when not their own.
+    compute: Option<DType>,
     /// The entries, and each name's position among them.
     entries: Mutex<(Vec<Entry>, HashMap<String, usize>)>,
 }
@@ -98,8 +103,15 @@ impl Registry {
             device: device.clone(),
             is_buffer: Box::new(is_buffer),
             reducer,
+            compute: None,
             entries: Mutex::new((Vec::new(), HashMap::new())),
         }
+    }
+
+    /// Hands parameters out as copies in `dtype` (mixed precision's `param_dtype`).
+    pub fn compute_in(mut self, dtype: Option<DType>) -> Self {
+        self.compute = dtype;
+        self
     }
 
     /// The variables the model asked for, in the order it first asked.
@@ -130,6 +142,9 @@ impl Registry {
             let op = GradReady {
                 index,
                 reducer: self.reducer.clone(),
+                dtype: self
+                    .compute
+                    .filter(|&d| var.dtype().is_float() && var.dtype() != d),
             };
             (Kind::Parameter, var.as_tensor().apply_op1(op)?)
         };

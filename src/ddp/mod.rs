@@ -83,6 +83,7 @@ pub use reducer::BackwardStats;
 pub use sharding::Sharding;
 pub use unused::{named_vars_without_gradient, vars_without_gradient, UnusedReport};
 
+use crate::amp::MixedPrecision;
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::nn;
@@ -133,6 +134,10 @@ pub struct DdpConfig {
     /// Whether each rank keeps every gradient and optimizer state (default) or its shard of
     /// them (ZeRO-2). See [`Sharding`].
     pub sharding: Sharding,
+    /// The dtype the model computes in and gradients are averaged in, beside the parameters'
+    /// (`dtype`, the master weights' and the optimizer's); default: none. See
+    /// [`MixedPrecision`].
+    pub mixed_precision: MixedPrecision,
 }
 
 impl Default for DdpConfig {
@@ -151,6 +156,7 @@ impl Default for DdpConfig {
             unused_report: UnusedReport::Warn,
             frozen_parameters: Vec::new(),
             sharding: Sharding::None,
+            mixed_precision: MixedPrecision::default(),
         }
     }
 }
@@ -194,6 +200,8 @@ pub struct DistributedDataParallel<M> {
     joining: std::sync::Mutex<Option<JoinDivisor>>,
     /// Where the parameters live.
     device: Device,
+    /// The dtypes the model computes in and gradients are averaged in.
+    precision: MixedPrecision,
 }
 
 impl<M> DistributedDataParallel<M> {
@@ -233,7 +241,9 @@ impl<M> DistributedDataParallel<M> {
             let last = name.rsplit('.').next().unwrap_or(name);
             buffer_names.iter().any(|b| b == last)
         };
-        let registry = Registry::new(varmap, device, is_buffer, reducer.clone());
+        let precision = config.mixed_precision;
+        let registry = Registry::new(varmap, device, is_buffer, reducer.clone())
+            .compute_in(precision.param_dtype);
         // SyncBatchNorm gets a group of its own: its backward collectives must not interleave
         // with the gradient buckets (a rank with no rows sends them late).
         let sync_group = if config.sync_batch_norm {
@@ -284,6 +294,7 @@ impl<M> DistributedDataParallel<M> {
                 .map(|e| Param {
                     name: e.name.clone(),
                     var: e.var.clone(),
+                    grad_dtype: precision.reduce_dtype(e.held.dtype()),
                 })
                 .collect(),
             // Backward meets the parameters in about the reverse of the order the model
@@ -333,6 +344,7 @@ impl<M> DistributedDataParallel<M> {
             _managed,
             joining: std::sync::Mutex::new(None),
             device: device.clone(),
+            precision,
         })
     }
 
@@ -378,9 +390,8 @@ impl<M> DistributedDataParallel<M> {
     /// Copies each parameter's current value into the model's copy of it.
     fn refresh_copies(&self) -> Result<()> {
         for e in &self.params {
-            e.held
-                .flatten_all()?
-                .slice_set(&e.var.as_tensor().flatten_all()?, 0, 0)?;
+            let value = e.var.as_tensor().flatten_all()?.to_dtype(e.held.dtype())?;
+            e.held.flatten_all()?.slice_set(&value, 0, 0)?;
         }
         Ok(())
     }
@@ -590,6 +601,7 @@ impl<M: ModuleT> DistributedDataParallel<M> {
     /// Fails with [`Error::UnfinishedReduction`] when the last forward's gradients were
     /// computed (`loss.backward()`) but never reduced by [`backward`](Self::backward).
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        let xs = &self.precision.cast_input(xs)?;
         self.reducer
             .prepare_for_backward(self.no_sync.load(Ordering::SeqCst) == 0)?;
         let joining = *lock(&self.joining);
@@ -597,7 +609,8 @@ impl<M: ModuleT> DistributedDataParallel<M> {
             self.join_iteration(divisor, train)?;
         }
         self.before_forward(train)?;
-        Ok(self.module.forward_t(xs, train)?)
+        self.precision
+            .cast_output(self.module.forward_t(xs, train)?)
     }
 }
 

@@ -37,7 +37,7 @@ use crate::error::{Error, Result};
 use crate::shard::FlatLayout;
 use crate::util::sync::lock;
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -46,11 +46,15 @@ use std::time::{Duration, Instant};
 pub(crate) struct Param {
     pub name: String,
     pub var: Var,
+    /// The dtype its gradient travels and is averaged in (mixed precision's reduce dtype, or
+    /// the dtype it is computed in).
+    pub grad_dtype: DType,
 }
 
 impl Param {
+    /// The bytes its gradient takes in a bucket.
     fn bytes(&self) -> usize {
-        self.var.elem_count() * self.var.dtype().size_in_bytes()
+        self.var.elem_count() * self.grad_dtype.size_in_bytes()
     }
 }
 
@@ -108,7 +112,7 @@ impl Layout {
             .map(|&i| BucketParam {
                 index: i,
                 bytes: setup.params[i].bytes(),
-                dtype: setup.params[i].var.dtype(),
+                dtype: setup.params[i].grad_dtype,
             })
             .collect();
         let buckets = assign_buckets(&params, setup.first_bucket_bytes, setup.bucket_bytes);
@@ -378,6 +382,8 @@ impl State {
                 parameter: parameter(),
             });
         }
+        // Under mixed precision, averaged in the reduce dtype.
+        let grad = &grad.to_dtype(self.setup.params[index].grad_dtype)?;
         let grad = match self.accumulated[index].take() {
             Some(sum) => (sum + grad)?,
             None => grad.clone(),
@@ -436,7 +442,10 @@ impl State {
                 if it.grads[i].is_none() {
                     let g = match self.accumulated[i].take() {
                         Some(sum) => sum,
-                        None => self.setup.params[i].var.zeros_like()?,
+                        None => {
+                            let p = &self.setup.params[i];
+                            Tensor::zeros(p.var.shape(), p.grad_dtype, p.var.device())?
+                        }
                     };
                     it.grads[i] = Some(g);
                     bucket.pending -= 1;
@@ -632,6 +641,7 @@ mod tests {
                 params: vec![Param {
                     name: "w".into(),
                     var: w.clone(),
+                    grad_dtype: w.dtype(),
                 }],
                 expected_order: vec![0],
                 first_bucket_bytes: 1 << 20,

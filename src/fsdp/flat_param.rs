@@ -15,6 +15,7 @@
 //! only).
 
 use super::backend::Buffers;
+use crate::amp::MixedPrecision;
 use crate::ddp::agreement::{broadcast_from_rank_0, check_same_descriptions, travels};
 use crate::distributed::{ProcessGroup, ReduceOp, Work};
 use crate::error::{Error, Result};
@@ -37,6 +38,8 @@ const TAG_DIGITS: usize = 4;
 pub(crate) struct Shared {
     pub group: ProcessGroup,
     pub device: Device,
+    /// The dtypes units compute and average gradients in.
+    pub precision: MixedPrecision,
     /// Backwards so far: a unit's backward belongs to the iteration of its forward (every
     /// training forward since the last backward belongs to the next one).
     pub iteration: AtomicU64,
@@ -47,10 +50,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub fn new(group: ProcessGroup, device: Device) -> Self {
+    pub fn new(group: ProcessGroup, device: Device, precision: MixedPrecision) -> Self {
         Self {
             group,
             device,
+            precision,
             iteration: AtomicU64::new(0),
             names: Mutex::new(vec![ROOT.to_string()]),
             error: Mutex::new(None),
@@ -86,7 +90,10 @@ pub(crate) struct FlatParam {
     /// The full names of the parameters, in flat order.
     pub names: Vec<String>,
     pub shapes: Vec<Vec<usize>>,
+    /// The dtype of the pieces (the master weights).
     pub dtype: DType,
+    /// The dtype the unit is gathered and computes in.
+    pub compute: DType,
     pub layout: FlatLayout,
     /// This rank's piece of each parameter, in flat order: what the optimizer steps.
     pub pieces: Vec<Var>,
@@ -180,6 +187,7 @@ impl FlatParam {
             name: name.to_string(),
             names: entries.iter().map(|(n, _)| n.clone()).collect(),
             shapes: entries.iter().map(|(_, t)| t.dims().to_vec()).collect(),
+            compute: shared.precision.compute_dtype(dtype),
             dtype,
             layout,
             used: Mutex::new(vec![false; pieces.len()]),
@@ -190,10 +198,10 @@ impl FlatParam {
         }))
     }
 
-    /// This rank's shard: its pieces laid end to end.
+    /// This rank's shard: its pieces laid end to end, in the dtype the unit computes in.
     fn shard(&self) -> Result<Tensor> {
         let pieces: Vec<Tensor> = self.pieces.iter().map(|p| p.as_tensor().clone()).collect();
-        Ok(Tensor::cat(&pieces, 0)?)
+        Ok(Tensor::cat(&pieces, 0)?.to_dtype(self.compute)?)
     }
 
     /// Issues the all-gather of every rank's shard, tagged with this unit's number.
@@ -201,7 +209,7 @@ impl FlatParam {
         let digits: Vec<f64> = (0..TAG_DIGITS)
             .map(|k| ((self.id >> (6 * k)) & 63) as f64)
             .collect();
-        let tag = Tensor::new(digits.as_slice(), &self.shared.device)?.to_dtype(self.dtype)?;
+        let tag = Tensor::new(digits.as_slice(), &self.shared.device)?.to_dtype(self.compute)?;
         let tagged = Tensor::cat(&[&self.shard()?, &tag], 0)?;
         self.shared.group.all_gather_async(&tagged)
     }
@@ -253,18 +261,19 @@ impl FlatParam {
     }
 
     /// Issues the reduce-scatter (average) of this rank's full gradients `grads` (in flat
-    /// order; `None` where a parameter got none: zeros, and it counts as unused here);
-    /// [`take_gradient`] waits for it.
+    /// order; `None` where a parameter got none: zeros, and it counts as unused here), in the
+    /// policy's reduce dtype; [`take_gradient`] waits for it.
     pub fn reduce_scatter(&self, grads: Vec<Option<Tensor>>) -> Result<()> {
         for (used, g) in lock(&self.used).iter_mut().zip(&grads) {
             *used |= g.is_some();
         }
+        let dtype = self.shared.precision.reduce_dtype(self.compute);
         let grads: Vec<Tensor> = grads
             .into_iter()
             .zip(&self.shapes)
             .map(|(g, shape)| match g {
-                Some(g) => Ok(g),
-                None => Tensor::zeros(shape.as_slice(), self.dtype, &self.shared.device),
+                Some(g) => g.to_dtype(dtype),
+                None => Tensor::zeros(shape.as_slice(), dtype, &self.shared.device),
             })
             .collect::<candle_core::Result<_>>()?;
         let flat = self.layout.flatten(&grads)?;
@@ -332,7 +341,7 @@ impl FlatParam {
             &self.buffers,
             how,
             prefix,
-            self.dtype,
+            self.compute,
             &self.shared.device,
         )?)
     }

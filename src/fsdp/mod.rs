@@ -97,6 +97,7 @@ mod unit;
 
 pub use unit::{unit, Unit};
 
+use crate::amp::MixedPrecision;
 use crate::ddp::unused::{describe, is_declared};
 use crate::distributed::{ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
@@ -131,6 +132,9 @@ pub struct FsdpConfig {
     /// Parameters frozen on purpose, never reported for having no gradient: names, or
     /// prefixes of a whole path component (as [`crate::DdpConfig::frozen_parameters`]).
     pub frozen_parameters: Vec<String>,
+    /// The dtypes units are gathered and compute in, and gradients are averaged in, beside the
+    /// pieces' dtype (`dtype`, the master weights' and the optimizer's); default: none.
+    pub mixed_precision: MixedPrecision,
 }
 
 impl Default for FsdpConfig {
@@ -141,6 +145,7 @@ impl Default for FsdpConfig {
             buffer_names: crate::ddp::unused::BUFFER_NAMES.map(String::from).to_vec(),
             broadcast_buffers: true,
             frozen_parameters: Vec::new(),
+            mixed_precision: MixedPrecision::default(),
         }
     }
 }
@@ -210,7 +215,7 @@ impl<M> FullyShardedDataParallel<M> {
         let own = group
             .new_group(&everyone)?
             .expect("every rank is a member of a group of every rank");
-        let shared = Arc::new(Shared::new(own, device.clone()));
+        let shared = Arc::new(Shared::new(own, device.clone(), config.mixed_precision));
         let source = Arc::new(Source {
             varmap: varmap.clone(),
             seed: config.seed,
@@ -429,7 +434,7 @@ impl<M> FullyShardedDataParallel<M> {
             {
                 match used {
                     true => {
-                        grads.insert(piece.as_tensor(), g);
+                        grads.insert(piece.as_tensor(), g.to_dtype(piece.dtype())?);
                     }
                     false => without.push(name.clone()),
                 }
@@ -498,6 +503,8 @@ impl<M: ModuleT> FullyShardedDataParallel<M> {
     }
 
     fn forward_inner(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        let precision = self.shared.precision;
+        let xs = &precision.cast_input(xs)?;
         if train && self.broadcast_buffers {
             broadcast_buffers(&self.shared.group, &self.buffers())?;
         }
@@ -518,7 +525,7 @@ impl<M: ModuleT> FullyShardedDataParallel<M> {
         } else {
             tensors
         };
-        let dtype = self.root.as_ref().map_or(DType::F32, |r| r.dtype);
+        let dtype = self.root.as_ref().map_or(DType::F32, |r| r.compute);
         let vb = serving(
             &names,
             served,
@@ -546,7 +553,7 @@ impl<M: ModuleT> FullyShardedDataParallel<M> {
                 );
             }
         }
-        Ok(out)
+        precision.cast_output(out)
     }
 }
 

@@ -3,7 +3,7 @@
 //! candle's custom ops cannot return storage shared with their input, so the forward copies.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, Layout, Result, Shape};
+use candle_core::{CpuStorage, DType, Layout, Result, Shape};
 
 /// Fails unless `l` is compact (contiguous from offset 0), where a storage's whole copy is
 /// exactly the tensor's values. Every caller passes such a tensor (a variable, or a fresh
@@ -29,4 +29,36 @@ pub(crate) fn cuda(
 ) -> Result<(candle_core::CudaStorage, Shape)> {
     check(l)?;
     Ok((s.try_clone(l)?, l.shape().clone()))
+}
+
+/// A copy of the compact tensor `s` under `l` in `dtype` (its own when `None`): the forward of
+/// an identity that also casts (DDP's gradient hook under mixed precision).
+pub(crate) fn cpu_as(
+    s: &CpuStorage,
+    l: &Layout,
+    dtype: Option<DType>,
+) -> Result<(CpuStorage, Shape)> {
+    match dtype {
+        Some(d) if d != s.dtype() => {
+            check(l)?;
+            Ok((s.to_dtype(l, d)?, l.shape().clone()))
+        }
+        _ => cpu(s, l),
+    }
+}
+
+/// [`cpu_as`] on a GPU.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_as(
+    s: &candle_core::CudaStorage,
+    l: &Layout,
+    dtype: Option<DType>,
+) -> Result<(candle_core::CudaStorage, Shape)> {
+    match dtype {
+        Some(d) if d != s.dtype() => {
+            check(l)?;
+            Ok((s.to_dtype(l, d)?, l.shape().clone()))
+        }
+        _ => cuda(s, l),
+    }
 }
