@@ -54,6 +54,7 @@
 mod crc32c;
 mod format;
 pub mod resume;
+pub(crate) mod sharded;
 
 use crate::error::{Error, Result};
 use crate::optim::{ElementwiseOptimizer, OptimizerState};

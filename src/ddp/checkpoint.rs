@@ -10,18 +10,16 @@
 //! of it (flattened) under `<key>@<s>`, and the buffers and scalars whole. A parameter without
 //! optimizer state (frozen, or never stepped) has none in either file.
 
-use super::agreement::check_same_descriptions;
 use super::DistributedDataParallel;
+use crate::checkpoint::sharded::{file_name, put_part, read_sharded, whole_states, STATE};
 use crate::checkpoint::{optimizer_state_from, optimizer_tensors, LoadOptions};
 use crate::error::{Error, Result};
 use crate::optim::{ElementwiseOptimizer, OptimizerState};
-use crate::shard::{chunk_elements, chunk_of};
+use crate::shard::chunk_of;
 use crate::util::sync::lock;
 use candle_core::{Tensor, Var};
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
-
-const STATE: &str = "optimizer.state.";
+use std::path::Path;
 
 impl<M> DistributedDataParallel<M> {
     /// Saves the whole training state (every variable, and the optimizer's state of every
@@ -123,66 +121,14 @@ impl<M> DistributedDataParallel<M> {
     ) -> Result<()> {
         self.refuse_inside_join("load_sharded_checkpoint")?;
         let dir = dir.as_ref();
-        let whole = self.read_sharded(dir);
+        let shapes: HashMap<String, Vec<usize>> = self
+            .params
+            .iter()
+            .map(|e| (e.name.clone(), e.var.dims().to_vec()))
+            .collect();
+        let whole = read_sharded(dir, &shapes);
         let whole = self.agree_on(whole, dir)?;
         self.apply(opt, &whole, dir, options)
-    }
-
-    /// Every tensor of the sharded checkpoint in `dir`, whole.
-    fn read_sharded(&self, dir: &Path) -> Result<HashMap<String, Tensor>> {
-        let files = sharded_files(dir)?;
-        let mut whole: HashMap<String, Tensor> = HashMap::new();
-        let mut parts: HashMap<String, Vec<(usize, Tensor)>> = HashMap::new();
-        for file in &files {
-            let tensors = crate::checkpoint::read(file)?;
-            for (key, t) in tensors {
-                match key.rsplit_once('@').map(|(k, s)| (k, s.parse::<usize>())) {
-                    Some((base, Ok(start))) => {
-                        parts.entry(base.to_string()).or_default().push((start, t))
-                    }
-                    _ => {
-                        whole.insert(key, t);
-                    }
-                }
-            }
-        }
-        let shapes = self.shapes_by_key(parts.keys());
-        for (key, mut pieces) in parts {
-            let shape = shapes.get(&key).ok_or_else(|| Error::Checkpoint {
-                key: key.clone(),
-                path: dir.to_path_buf(),
-                detail: format!("`{key}` is not a parameter of this model or its optimizer state"),
-            })?;
-            pieces.sort_by_key(|(start, _)| *start);
-            let mut next = 0;
-            for (start, t) in &pieces {
-                if *start != next {
-                    return Err(Error::Checkpoint {
-                        key: key.clone(),
-                        path: dir.to_path_buf(),
-                        detail: format!(
-                            "`{key}` has no part at elements {next}..{start}: a rank's file of \
-                             this checkpoint is missing or from another save"
-                        ),
-                    });
-                }
-                next += t.elem_count();
-            }
-            let numel: usize = shape.iter().product();
-            if next != numel {
-                return Err(Error::Checkpoint {
-                    key: key.clone(),
-                    path: dir.to_path_buf(),
-                    detail: format!(
-                        "`{key}` has parts for {next} of its {numel} elements: a rank's file is \
-                         missing or from another save"
-                    ),
-                });
-            }
-            let flat: Vec<Tensor> = pieces.into_iter().map(|(_, t)| t).collect();
-            whole.insert(key, Tensor::cat(&flat, 0)?.reshape(shape.as_slice())?);
-        }
-        Ok(whole)
     }
 
     /// Every variable of the model's `VarMap` (under ZeRO-2, as of the last gather), by name.
@@ -207,36 +153,17 @@ impl<M> DistributedDataParallel<M> {
         if self.reducer.pieces().is_empty() {
             return optimizer_tensors(&names(&slots), &state);
         }
+        // In the parameters' order, the same on every rank.
         let mut order: Vec<(usize, usize)> = slots.iter().copied().enumerate().collect();
         order.sort_by_key(|&(_, i)| i);
-        let described: Vec<String> = order
+        let params: Vec<(&str, &[usize], &BTreeMap<String, Tensor>)> = order
             .iter()
             .map(|&(j, i)| {
-                let states: Vec<&str> = state.per_var[j].keys().map(String::as_str).collect();
-                format!("{} optimizer state {states:?}", self.params[i].name)
+                let p = &self.params[i];
+                (p.name.as_str(), p.var.dims(), &state.per_var[j])
             })
             .collect();
-        check_same_descriptions(&self.group, &described, &self.device)?;
-        let mut works = Vec::new();
-        for &(j, i) in &order {
-            for (name, t) in &state.per_var[j] {
-                works.push((i, name.clone(), self.group.all_gather_async(t)?));
-            }
-        }
-        let mut full = OptimizerState {
-            scalars: state.scalars.clone(),
-            per_var: vec![BTreeMap::new(); order.len()],
-        };
-        for (i, name, work) in works {
-            let var = &self.params[i].var;
-            let whole = Tensor::cat(&work.wait()?, 0)?
-                .narrow(0, 0, var.elem_count())?
-                .reshape(var.shape())?;
-            let k = order.iter().position(|&(_, p)| p == i).expect("from order");
-            full.per_var[k].insert(name, whole);
-        }
-        let in_order: Vec<usize> = order.iter().map(|&(_, i)| i).collect();
-        optimizer_tensors(&names(&in_order), &full)
+        whole_states(&self.group, &self.device, &params, &state.scalars)
     }
 
     /// This rank's chunk of each parameter and of each optimizer state (see
@@ -258,36 +185,26 @@ impl<M> DistributedDataParallel<M> {
                 .into_iter()
                 .filter(|(name, _)| !parameters.contains(&name.as_str())),
         );
-        // This rank's chunk of `t`, a whole tensor of parameter `i` (or already its chunk
-        // under ZeRO-2), without padding, keyed at the first element it holds.
-        let mut put = |key: String, i: usize, t: &Tensor| -> Result<()> {
-            let numel = self.params[i].var.elem_count();
-            let within = chunk_elements(numel, world, rank);
-            if within.is_empty() {
-                if numel == 0 && rank == 0 {
-                    // Every chunk of an empty tensor is empty: rank 0 says it exists.
-                    out.insert(format!("{key}@0"), t.flatten_all()?.narrow(0, 0, 0)?);
-                }
-                return Ok(());
-            }
-            let chunk = match pieces.is_empty() {
-                true => chunk_of(t, world, rank)?,
-                false => t.clone(),
-            };
-            let part = chunk.narrow(0, 0, within.len())?.copy()?;
-            out.insert(format!("{key}@{}", within.start), part);
-            Ok(())
-        };
+        let whole = pieces.is_empty();
         for (i, e) in self.params.iter().enumerate() {
             let value = match pieces.get(i) {
                 Some(piece) => piece.as_tensor().clone(),
                 None => e.var.as_tensor().clone(),
             };
-            put(e.name.clone(), i, &value)?;
+            put_part(
+                &mut out,
+                &e.name,
+                &value,
+                e.var.elem_count(),
+                whole,
+                (world, rank),
+            )?;
         }
         for (j, &i) in slots.iter().enumerate() {
+            let p = &self.params[i];
             for (name, t) in &state.per_var[j] {
-                put(format!("{STATE}{}.{name}", self.params[i].name), i, t)?;
+                let key = format!("{STATE}{}.{name}", p.name);
+                put_part(&mut out, &key, t, p.var.elem_count(), whole, (world, rank))?;
             }
         }
         Ok(out)
@@ -401,26 +318,6 @@ impl<M> DistributedDataParallel<M> {
         self.params.iter().map(|e| e.name.clone()).collect()
     }
 
-    /// The shapes of the keys a sharded file may hold in parts: parameters and their states.
-    fn shapes_by_key<'a>(
-        &self,
-        keys: impl Iterator<Item = &'a String>,
-    ) -> HashMap<String, Vec<usize>> {
-        let by_name: HashMap<&str, &[usize]> = self
-            .params
-            .iter()
-            .map(|e| (e.name.as_str(), e.var.dims()))
-            .collect();
-        keys.filter_map(|key| {
-            let param = match key.strip_prefix(STATE) {
-                Some(k) => k.rsplit_once('.')?.0,
-                None => key.as_str(),
-            };
-            by_name.get(param).map(|s| (key.clone(), s.to_vec()))
-        })
-        .collect()
-    }
-
     /// Makes every rank return an error when one failed: this rank's own, or the failing
     /// rank's words about `path`.
     fn agree_on<T>(&self, result: Result<T>, path: &Path) -> Result<T> {
@@ -432,58 +329,4 @@ impl<M> DistributedDataParallel<M> {
             }
         })
     }
-}
-
-fn file_name(rank: usize, world: usize) -> String {
-    format!("rank-{rank}-of-{world}.safetensors")
-}
-
-/// The files of a sharded checkpoint in `dir`, in rank order: all of one world size, none
-/// missing.
-fn sharded_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let entries = std::fs::read_dir(dir).map_err(|source| Error::File {
-        action: "reading the checkpoint folder",
-        path: dir.to_path_buf(),
-        source,
-    })?;
-    let mut found: BTreeMap<usize, (usize, PathBuf)> = BTreeMap::new();
-    let mut worlds = std::collections::BTreeSet::new();
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let parsed = name
-            .strip_prefix("rank-")
-            .and_then(|n| n.strip_suffix(".safetensors"))
-            .and_then(|n| n.split_once("-of-"))
-            .and_then(|(r, w)| Some((r.parse::<usize>().ok()?, w.parse::<usize>().ok()?)));
-        if let Some((rank, world)) = parsed {
-            worlds.insert(world);
-            found.insert(rank, (world, entry.path()));
-        }
-    }
-    let checkpoint_error = |detail: String| Error::Checkpoint {
-        key: String::new(),
-        path: dir.to_path_buf(),
-        detail,
-    };
-    let world = match worlds.len() {
-        0 => {
-            return Err(checkpoint_error(
-                "no rank-<r>-of-<world>.safetensors files: not a sharded checkpoint".into(),
-            ))
-        }
-        1 => *worlds.iter().next().expect("one world size"),
-        _ => {
-            return Err(checkpoint_error(format!(
-                "files of world sizes {worlds:?}: two sharded checkpoints in one folder"
-            )))
-        }
-    };
-    (0..world)
-        .map(|r| {
-            found
-                .remove(&r)
-                .map(|(_, p)| p)
-                .ok_or_else(|| checkpoint_error(format!("{} is missing", file_name(r, world))))
-        })
-        .collect()
 }
