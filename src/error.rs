@@ -332,6 +332,16 @@ pub enum Error {
     )]
     FsdpBackwardWithoutForward,
 
+    /// A training forward of FullyShardedDataParallel found that a backward ran through the
+    /// previous forwards outside `FullyShardedDataParallel::backward`.
+    #[error(
+        "FullyShardedDataParallel: a backward ran through the last training forward outside \
+         model.backward(&loss) (loss.backward(), or candle's opt.backward_step(&loss)): its \
+         gradients were never averaged over the ranks nor handed to the optimizer, which \
+         stepped nothing; call let grads = model.backward(&loss)?; opt.step(&grads)?"
+    )]
+    FsdpUnreducedBackward,
+
     /// An optimizer state does not fit the optimizer it is loaded into: another number of
     /// variables, a state or scalar this optimizer does not keep, or one it needs missing.
     #[error(

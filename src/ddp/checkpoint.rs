@@ -180,9 +180,12 @@ impl<M> DistributedDataParallel<M> {
         };
         let mut out = optimizer_tensors(&[], &scalars_only)?;
         let parameters: Vec<&str> = self.params.iter().map(|e| e.name.as_str()).collect();
+        // Buffers are the same on every rank after a training forward's broadcast; rank 0's
+        // are saved, as in the consolidated file.
         out.extend(
             self.variables()
                 .into_iter()
+                .filter(|_| rank == 0)
                 .filter(|(name, _)| !parameters.contains(&name.as_str())),
         );
         let whole = pieces.is_empty();

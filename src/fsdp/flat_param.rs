@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::shard::FlatLayout;
 use crate::util::sync::lock;
 use candle_core::{DType, Device, Tensor, Var};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The name of the parameters outside every unit, in messages.
@@ -43,6 +43,11 @@ pub(crate) struct Shared {
     /// Backwards so far: a unit's backward belongs to the iteration of its forward (every
     /// training forward since the last backward belongs to the next one).
     pub iteration: AtomicU64,
+    /// Open `no_sync` guards: backwards sum gradients on this rank only.
+    pub no_sync: AtomicUsize,
+    /// A backward went through a training forward's output since the last
+    /// `FullyShardedDataParallel::backward` ended (set by the output's op).
+    pub backward_ran: AtomicBool,
     /// Each flat parameter's name, by number (0 is the root).
     names: Mutex<Vec<String>>,
     /// The first typed error raised inside candle's backward (where only candle errors pass).
@@ -56,6 +61,8 @@ impl Shared {
             device,
             precision,
             iteration: AtomicU64::new(0),
+            no_sync: AtomicUsize::new(0),
+            backward_ran: AtomicBool::new(false),
             names: Mutex::new(vec![ROOT.to_string()]),
             error: Mutex::new(None),
         }
@@ -104,6 +111,9 @@ pub(crate) struct FlatParam {
     pending: Mutex<Vec<Work<Tensor>>>,
     /// Per parameter: whether it got a gradient on this rank in this iteration.
     used: Mutex<Vec<bool>>,
+    /// Per parameter: this rank's gradients summed under `no_sync`, until the next
+    /// synchronised backward reduce-scatters them.
+    local: Mutex<Vec<Option<Tensor>>>,
 }
 
 impl FlatParam {
@@ -191,6 +201,7 @@ impl FlatParam {
             dtype,
             layout,
             used: Mutex::new(vec![false; pieces.len()]),
+            local: Mutex::new(vec![None; pieces.len()]),
             pieces,
             buffers,
             shared: shared.clone(),
@@ -268,6 +279,26 @@ impl FlatParam {
             *used |= g.is_some();
         }
         let dtype = self.shared.precision.reduce_dtype(self.compute);
+        let mut grads = grads;
+        {
+            // Under no_sync the sums stay here; the next synchronised backward sends them.
+            let mut local = lock(&self.local);
+            let accumulate = self.shared.no_sync.load(Ordering::SeqCst) > 0;
+            for (g, sum) in grads.iter_mut().zip(local.iter_mut()) {
+                let both = match (g.take(), sum.take()) {
+                    (Some(a), Some(b)) => Some((a.to_dtype(dtype)? + b)?),
+                    (Some(a), None) => Some(a.to_dtype(dtype)?),
+                    (None, b) => b,
+                };
+                match accumulate {
+                    true => *sum = both,
+                    false => *g = both,
+                }
+            }
+            if accumulate {
+                return Ok(());
+            }
+        }
         let grads: Vec<Tensor> = grads
             .into_iter()
             .zip(&self.shapes)
@@ -302,6 +333,12 @@ impl FlatParam {
         Ok(sum)
     }
 
+    /// Whether gradients summed under `no_sync` wait to be reduce-scattered, with no
+    /// reduce-scatter issued for this backward yet (the unit did not run in it).
+    pub fn holds_local_sums(&self) -> bool {
+        lock(&self.pending).is_empty() && lock(&self.local).iter().any(Option::is_some)
+    }
+
     /// Per parameter, whether it got a gradient on this rank in the iteration; resets it.
     pub fn take_used(&self) -> Vec<bool> {
         let mut used = lock(&self.used);
@@ -315,6 +352,7 @@ impl FlatParam {
             let _ = work.wait();
         }
         self.take_used();
+        lock(&self.local).fill(None);
     }
 
     /// The iteration under way.

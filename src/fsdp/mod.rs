@@ -91,6 +91,7 @@
 //! [`parameters`]: FullyShardedDataParallel::parameters
 
 mod backend;
+mod checkpoint;
 mod flat_param;
 mod op;
 mod unit;
@@ -109,6 +110,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
 use flat_param::{agree_on_buffers, broadcast_buffers, FlatParam, Shared, ROOT};
+use op::Seen;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -386,7 +388,20 @@ impl<M> FullyShardedDataParallel<M> {
         let result = self.reduce(loss, live);
         // The graphs of this iteration are done with, whatever happened.
         self.shared.iteration.fetch_add(1, Ordering::SeqCst);
+        self.shared.backward_ran.store(false, Ordering::SeqCst);
         result
+    }
+
+    /// Gradient accumulation without communication (torch's `no_sync`): while the guard lives,
+    /// backwards sum each unit's (and the root's) full gradients on this rank and return no
+    /// gradients for the pieces; the first backward after it reduce-scatters the sums with its
+    /// own. For k micro-batches whose losses are divided by k, the result equals one batch k
+    /// times larger. The sums take the memory of the full gradients until then.
+    pub fn no_sync(&self) -> FsdpNoSync<'_> {
+        self.shared.no_sync.fetch_add(1, Ordering::SeqCst);
+        FsdpNoSync {
+            open: &self.shared.no_sync,
+        }
     }
 
     fn reduce(&self, loss: &Tensor, live: Vec<Live<M>>) -> Result<GradStore> {
@@ -415,6 +430,16 @@ impl<M> FullyShardedDataParallel<M> {
             root.reduce_scatter(root_grads)?;
         }
         drop(live);
+        if self.shared.no_sync.load(Ordering::SeqCst) > 0 {
+            // Summed on this rank; the synchronised backward hands the pieces' gradients out.
+            return Ok(grads);
+        }
+        for p in self.flat_params() {
+            // Sums of no_sync backwards of a unit this backward did not run.
+            if p.holds_local_sums() {
+                p.reduce_scatter(vec![None; p.pieces.len()])?;
+            }
+        }
         let used_here: Vec<bool> = self.flat_params().flat_map(|p| p.take_used()).collect();
         let used_anywhere = self.agree_on_used(&used_here)?;
         let mut without = Vec::new();
@@ -503,6 +528,15 @@ impl<M: ModuleT> FullyShardedDataParallel<M> {
     }
 
     fn forward_inner(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        if train && self.shared.backward_ran.swap(false, Ordering::SeqCst) {
+            // The last forwards' gradients were computed and never averaged nor handed out.
+            lock(&self.live).clear();
+            for p in self.flat_params() {
+                p.abandon();
+            }
+            self.shared.iteration.fetch_add(1, Ordering::SeqCst);
+            return Err(Error::FsdpUnreducedBackward);
+        }
         let precision = self.shared.precision;
         let xs = &precision.cast_input(xs)?;
         if train && self.broadcast_buffers {
@@ -539,6 +573,12 @@ impl<M: ModuleT> FullyShardedDataParallel<M> {
         let out = model
             .forward_t(xs, train)
             .map_err(|e| self.shared.take_error().unwrap_or(Error::Candle(e)))?;
+        let out = match train {
+            true => out.apply_op1(Seen {
+                shared: self.shared.clone(),
+            })?,
+            false => out,
+        };
         if train {
             let mut live = lock(&self.live);
             live.push(Live {
@@ -561,6 +601,18 @@ impl<M: ModuleT> FullyShardedDataParallel<M> {
 impl<M: ModuleT> candle_core::Module for FullyShardedDataParallel<M> {
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         self.forward_t(xs, true).map_err(Error::into_candle)
+    }
+}
+
+/// While it lives, backwards sum gradients locally ([`FullyShardedDataParallel::no_sync`]).
+#[must_use = "no_sync only lasts while its guard lives"]
+pub struct FsdpNoSync<'a> {
+    open: &'a std::sync::atomic::AtomicUsize,
+}
+
+impl Drop for FsdpNoSync<'_> {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -146,3 +146,37 @@ impl candle_core::CustomOp2 for UnitOp {
         Ok((grad_in, None))
     }
 }
+
+/// The identity over a training forward's output that notes a backward through it, so that a
+/// backward run outside `FullyShardedDataParallel::backward` (`loss.backward()`, candle's
+/// `opt.backward_step(&loss)`), whose gradients nobody averages or hands to the optimizer, is
+/// an error at the next forward rather than a model that silently never trains.
+pub(crate) struct Seen {
+    pub shared: Arc<super::flat_param::Shared>,
+}
+
+impl candle_core::CustomOp1 for Seen {
+    fn name(&self) -> &'static str {
+        "fsdp-output"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        crate::util::pass_through::cpu(s, l)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::util::pass_through::cuda(s, l)
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        self.shared
+            .backward_ran
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(Some(grad.clone()))
+    }
+}
