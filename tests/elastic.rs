@@ -172,6 +172,38 @@ fn a_rank_sigkilled_mid_epoch_restarts_and_transformer_ddp_under_zero2_ends_as_i
 }
 
 #[test]
+fn a_rank_sigkilled_mid_epoch_restarts_and_transformer_ddp_fully_sharded_ends_as_if_never_stopped()
+{
+    // As above, fully sharded: the pieces, AdamW's state of them and the schedule resume.
+    let args = [
+        "--cpu",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "16",
+        "--train-size",
+        "2048",
+        "--test-size",
+        "50",
+        "--layers",
+        "2",
+        "--dim",
+        "32",
+        "--sharding",
+        "full",
+        "--checkpoint-every",
+        "4",
+    ];
+    killed_and_resumed_equals_uninterrupted(
+        "elastic-transformer-full",
+        "transformer_ddp",
+        &args,
+        "[rank0]: Checkpoint at step 8 saved",
+        1024,
+    );
+}
+
+#[test]
 fn exhausted_restarts_exit_with_the_failing_ranks_code_and_ranks_see_their_round() {
     let script = r#"
         echo "round $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS token $CANDLE_PARALLEL_TOKEN"

@@ -104,9 +104,21 @@ fn two_processes_print_the_losses_of_one_with_the_same_global_batch() {
     );
     assert_same_steps(&one, &two);
 
-    // Two micro-batches of 8 on each of two ranks, summed under no_sync: the same steps again.
-    let accumulated = epochs(&["--nproc", "2", "--batch-size", "8", "--accumulate", "2"]);
-    assert_same_steps(&one, &accumulated);
+    // Two micro-batches of 8 on each of two ranks, summed under no_sync: the same steps again,
+    // plain and fully sharded.
+    for sharding in ["none", "full"] {
+        let accumulated = epochs(&[
+            "--nproc",
+            "2",
+            "--batch-size",
+            "8",
+            "--accumulate",
+            "2",
+            "--sharding",
+            sharding,
+        ]);
+        assert_same_steps(&one, &accumulated);
+    }
 
     // A different global batch takes different steps: the comparison above can tell.
     let other = epochs(&["--nproc", "2", "--batch-size", "32"]);
