@@ -23,7 +23,7 @@ use crate::shard::FlatLayout;
 use crate::util::sync::lock;
 use candle_core::{DType, Device, Tensor, Var};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 /// The name of the parameters outside every unit, in messages.
 pub(crate) const ROOT: &str = "(root)";
@@ -50,6 +50,10 @@ pub(crate) struct Shared {
     pub backward_ran: AtomicBool,
     /// Each flat parameter's name, by number (0 is the root).
     names: Mutex<Vec<String>>,
+    /// The units, by number less one, for prefetching the next one's gather.
+    units: Mutex<Vec<Weak<FlatParam>>>,
+    /// The units used by the training forwards of this iteration, in order (by number).
+    uses: Mutex<Vec<usize>>,
     /// The first typed error raised inside candle's backward (where only candle errors pass).
     error: Mutex<Option<Error>>,
 }
@@ -64,6 +68,8 @@ impl Shared {
             no_sync: AtomicUsize::new(0),
             backward_ran: AtomicBool::new(false),
             names: Mutex::new(vec![ROOT.to_string()]),
+            units: Mutex::new(Vec::new()),
+            uses: Mutex::new(Vec::new()),
             error: Mutex::new(None),
         }
     }
@@ -78,6 +84,42 @@ impl Shared {
     /// The typed error kept by [`Shared::fail`], if any.
     pub fn take_error(&self) -> Option<Error> {
         lock(&self.error).take()
+    }
+
+    /// Notes a training forward's use of unit `id`; returns its place among this iteration's
+    /// uses.
+    pub fn note_use(&self, id: usize) -> usize {
+        let mut uses = lock(&self.uses);
+        uses.push(id);
+        uses.len() - 1
+    }
+
+    /// The unit used at place `k` of this iteration's training forwards.
+    pub fn used_at(&self, k: usize) -> Option<Arc<FlatParam>> {
+        let id = *lock(&self.uses).get(k)?;
+        self.unit(id)
+    }
+
+    /// Unit number `id` (units count from 1), while it lives.
+    pub fn unit(&self, id: usize) -> Option<Arc<FlatParam>> {
+        lock(&self.units).get(id.checked_sub(1)?)?.upgrade()
+    }
+
+    /// Ends an iteration: forgets its uses, and the gathers prefetched for it.
+    pub fn end_iteration(&self) {
+        lock(&self.uses).clear();
+        self.drop_prefetched();
+    }
+
+    /// Drops every gather prefetched and never used: each forward and backward starts without,
+    /// since a step may change the parameters between them (such a gather still runs, in its
+    /// place in the collectives' order, on every rank alike).
+    pub fn drop_prefetched(&self) {
+        let units: Vec<Arc<FlatParam>> =
+            lock(&self.units).iter().filter_map(Weak::upgrade).collect();
+        for u in units {
+            lock(&u.prefetched).take();
+        }
     }
 
     fn name(&self, id: usize) -> String {
@@ -109,6 +151,8 @@ pub(crate) struct FlatParam {
     pub shared: Arc<Shared>,
     /// Reduce-scatters of this iteration's gradients, in flight.
     pending: Mutex<Vec<Work<Tensor>>>,
+    /// The all-gather issued ahead of this unit's use, while the unit before it computed.
+    prefetched: Mutex<Option<Work<Vec<Tensor>>>>,
     /// Per parameter: whether it got a gradient on this rank in this iteration.
     used: Mutex<Vec<bool>>,
     /// Per parameter: this rank's gradients summed under `no_sync`, until the next
@@ -192,7 +236,7 @@ impl FlatParam {
                 names.len() - 1
             }
         };
-        Ok(Arc::new(Self {
+        let param = Arc::new(Self {
             id,
             name: name.to_string(),
             names: entries.iter().map(|(n, _)| n.clone()).collect(),
@@ -206,7 +250,12 @@ impl FlatParam {
             buffers,
             shared: shared.clone(),
             pending: Mutex::new(Vec::new()),
-        }))
+            prefetched: Mutex::new(None),
+        });
+        if id > 0 {
+            lock(&shared.units).push(Arc::downgrade(&param));
+        }
+        Ok(param)
     }
 
     /// This rank's shard: its pieces laid end to end, in the dtype the unit computes in.
@@ -267,8 +316,21 @@ impl FlatParam {
 
     /// The full tensors, gathered from every rank's shard.
     pub fn gather(&self) -> Result<Vec<Tensor>> {
-        let parts = self.gather_async()?.wait()?;
-        self.unflatten_gathered(parts)
+        let work = match lock(&self.prefetched).take() {
+            Some(work) => work,
+            None => self.gather_async()?,
+        };
+        self.unflatten_gathered(work.wait()?)
+    }
+
+    /// Issues this unit's all-gather now, for a use to come (every rank prefetches the same
+    /// units in the same order); does nothing when one is already in flight.
+    pub fn prefetch(&self) -> Result<()> {
+        let mut slot = lock(&self.prefetched);
+        if slot.is_none() {
+            *slot = Some(self.gather_async()?);
+        }
+        Ok(())
     }
 
     /// Issues the reduce-scatter (average) of this rank's full gradients `grads` (in flat

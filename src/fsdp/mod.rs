@@ -389,6 +389,7 @@ impl<M> FullyShardedDataParallel<M> {
         // The graphs of this iteration are done with, whatever happened.
         self.shared.iteration.fetch_add(1, Ordering::SeqCst);
         self.shared.backward_ran.store(false, Ordering::SeqCst);
+        self.shared.end_iteration();
         result
     }
 
@@ -537,6 +538,7 @@ impl<M: ModuleT> FullyShardedDataParallel<M> {
             self.shared.iteration.fetch_add(1, Ordering::SeqCst);
             return Err(Error::FsdpUnreducedBackward);
         }
+        self.shared.drop_prefetched();
         let precision = self.shared.precision;
         let xs = &precision.cast_input(xs)?;
         if train && self.broadcast_buffers {

@@ -29,6 +29,8 @@ pub(crate) struct UnitOp {
     out: Mutex<Option<Tensor>>,
     /// The training forward this use belongs to.
     iteration: u64,
+    /// This use's place among the iteration's unit uses.
+    use_index: usize,
 }
 
 impl UnitOp {
@@ -44,6 +46,7 @@ impl UnitOp {
         let piece = param.pieces[0].as_tensor().clone();
         let op = UnitOp {
             iteration: param.iteration(),
+            use_index: param.shared.note_use(param.id),
             param,
             run,
             out: Mutex::new(Some(out)),
@@ -73,6 +76,13 @@ impl UnitOp {
             });
         }
         let tensors = self.param.gather()?;
+        // Backward meets the uses in reverse: the use before this one's gather travels while
+        // this one recomputes.
+        if let Some(before) = self.use_index.checked_sub(1) {
+            if let Some(unit) = self.param.shared.used_at(before) {
+                unit.prefetch()?;
+            }
+        }
         let vars = tensors
             .iter()
             .map(Var::from_tensor)

@@ -207,7 +207,12 @@ impl<M: ModuleT + 'static> Unit<M> {
 /// One use of a sharded unit: gather, build, compute without a graph, free; in a training
 /// forward the output then enters the graph through [`UnitOp`], whose backward recomputes.
 fn apply(param: &Arc<FlatParam>, run: Run, xs: &Tensor, graph: bool) -> Result<Tensor> {
-    let vb = param.var_builder(param.gather()?, Buffers::Live)?;
+    let gathered = param.gather()?;
+    // The next unit's all-gather travels while this one computes.
+    if let Some(next) = param.shared.unit(param.id + 1) {
+        next.prefetch()?;
+    }
+    let vb = param.var_builder(gathered, Buffers::Live)?;
     let out = run(vb, &xs.detach())?;
     if !graph {
         return Ok(out);
