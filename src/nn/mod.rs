@@ -38,6 +38,7 @@
 //! # Ok(()) }
 //! ```
 
+mod accumulate;
 mod conv;
 mod conv_kernel;
 mod conv_relu_pool;

@@ -4,11 +4,18 @@
 //! candle 0.11 applies its fused layers without a backward (`apply_op*_no_bwd`, candle issue
 //! [#2168](https://github.com/huggingface/candle/issues/2168)): gradients stop there without an
 //! error, and every parameter upstream of them trains as if frozen. These take the same
-//! arguments and give the same forward numbers (on the CPU, candle's arithmetic in the same
-//! order; on CUDA, candle's own kernels), and carry an analytic backward, computed in f32 for
-//! f16 and bf16. On the CPU the backward runs kernels of our own; elsewhere it is made of candle
-//! ops. They also take non-contiguous inputs, which candle's refuse. Once candle's fused layers
-//! have a backward upstream, these can go.
+//! arguments and carry an analytic backward; they also take non-contiguous inputs, which
+//! candle's refuse. On the CPU both directions run kernels of our own, elsewhere the forward is
+//! a CUDA kernel of ours (compiled at run time) and the backward is made of candle ops.
+//!
+//! Their numbers follow the crate's rule for reductions (see the [`nn` module docs](super)), not
+//! candle's kernels, which they replace where those fail: candle's layer normalisation takes the
+//! variance as `E[x²] - E[x]²`, which cancels and goes negative for rows of mean 1e3 and spread
+//! 0.1 (every output NaN, in f32), and its softmax sums in the element type (a bf16 row of 4096
+//! zeros sums to 256, so each output is 1/256). Here the variance is a corrected two-pass one
+//! and every sum runs in f32 (f64 for f64), each output rounded once: the errors against an f64
+//! computation are torch's or smaller. On an empty input they give every input a gradient of
+//! zeros, as torch does.
 //!
 //! The rest of `candle_nn::ops`' differentiable functions are re-exported, so that
 //! `use candle_parallel::nn::ops` can replace `use candle_nn::ops` whole.
@@ -28,6 +35,7 @@
 //! # Ok(()) }
 //! ```
 
+use super::accumulate::{empty_output, wide};
 use super::kernels::own_cpu_kernels;
 use super::rows::{self, values, with_float_slices};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
@@ -48,7 +56,7 @@ pub fn layer_norm(xs: &Tensor, alpha: &Tensor, beta: &Tensor, eps: f32) -> Resul
         remove_mean: true,
     };
     if xs.elem_count() == 0 {
-        return xs.contiguous();
+        return empty_output(xs.shape(), &[xs, alpha, beta]);
     }
     xs.contiguous()?
         .apply_op3(&alpha.contiguous()?, &beta.contiguous()?, op)
@@ -73,7 +81,7 @@ pub fn softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
         candle_core::bail!("softmax_last_dim: the input is a scalar; it needs a last dimension");
     }
     if xs.elem_count() == 0 {
-        return xs.contiguous();
+        return empty_output(xs.shape(), &[xs]);
     }
     xs.contiguous()?.apply_op1(SoftmaxLastDim)
 }
@@ -81,7 +89,7 @@ pub fn softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
 fn norm2(what: &str, xs: &Tensor, alpha: &Tensor, eps: f32, remove_mean: bool) -> Result<Tensor> {
     check_norm(what, xs, alpha, None)?;
     if xs.elem_count() == 0 {
-        return xs.contiguous();
+        return empty_output(xs.shape(), &[xs, alpha]);
     }
     xs.contiguous()?
         .apply_op2(&alpha.contiguous()?, Norm { eps, remove_mean })
@@ -133,15 +141,6 @@ fn check_norm(what: &str, xs: &Tensor, alpha: &Tensor, beta: Option<&Tensor>) ->
 /// Whether this backward runs our CPU kernels (rather than candle ops).
 fn kernel_backward(t: &Tensor) -> bool {
     t.device().is_cpu() && own_cpu_kernels()
-}
-
-/// The dtype a backward computes in: f32, or f64 for f64.
-pub(super) fn wide(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
 }
 
 /// Layer (`remove_mean`) or RMS normalisation over the last dimension, as a custom op over
@@ -230,7 +229,9 @@ fn norm_backward_ops(
     );
     let alpha = alpha.to_dtype(wide(dtype))?;
     let centred = if norm.remove_mean {
-        x2.broadcast_sub(&x2.mean_keepdim(D::Minus1)?)?
+        // Two passes, the second correcting the first mean, as the kernels do.
+        let d = x2.broadcast_sub(&x2.mean_keepdim(D::Minus1)?)?;
+        d.broadcast_sub(&d.mean_keepdim(D::Minus1)?)?
     } else {
         x2
     };

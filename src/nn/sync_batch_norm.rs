@@ -1,6 +1,7 @@
 //! `SyncBatchNorm` (`torch.nn.SyncBatchNorm`): the layer, its statistics' collective and its
 //! backward. The user-facing documentation is on [`SyncBatchNorm`].
 
+use super::accumulate::wide;
 use crate::distributed::{ProcessGroup, ReduceOp};
 use crate::error::Error;
 use crate::util::sync::lock;
@@ -279,13 +280,15 @@ impl SyncBatchNorm {
         Ok(c)
     }
 
-    /// Scales and shifts the normalised `x` with the weight and bias, in `x`'s layout.
+    /// Scales and shifts the normalised `x` with the weight and bias (taken to `x`'s dtype, the
+    /// internal one, so that their gradients are summed there), in `x`'s layout.
     fn affine(&self, x: Tensor, shape: &[usize]) -> Result<Tensor> {
         match &self.weight_and_bias {
             None => Ok(x),
-            Some((w, b)) => x
-                .broadcast_mul(&w.reshape(shape)?)?
-                .broadcast_add(&b.reshape(shape)?),
+            Some((w, b)) => {
+                let param = |t: &Tensor| t.to_dtype(x.dtype())?.reshape(shape);
+                x.broadcast_mul(&param(w)?)?.broadcast_add(&param(b)?)
+            }
         }
     }
 
@@ -296,11 +299,7 @@ impl SyncBatchNorm {
     /// dimensions of `(N, C, H, W)` it takes a slow strided path.
     fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
         let c = self.check_input(x)?;
-        let internal = if x.dtype() == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
-        };
+        let internal = wide(x.dtype());
         let xi = x.to_dtype(internal)?.transpose(0, 1)?;
         let channels_first = xi.dims().to_vec();
         let flat = xi.flatten_from(1)?.contiguous()?;
@@ -311,9 +310,13 @@ impl SyncBatchNorm {
             let z = Tensor::zeros(c, internal, x.device())?;
             (z.clone(), z)
         } else if self.remove_mean {
-            let mean = values.mean_keepdim(1)?;
-            let m2 = values.broadcast_sub(&mean)?.sqr()?.sum(1)?;
-            (mean.flatten_all()?, m2)
+            // Two passes, the second correcting the first mean by c = mean(d), d = x - mean:
+            // then sum((d - c)^2) = sum(d^2) - n c^2 (stable at any mean).
+            let first = values.mean_keepdim(1)?;
+            let d = values.broadcast_sub(&first)?;
+            let c = d.mean_keepdim(1)?;
+            let m2 = (d.sqr()?.sum_keepdim(1)? - (c.sqr()? * n as f64)?)?.relu()?;
+            ((first + c)?.flatten_all()?, m2.flatten_all()?)
         } else {
             (
                 Tensor::zeros(c, internal, x.device())?,
@@ -353,7 +356,13 @@ impl SyncBatchNorm {
         };
         let std: Vec<f64> = stats.var.iter().map(|v| (v + self.eps).sqrt()).collect();
         let centred = if self.remove_mean {
-            flat.broadcast_sub(&column(&stats.mean)?)?
+            // Centred on this rank's own mean first (exact for values near it), then by the
+            // small difference to the global one, taken in f64: the global mean rounded to f32
+            // would be off by up to half its ulp, large against a small spread.
+            let own = &parts[self.group.rank()][..c];
+            let rest: Vec<f64> = stats.mean.iter().zip(own).map(|(g, o)| g - o).collect();
+            flat.broadcast_sub(&mean.reshape((c, 1))?)?
+                .broadcast_sub(&column(&rest)?)?
         } else {
             flat
         };
@@ -367,7 +376,8 @@ impl SyncBatchNorm {
             remove_mean: self.remove_mean,
             name: self.name.clone(),
         })?;
-        self.affine(normed.to_dtype(x.dtype())?, &[c, 1])?
+        self.affine(normed, &[c, 1])?
+            .to_dtype(x.dtype())?
             .reshape(channels_first)?
             .transpose(0, 1)
     }
@@ -376,37 +386,38 @@ impl SyncBatchNorm {
         let m = self.momentum;
         let dev = self.running_mean.device();
         let dtype = self.running_mean.dtype();
+        // In the internal dtype, rounded to the statistics' own once.
+        let internal = wide(dtype);
         let tensor = |v: Vec<f64>| -> Result<Tensor> {
             Tensor::from_vec(v, stats.mean.len(), &Device::Cpu)?
-                .to_dtype(dtype)?
+                .to_dtype(internal)?
                 .to_device(dev)
         };
+        let update = |running: &Var, batch: Tensor| -> Result<()> {
+            let old = running.as_tensor().to_dtype(internal)?;
+            running.set(&((old * (1.0 - m))? + (batch * m)?)?.to_dtype(dtype)?)
+        };
         if self.remove_mean {
-            let mean = tensor(stats.mean.clone())?;
-            let updated = ((self.running_mean.as_tensor() * (1.0 - m))? + (mean * m)?)?;
-            self.running_mean.set(&updated)?;
+            update(&self.running_mean, tensor(stats.mean.clone())?)?;
         }
         let unbias = stats.count / (stats.count - 1.0);
-        let var = tensor(stats.var.iter().map(|v| v * unbias).collect())?;
-        let updated = ((self.running_var.as_tensor() * (1.0 - m))? + (var * m)?)?;
-        self.running_var.set(&updated)
+        update(
+            &self.running_var,
+            tensor(stats.var.iter().map(|v| v * unbias).collect())?,
+        )
     }
 
     fn forward_eval(&self, x: &Tensor) -> Result<Tensor> {
         let c = self.check_input(x)?;
         let shape = channel_shape(x.rank(), c);
-        let mean = self
-            .running_mean
-            .as_detached_tensor()
-            .reshape(shape.as_slice())?;
-        let var = self
-            .running_var
-            .as_detached_tensor()
-            .reshape(shape.as_slice())?;
-        let x = x
+        let internal = wide(x.dtype());
+        let stat = |v: &Var| v.as_detached_tensor().to_dtype(internal)?.reshape(shape.as_slice());
+        let (mean, var) = (stat(&self.running_mean)?, stat(&self.running_var)?);
+        let normed = x
+            .to_dtype(internal)?
             .broadcast_sub(&mean)?
             .broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        self.affine(x, &shape)
+        self.affine(normed, &shape)?.to_dtype(x.dtype())
     }
 }
 
