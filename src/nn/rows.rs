@@ -3,8 +3,8 @@
 //!
 //! They follow the crate's rule for reductions (see the [`nn` module docs](super)): every sum
 //! runs in f32 for f32, f16 and bf16 (f64 for f64), in [`LANES`] interleaved partial sums
-//! within blocks of [`BLOCK`] values (which the compiler keeps in vector registers, and which
-//! keep each partial sum short); each element is computed in that type and rounded to the
+//! over blocks of [`BLOCK`] values (which the compiler keeps in vector registers, and which
+//! keep each partial sum short), the blocks added pairwise; each element is computed in that type and rounded to the
 //! element type once. The variance is stable at any mean: a first pass takes the mean `m`, a
 //! second the sums of `d = x - m` and `d²`, from which the mean's correction `c = Σd / n` and
 //! the variance `Σd² / n - c²` follow (the corrected two-pass algorithm); each value is then
@@ -65,50 +65,53 @@ fn count<A: Float>(n: usize) -> A {
 }
 
 /// The number of interleaved partial sums of a row's reductions.
-pub(super) const LANES: usize = 8;
-/// The values a set of partial sums takes before it is added to the row's total.
-pub(super) const BLOCK: usize = 256 * LANES;
+const LANES: usize = 8;
+/// The most values one set of partial sums takes: longer rows are halved, pairwise.
+const BLOCK: usize = 32 * LANES;
 
-/// `Σ f(v)` over `values`: [`LANES`] partial sums per block of [`BLOCK`] values, the blocks'
-/// totals added in turn. Each partial sum adds at most `BLOCK / LANES` terms, so the error
-/// stays near that of a pairwise sum, at the speed of a vectorised loop.
+/// `Σ f(v)` over `values`: [`LANES`] partial sums over each block of at most [`BLOCK`] values,
+/// the blocks' totals added pairwise. Each partial sum adds at most `BLOCK / LANES` terms, so
+/// the error stays near that of a pairwise sum, at the speed of a vectorised loop.
 #[inline(always)]
-pub(super) fn lane_sum<V: Copy, A: Float + AddAssign>(values: &[V], f: impl Fn(V) -> A) -> A {
-    let mut total = A::zero();
-    for block in values.chunks(BLOCK) {
-        let mut lanes = [A::zero(); LANES];
-        let mut whole = block.chunks_exact(LANES);
-        for chunk in &mut whole {
-            for (l, &v) in lanes.iter_mut().zip(chunk) {
-                *l += f(v);
-            }
-        }
-        for (l, &v) in lanes.iter_mut().zip(whole.remainder()) {
+pub(super) fn lane_sum<V: Copy, A: Float + AddAssign>(
+    values: &[V],
+    f: impl Fn(V) -> A + Copy,
+) -> A {
+    if values.len() > BLOCK {
+        let half = values.len().div_ceil(2 * BLOCK) * BLOCK;
+        return lane_sum(&values[..half], f) + lane_sum(&values[half..], f);
+    }
+    let mut lanes = [A::zero(); LANES];
+    let mut whole = values.chunks_exact(LANES);
+    for chunk in &mut whole {
+        for (l, &v) in lanes.iter_mut().zip(chunk) {
             *l += f(v);
         }
-        total += fold_lanes(lanes);
     }
-    total
+    for (l, &v) in lanes.iter_mut().zip(whole.remainder()) {
+        *l += f(v);
+    }
+    fold_lanes(lanes)
 }
 
 /// `Σ a·b` over two rows, in the accumulation type, as [`lane_sum`] adds.
 #[inline(always)]
 fn lane_dot<T: Elem>(a: &[T], b: &[T]) -> T::Acc {
-    let mut total = T::Acc::zero();
-    for (ab, bb) in a.chunks(BLOCK).zip(b.chunks(BLOCK)) {
-        let mut lanes = [T::Acc::zero(); LANES];
-        let (mut wa, mut wb) = (ab.chunks_exact(LANES), bb.chunks_exact(LANES));
-        for (ca, cb) in (&mut wa).zip(&mut wb) {
-            for ((l, &x), &y) in lanes.iter_mut().zip(ca).zip(cb) {
-                *l += x.up() * y.up();
-            }
-        }
-        for ((l, &x), &y) in lanes.iter_mut().zip(wa.remainder()).zip(wb.remainder()) {
+    if a.len() > BLOCK {
+        let half = a.len().div_ceil(2 * BLOCK) * BLOCK;
+        return lane_dot(&a[..half], &b[..half]) + lane_dot(&a[half..], &b[half..]);
+    }
+    let mut lanes = [T::Acc::zero(); LANES];
+    let (mut wa, mut wb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    for (ca, cb) in (&mut wa).zip(&mut wb) {
+        for ((l, &x), &y) in lanes.iter_mut().zip(ca).zip(cb) {
             *l += x.up() * y.up();
         }
-        total += fold_lanes(lanes);
     }
-    total
+    for ((l, &x), &y) in lanes.iter_mut().zip(wa.remainder()).zip(wb.remainder()) {
+        *l += x.up() * y.up();
+    }
+    fold_lanes(lanes)
 }
 
 /// The sum of the partial sums, pairwise.
@@ -150,27 +153,7 @@ fn stats<T: Elem>(row: &[T], eps: T::Acc, remove_mean: bool) -> Stats<T::Acc> {
         };
     }
     let shift = lane_sum(row, |v: T| v.up()) / n;
-    // The sums of d and d², side by side.
-    let mut total = (zero, zero);
-    for block in row.chunks(BLOCK) {
-        let (mut s, mut s2) = ([zero; LANES], [zero; LANES]);
-        let mut add = |j: usize, v: T| {
-            let d = v.up() - shift;
-            s[j] += d;
-            s2[j] += d * d;
-        };
-        let mut whole = block.chunks_exact(LANES);
-        for chunk in &mut whole {
-            for (j, &v) in chunk.iter().enumerate() {
-                add(j, v);
-            }
-        }
-        for (j, &v) in whole.remainder().iter().enumerate() {
-            add(j, v);
-        }
-        total.0 += fold_lanes(s);
-        total.1 += fold_lanes(s2);
-    }
+    let total = deviation_sums(row, shift);
     let correction = total.0 / n;
     // Σ(d - c)² = Σd² - n c², never below 0 (up to rounding, clamped).
     let var = (total.1 / n - correction * correction).max(zero);
@@ -179,6 +162,36 @@ fn stats<T: Elem>(row: &[T], eps: T::Acc, remove_mean: bool) -> Stats<T::Acc> {
         correction,
         rstd: (var + eps).sqrt().recip(),
     }
+}
+
+/// `(Σd, Σd²)` for `d = x - shift` over `row`, in lanes and pairwise as [`lane_sum`] adds.
+#[inline(always)]
+fn deviation_sums<T: Elem>(row: &[T], shift: T::Acc) -> (T::Acc, T::Acc) {
+    if row.len() > BLOCK {
+        let half = row.len().div_ceil(2 * BLOCK) * BLOCK;
+        let (a, b) = (
+            deviation_sums(&row[..half], shift),
+            deviation_sums(&row[half..], shift),
+        );
+        return (a.0 + b.0, a.1 + b.1);
+    }
+    let zero = T::Acc::zero();
+    let (mut s, mut s2) = ([zero; LANES], [zero; LANES]);
+    let mut add = |j: usize, v: T| {
+        let d = v.up() - shift;
+        s[j] += d;
+        s2[j] += d * d;
+    };
+    let mut whole = row.chunks_exact(LANES);
+    for chunk in &mut whole {
+        for (j, &v) in chunk.iter().enumerate() {
+            add(j, v);
+        }
+    }
+    for (j, &v) in whole.remainder().iter().enumerate() {
+        add(j, v);
+    }
+    (fold_lanes(s), fold_lanes(s2))
 }
 
 /// Layer normalisation (`remove_mean`) or RMS normalisation of each row of `n` values, scaled
@@ -296,9 +309,9 @@ pub(super) fn softmax_fwd<T: Elem>(x: &[T], n: usize) -> Vec<T> {
     if n == 0 {
         return out;
     }
-    x.par_chunks(n)
-        .zip(out.par_chunks_mut(n))
-        .for_each_init(Vec::new, |exps: &mut Vec<T::Acc>, (row, dst)| {
+    x.par_chunks(n).zip(out.par_chunks_mut(n)).for_each_init(
+        Vec::new,
+        |exps: &mut Vec<T::Acc>, (row, dst)| {
             // NaN is no maximum: a row holding one comes out NaN through its exponential.
             let max = row
                 .iter()
@@ -310,7 +323,8 @@ pub(super) fn softmax_fwd<T: Elem>(x: &[T], n: usize) -> Vec<T> {
             for (d, &e) in dst.iter_mut().zip(exps.iter()) {
                 *d = T::down(e / sum);
             }
-        });
+        },
+    );
     out
 }
 
