@@ -309,6 +309,10 @@ pub(super) fn softmax_fwd<T: Elem>(x: &[T], n: usize) -> Vec<T> {
     if n == 0 {
         return out;
     }
+    // Where the element type is the accumulation type (f32, f64), the exponentials go straight
+    // into the output; f16 and bf16 keep them in f32 beside it, so that each output is rounded
+    // once.
+    let exact = std::mem::size_of::<T>() == std::mem::size_of::<T::Acc>();
     x.par_chunks(n).zip(out.par_chunks_mut(n)).for_each_init(
         Vec::new,
         |exps: &mut Vec<T::Acc>, (row, dst)| {
@@ -317,6 +321,16 @@ pub(super) fn softmax_fwd<T: Elem>(x: &[T], n: usize) -> Vec<T> {
                 .iter()
                 .fold(T::neg_infinity(), |m, &v| if v > m { v } else { m })
                 .up();
+            if exact {
+                for (d, &v) in dst.iter_mut().zip(row) {
+                    *d = T::down((v.up() - max).exp());
+                }
+                let sum = lane_sum(dst, |e: T| e.up());
+                for d in dst.iter_mut() {
+                    *d = T::down(d.up() / sum);
+                }
+                return;
+            }
             exps.clear();
             exps.extend(row.iter().map(|&v| (v.up() - max).exp()));
             let sum = lane_sum(exps.as_slice(), |e| e);
