@@ -18,7 +18,8 @@
 //! zeros, as torch does.
 //!
 //! The rest of `candle_nn::ops`' differentiable functions are re-exported, so that
-//! `use candle_parallel::nn::ops` can replace `use candle_nn::ops` whole.
+//! `use candle_parallel::nn::ops` can replace `use candle_nn::ops` whole; [`softmax`] and
+//! [`log_softmax`], which sum, follow the rule too (candle's sum bf16 in bf16).
 //!
 //! ```rust
 //! use candle_core::{Device, Tensor, Var};
@@ -35,15 +36,14 @@
 //! # Ok(()) }
 //! ```
 
-use super::accumulate::{empty_output, wide};
+use super::accumulate::{empty_output, wide, widen};
 use super::kernels::own_cpu_kernels;
 use super::rows::{self, values, with_float_slices};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 
 pub use candle_nn::ops::{
-    dropout, hard_sigmoid, layer_norm_slow, leaky_relu, log_softmax, mish, pixel_shuffle,
-    pixel_unshuffle, replication_pad2d, rms_norm_slow, selu, sigmoid, silu, softmax, swiglu,
-    Dropout,
+    dropout, hard_sigmoid, layer_norm_slow, leaky_relu, mish, pixel_shuffle, pixel_unshuffle,
+    replication_pad2d, rms_norm_slow, selu, sigmoid, silu, swiglu, Dropout,
 };
 
 /// Layer normalisation over the last dimension, `(x - mean) / sqrt(var + eps) * alpha + beta`,
@@ -84,6 +84,23 @@ pub fn softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
         return empty_output(xs.shape(), &[xs]);
     }
     xs.contiguous()?.apply_op1(SoftmaxLastDim)
+}
+
+/// Softmax over dimension `dim`, as `candle_nn::ops::softmax`, by the crate's rule: over the
+/// last dimension [`softmax_last_dim`]; over another, candle's ops in f32 for f16 and bf16
+/// (candle's sum a bf16 row of 4096 zeros to 256), rounded once.
+pub fn softmax<D: candle_core::shape::Dim>(xs: &Tensor, dim: D) -> Result<Tensor> {
+    let dim = dim.to_index(xs.shape(), "softmax")?;
+    if dim + 1 == xs.rank() {
+        return softmax_last_dim(xs);
+    }
+    candle_nn::ops::softmax(&widen(xs)?, dim)?.to_dtype(xs.dtype())
+}
+
+/// Log-softmax over dimension `d`, as `candle_nn::ops::log_softmax`, in f32 for f16 and bf16
+/// (the crate's rule), rounded once.
+pub fn log_softmax<D: candle_core::shape::Dim>(xs: &Tensor, d: D) -> Result<Tensor> {
+    candle_nn::ops::log_softmax(&widen(xs)?, d)?.to_dtype(xs.dtype())
 }
 
 fn norm2(what: &str, xs: &Tensor, alpha: &Tensor, eps: f32, remove_mean: bool) -> Result<Tensor> {
@@ -449,6 +466,24 @@ impl candle_core::CustomOp2 for SoftmaxGrad {
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    /// softmax over any dimension and log_softmax sum in f32 for bf16 and f16: over 4096 zeros
+    /// every probability is 1/4096 (candle's: 1/256 in bf16), every log-probability -ln 4096.
+    #[test]
+    fn softmax_and_log_softmax_over_4096_values_hold_in_half_precision() -> Result<()> {
+        for dtype in [DType::BF16, DType::F16, DType::F32, DType::F64] {
+            let x = Tensor::zeros((4096, 2), dtype, &Device::Cpu)?;
+            let p = softmax(&x, 0)?.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+            assert!(p.iter().flatten().all(|&v| v == 1.0 / 4096.0), "{dtype:?}");
+            let l = log_softmax(&x.t()?, D::Minus1)?;
+            assert_eq!(l.dtype(), dtype);
+            let want = -(4096f64.ln());
+            for v in l.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()? {
+                assert!((v - want).abs() <= want.abs() * 4e-3, "{dtype:?}: {v}");
+            }
+        }
+        Ok(())
+    }
 
     /// The candle-ops backward (CUDA's) equals the kernel backward, on the CPU.
     #[test]
