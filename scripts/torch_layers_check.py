@@ -1,15 +1,32 @@
 """candle_parallel::nn's fused layers against PyTorch on the CPU: values and the gradients of
-every input, in f32.
+every input, in f32; and every layer's error in f32, f64, f16 and bf16 on adversarial inputs,
+ours and torch's, both against an f64 computation.
 
     python3 scripts/torch_layers_check.py            # needs torch (pip install torch)
     python3 scripts/torch_layers_check.py --keep DIR  # keep the .npz files
     python3 scripts/torch_layers_check.py --bench [--device cuda] [--dtype bf16]
 
 Writes the inputs (seeded), runs `cargo run --example fused_layers_twin` on them, and compares
-its outputs and gradients with torch.nn.functional's layer_norm, rms_norm and softmax, and with
-rotary embeddings written in torch ops (torch has no rope function; these follow the formulas of
-candle's rope, rope_i and rope_thd). Exits non-zero when a value differs by more than 1e-5
-relative to the largest value of its array (absolute below 1).
+its outputs and gradients with torch.nn.functional's layer_norm, rms_norm, softmax, conv2d,
+linear and batch_norm (our SyncBatchNorm over two ranks), and with rotary embeddings written in
+torch ops (torch has no rope function; these follow the formulas of candle's rope, rope_i and
+rope_thd).
+
+Two checks, two tables:
+- parity, f32 on ordinary inputs: fails when a value differs from torch's by more than 1e-5
+  relative to the largest value of its array (absolute below 1);
+- dtypes: each layer in f32, f64, f16 and bf16 on adversarial inputs (rows of mean 1e3 and
+  spread 0.1, rows of 4096 and more values, batches of no rows, NaN and inf), from inputs
+  rounded to the dtype. Ours and torch's results in that dtype are both measured against torch
+  in f64 on the same rounded inputs: the largest absolute error over the finite values, and
+  NaN where the f64 result has NaN. Fails when ours has NaN or inf where the f64 result does
+  not (or not where it does), or when our error exceeds twice torch's plus two roundings of
+  the dtype at the array's largest value: a different order of f32 additions (gemm's against
+  MKL's products, lanes against torch's cascade sums) moves an error by such factors, where the
+  defects this guards against (a variance that cancels, sums in bf16) are off by orders of
+  magnitude. In f64 the reference is torch's own result, so torch's column reads 0 and ours
+  is our distance from it, held to 1e-9 relative (torch's f64 layer norm is itself off by
+  ~1e-11 at mean 1e3).
 
 --bench instead times PyTorch's layers at the sizes of `cargo bench --bench fused_layers` and
 prints the same columns where torch has them: the forward, and a step (forward and backward of
@@ -67,6 +84,79 @@ def cases(rng):
     return out
 
 
+DTYPES = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16,
+          "bf16": torch.bfloat16}
+# One rounding of each dtype: the unit roundoff times 2 (its epsilon).
+EPSILON = {"f32": 2.0 ** -23, "f64": 2.0 ** -52, "f16": 2.0 ** -10, "bf16": 2.0 ** -7}
+
+
+def dtype_cases(rng):
+    """(name, f64 arrays) of the adversarial cases; each runs in every dtype."""
+    out = []
+
+    def randn(*shape, mean=0.0, scale=1.0):
+        return rng.standard_normal(shape) * scale + mean
+
+    def norm_case(layer, desc, x, bias=True):
+        n = x.shape[-1]
+        arrays = dict(x=x, w=randn(n, mean=1.0, scale=0.2), g=randn(*x.shape))
+        if bias:
+            arrays["b"] = randn(n, scale=0.2)
+        out.append((f"{layer}-{desc}", arrays))
+
+    naninf = randn(4, 16, mean=0.5)
+    naninf[1, 3], naninf[2, 5] = np.nan, np.inf
+    for layer, bias in [("layer_norm", True), ("rms_norm", False)]:
+        norm_case(layer, "plain", randn(8, 64, mean=0.5), bias)
+        norm_case(layer, "mean1e3", randn(4, 4096, mean=1e3, scale=0.1), bias)
+        norm_case(layer, "mean100", randn(16, 512, mean=100.0, scale=0.1), bias)
+        norm_case(layer, "long", randn(2, 16384, mean=0.5), bias)
+        norm_case(layer, "norows", np.zeros((0, 16)), bias)
+        norm_case(layer, "naninf", naninf.copy(), bias)
+    inf_rows = randn(4, 16)
+    inf_rows[0, [1, 7]] = -np.inf
+    inf_rows[1, 2] = np.inf
+    inf_rows[2, 9] = np.nan
+    inf_rows[3, :] = -np.inf
+    for desc, x in [("zeros4096", np.zeros((2, 4096))), ("randn1023", randn(4, 1023, scale=0.5)),
+                    ("long", randn(2, 16384, scale=3.0)), ("norows", np.zeros((0, 8))),
+                    ("naninf", inf_rows)]:
+        out.append((f"softmax_last_dim-{desc}", dict(x=x, g=randn(*x.shape))))
+    for desc, (n, k, o), mean in [("ones4096", (4096, 8, 4), None), ("plain", (128, 400, 120), 0.0),
+                                  ("mean100", (256, 64, 16), 100.0), ("norows", (0, 8, 4), 0.0)]:
+        x = np.ones((n, k)) if mean is None else randn(n, k, mean=mean)
+        g = np.ones((n, o)) if mean is None else randn(n, o)
+        layer = "linear" if mean is None or desc == "norows" else "linear_relu"
+        out.append((f"{layer}-{desc}", dict(x=x, w=randn(o, k, scale=0.1), b=randn(o), g=g)))
+    out.append(("conv_relu_pool-plain", dict(x=randn(2, 3, 12, 12), w=randn(4, 3, 3, 3, scale=0.3),
+                                             b=randn(4), g=randn(2, 4, 5, 5))))
+    angles = randn(5, 3)
+    out.append(("rope-plain", dict(x=randn(2, 3, 5, 6), cos=np.cos(angles), sin=np.sin(angles),
+                                   g=randn(2, 3, 5, 6))))
+    for desc, shape, mean, scale, rows0 in [("issue", (16, 3, 16, 16), 0.0, 1.0, 8),
+                                            ("mean1e3", (8, 3, 8, 8), 1e3, 0.1, 4),
+                                            ("emptyrank", (6, 2, 4, 4), 0.5, 1.0, 6)]:
+        c = shape[1]
+        out.append((f"batch_norm-{desc}", dict(x=randn(*shape, mean=mean, scale=scale),
+                                               w=randn(c, mean=1.0, scale=0.2),
+                                               b=randn(c, scale=0.2), g=randn(*shape),
+                                               rows0=np.array([float(rows0)]))))
+    return out
+
+
+def rounded(arrays, dname):
+    """The arrays rounded to `dname` (torch's rounding), as the float arrays that hold them
+    exactly: f64 for f64, f32 otherwise (`rows0` stays as it is)."""
+    out = {}
+    for k, a in arrays.items():
+        if k == "rows0":
+            out[k] = a.astype(np.float32)
+            continue
+        t = torch.tensor(a, dtype=torch.float64).to(DTYPES[dname])
+        out[k] = t.double().numpy() if dname == "f64" else t.float().numpy()
+    return out
+
+
 def rope(kind, x, cos, sin):
     """candle's rotary embeddings in torch ops: x (b, h, t, d), or (b, t, h, d) for rope_thd."""
     half = x.shape[-1] // 2
@@ -84,14 +174,15 @@ def rope(kind, x, cos, sin):
     return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
 
 
-def torch_case(name, arrays):
-    """PyTorch's output and the gradients of every input of sum(y * g)."""
+def torch_case(name, arrays, dtype=torch.float32):
+    """PyTorch's output and the gradients of every input of sum(y * g), in `dtype` (the arrays'
+    values converted to it), as f64 arrays."""
     layer = name.split("-")[0]
     names = {"layer_norm": ["x", "w", "b"], "rms_norm": ["x", "w"], "softmax_last_dim": ["x"],
              "conv_relu_pool": ["x", "w", "b"], "linear_relu": ["x", "w", "b"],
-             "linear": ["x", "w", "b"]}
+             "linear": ["x", "w", "b"], "batch_norm": ["x", "w", "b"]}
     names = names.get(layer, ["x", "cos", "sin"])
-    t = {n: torch.tensor(arrays[n], requires_grad=True) for n in names}
+    t = {n: torch.tensor(arrays[n]).to(dtype).requires_grad_(True) for n in names}
     x = t["x"]
     if layer == "layer_norm":
         y = F.layer_norm(x, (x.shape[-1],), t["w"], t["b"], EPS)
@@ -105,12 +196,57 @@ def torch_case(name, arrays):
         y = F.relu(F.linear(x, t["w"], t["b"]))
     elif layer == "linear":
         y = F.linear(x, t["w"], t["b"])
+    elif layer == "batch_norm":
+        y = F.batch_norm(x, None, None, t["w"], t["b"], training=True, eps=EPS)
     else:
         y = rope(layer, x, t["cos"], t["sin"])
-    (y * torch.tensor(arrays["g"])).sum().backward()
-    result = {"y": y.detach().numpy()}
-    result.update({f"d_{n}": t[n].grad.numpy() for n in names})
+    (y * torch.tensor(arrays["g"]).to(dtype)).sum().backward()
+    wide = lambda v: v.detach().double().numpy()
+    result = {"y": wide(y)}
+    result.update({f"d_{n}": wide(t[n].grad) if t[n].grad is not None
+                   else np.zeros(t[n].shape) for n in names})
     return result
+
+
+def error(got, want):
+    """The largest |got - want| over the finite values of `want`; inf when `got` is NaN or inf
+    where `want` is not, or finite where `want` is NaN or inf."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isnan(got), np.isnan(want)) or \
+            not np.array_equal(np.isinf(got) & ~finite, np.isinf(want)) or \
+            not np.all(np.isfinite(got[finite])):
+        return np.inf
+    return float(np.abs(got[finite] - want[finite]).max()) if finite.any() else 0.0
+
+
+def check_dtypes(base, ours):
+    """The dtypes table; returns the failures."""
+    failures = []
+    print(f"\n{'case':<28} {'dtype':<5} {'array':<5} {'ours vs f64':>12} {'torch vs f64':>13}"
+          f" {'max |f64|':>10}")
+    for name, arrays in base:
+        for dname, dtype in DTYPES.items():
+            case = f"{name}-{dname}"
+            given = rounded(arrays, dname)
+            reference = torch_case(name, given, torch.float64)
+            theirs = torch_case(name, given, dtype)
+            for what, want in reference.items():
+                got = ours[f"{case}.{what}"]
+                if got.shape != want.shape:
+                    failures.append(f"{case}.{what}: shape {got.shape} against {want.shape}")
+                    continue
+                mine, torch_err = error(got, want), error(theirs[what], want)
+                finite = want[np.isfinite(want)]
+                size = float(np.abs(finite).max()) if finite.size else 0.0
+                print(f"{name:<28} {dname:<5} {what:<5} {mine:>12.3e} {torch_err:>13.3e}"
+                      f" {size:>10.3e}")
+                scale = max(size, 1.0)
+                allowed = 1e-9 * scale if dname == "f64" else \
+                    2 * torch_err + 2 * EPSILON[dname] * scale
+                if mine > allowed:
+                    failures.append(f"{case}.{what}: error {mine:.3e}, torch's {torch_err:.3e}")
+    return failures
 
 
 def bench(device, dtype, reps):
@@ -183,9 +319,14 @@ def main():
     folder = args.keep or tempfile.mkdtemp(prefix="torch-layers-")
     os.makedirs(folder, exist_ok=True)
     all_cases = cases(np.random.default_rng(args.seed))
+    base = dtype_cases(np.random.default_rng(args.seed + 1))
     inputs = os.path.join(folder, "inputs.npz")
     outputs = os.path.join(folder, "ours.npz")
-    np.savez(inputs, **{f"{c}.{n}": a for c, arrays in all_cases for n, a in arrays.items()})
+    arrays = {f"{c}.{n}": a for c, arrays in all_cases for n, a in arrays.items()}
+    for name, case in base:
+        for dname in DTYPES:
+            arrays.update({f"{name}-{dname}.{n}": a for n, a in rounded(case, dname).items()})
+    np.savez(inputs, **arrays)
     subprocess.run(["cargo", "run", "-q", "--example", "fused_layers_twin", "--", inputs,
                     outputs], cwd=ROOT, check=True)
     ours = np.load(outputs)
@@ -204,10 +345,12 @@ def main():
             if diff > TOLERANCE * max(size, 1.0):
                 failures.append(f"{name}.{what}: differs by {diff:.3e} (largest {size:.3e})")
     print(f"worst difference {worst:.3e} (relative, absolute below 1); tolerance {TOLERANCE}")
+    failures += check_dtypes(base, ours)
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         sys.exit(1)
-    print(f"all {len(all_cases)} cases match PyTorch {torch.__version__}")
+    print(f"all {len(all_cases)} f32 cases match PyTorch {torch.__version__}; all "
+          f"{len(base) * len(DTYPES)} dtype cases are as accurate as PyTorch's")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """candle_parallel::optim's AdamW and Sgd against torch.optim.AdamW and torch.optim.SGD on the
-CPU: 20 steps of a small MLP on the same data from the same weights, in f32 and in f64.
+CPU: 20 steps of a small MLP on the same data from the same weights, in f32 and in f64; and 20
+steps from the same gradients in f32, f64, f16 and bf16, ours and torch's measured against f64.
 
     python3 scripts/torch_optim_check.py                  # needs torch (pip install torch)
     python3 scripts/torch_optim_check.py --binary target/debug/examples/optim_twin
@@ -10,6 +11,18 @@ Writes the weights, the batches and each case's hyper-parameters (seeded), runs 
 with torch's (single-tensor implementation, foreach=False, whose arithmetic order ours follows).
 Prints the largest absolute difference of each case, after the first step and over all steps.
 Exits non-zero when one exceeds 1e-5 in f32 or 1e-10 in f64.
+
+The second table steps parameters of several magnitudes (values around 1, around 100 with
+gradients of 1e-3, and a parameter of no elements) with the same given gradients in each dtype
+(open loop: the gradients are inputs, so the optimizers' arithmetic alone is compared), from
+values rounded to the dtype. Ours and torch's parameters after every step are measured against
+torch's f64 run from the same rounded values (the largest absolute difference over all steps).
+It fails when ours is NaN or inf where the f64 run is not, or off by more than twice torch's
+error plus two roundings of the dtype at the largest parameter; in f64 (where torch is the
+reference) when ours is off by more than 1e-10 relative. AdamW keeps f32 state for f16 and bf16
+parameters, where torch keeps their dtype: ours is expected closer to f64 there. Sgd in bf16 and
+f16 is torch's CPU arithmetic (each op in f32, rounded once; `mul_`'s factor in f32, an add's
+`alpha` rounded to the dtype): the column "ours vs torch" shows how close.
 """
 import argparse
 import os
@@ -56,6 +69,82 @@ def config_vector(kind, o):
     return np.array(v, dtype=np.float64)
 
 
+OPEN_DTYPES = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16,
+               "bf16": torch.bfloat16}
+EPSILON = {"f32": 2.0 ** -23, "f64": 2.0 ** -52, "f16": 2.0 ** -10, "bf16": 2.0 ** -7}
+
+
+def open_base(rng):
+    """Parameters (f64) and the gradients of every step, for the open-loop runs."""
+    params = [rng.standard_normal((6, 5)), 100.0 + rng.standard_normal(7), np.zeros((0, 4)),
+              rng.standard_normal(3) * 1e-3]
+    scales = [1.0, 1e-3, 1.0, 1e-2]
+    grads = [[rng.standard_normal(p.shape) * sc for p, sc in zip(params, scales)]
+             for _ in range(STEPS)]
+    return params, grads
+
+
+def round_to(a, dname):
+    """`a` rounded to `dname` by torch, held exactly as f32 (f64 for f64)."""
+    t = torch.tensor(a, dtype=torch.float64).to(OPEN_DTYPES[dname])
+    return t.double().numpy() if dname == "f64" else t.float().numpy()
+
+
+def torch_open(params, grads, kind, options, dtype):
+    """torch's parameters (f64 arrays) after each step of the given gradients, in `dtype`."""
+    ps = [torch.tensor(p).to(dtype).requires_grad_(True) for p in params]
+    if kind == 0:
+        opt = torch.optim.AdamW(ps, foreach=False, **options)
+    else:
+        opt = torch.optim.SGD(ps, foreach=False, **options)
+    out = []
+    for step in grads:
+        for p, g in zip(ps, step):
+            p.grad = torch.tensor(g).to(dtype)
+        opt.step()
+        out.append([p.detach().double().numpy().copy() for p in ps])
+    return out
+
+
+def error(got, want):
+    """The largest |got - want|; inf when `got` is NaN or inf where `want` is finite."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if got.size == 0:
+        return 0.0
+    finite = np.isfinite(want)
+    if not np.all(np.isfinite(got[finite])):
+        return np.inf
+    return float(np.abs(got[finite] - want[finite]).max()) if finite.any() else 0.0
+
+
+def check_open(a, ours, base):
+    """The dtypes table; returns whether every case held."""
+    params, grads = base
+    ok = True
+    print(f"\n{'case':<26} {'dtype':<5} {'ours vs f64':>12} {'torch vs f64':>13}"
+          f" {'ours vs torch':>14}  largest |p|")
+    for name, (kind, options) in CASES.items():
+        for dname, dtype in OPEN_DTYPES.items():
+            p0 = [round_to(p, dname) for p in params]
+            gs = [[round_to(g, dname) for g in step] for step in grads]
+            reference = torch_open(p0, gs, kind, options, torch.float64)
+            theirs = torch_open(p0, gs, kind, options, dtype)
+            mine = max(error(ours[f"open.{name}.{dname}.{s}.p{j}"], want)
+                       for s, step in enumerate(reference) for j, want in enumerate(step))
+            torch_err = max(error(got, want) for got_step, want_step in zip(theirs, reference)
+                            for got, want in zip(got_step, want_step))
+            apart = max(error(ours[f"open.{name}.{dname}.{s}.p{j}"], got)
+                        for s, step in enumerate(theirs) for j, got in enumerate(step))
+            size = max(float(np.abs(p).max()) for step in reference for p in step if p.size)
+            allowed = 1e-10 * size if dname == "f64" else \
+                2 * torch_err + 2 * EPSILON[dname] * size
+            bad = not mine <= allowed
+            ok &= not bad
+            print(f"{name:<26} {dname:<5} {mine:>12.3e} {torch_err:>13.3e} {apart:>14.3e}"
+                  f"  {size:.3f}" + ("  <-- worse than torch" if bad else ""))
+    return ok
+
+
 def inputs(seed):
     rng = np.random.default_rng(seed)
     a = dict(w1=rng.standard_normal((HIDDEN, IN)) * 0.5, b1=rng.standard_normal(HIDDEN) * 0.1,
@@ -65,7 +154,14 @@ def inputs(seed):
     a = {k: v.astype(np.float32).astype(np.float64) for k, v in a.items()}
     for name, (kind, options) in CASES.items():
         a[f"cfg.{name}"] = config_vector(kind, options)
-    return a
+    params, grads = base = open_base(rng)
+    for dname in OPEN_DTYPES:
+        for j, p in enumerate(params):
+            a[f"open.{dname}.p{j}"] = round_to(p, dname)
+        for s, step in enumerate(grads):
+            for j, g in enumerate(step):
+                a[f"open.{dname}.g{s}.{j}"] = round_to(g, dname)
+    return a, base
 
 
 def torch_run(a, kind, options, dtype):
@@ -97,7 +193,7 @@ def main():
     folder = args.keep or tempfile.mkdtemp(prefix="optim-twin-")
     os.makedirs(folder, exist_ok=True)
     in_path, out_path = os.path.join(folder, "in.npz"), os.path.join(folder, "out.npz")
-    a = inputs(args.seed)
+    a, base = inputs(args.seed)
     np.savez(in_path, **a)
     command = [args.binary] if args.binary else [
         "cargo", "run", "-q", "--example", "optim_twin", "--"]
@@ -122,6 +218,7 @@ def main():
             failed |= bad
             print(f"{name:<26} {dname:<5} {diffs[0]:>10.2e} {worst:>13.2e}  {largest:.3f}"
                   + ("  <-- too far" if bad else ""))
+    failed |= not check_open(a, ours, base)
     if not args.keep:
         for p in (in_path, out_path):
             os.remove(p)

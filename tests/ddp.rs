@@ -457,3 +457,90 @@ fn ranks_initialised_differently_hold_rank_0s_values_after_construction() {
         }
     }
 }
+
+/// A model holding integer variables: an index table (read with `get_with_hints_dtype`, named
+/// like a parameter) choosing the input's columns, and a step count named as a buffer.
+struct Indexed {
+    table: Tensor,
+    lin: Linear,
+}
+
+fn indexed(vb: VarBuilder, rank: usize) -> candle_core::Result<Indexed> {
+    use candle_nn::Init;
+    // Each rank starts with other integers: rank 0's must win.
+    let table =
+        vb.get_with_hints_dtype(3, "pick.index", Init::Const(1.0 + rank as f64), DType::U32)?;
+    vb.get_with_hints_dtype(
+        1,
+        "pick.num_batches_tracked",
+        Init::Const(rank as f64),
+        DType::I64,
+    )?;
+    Ok(Indexed {
+        table,
+        lin: linear(3, CLASSES, vb.pp("lin"))?,
+    })
+}
+
+impl ModuleT for Indexed {
+    fn forward_t(&self, x: &Tensor, _: bool) -> candle_core::Result<Tensor> {
+        x.index_select(&self.table, 1)?.apply(&self.lin)
+    }
+}
+
+/// Integer variables are never parameters: they stay out of the reducer (every backward
+/// failed with "invalid collective dtype: U32", naming no variable), and travel from rank 0 as
+/// every buffer does, at construction and before each training forward, exactly (an i64 above
+/// 2^53 too). A dtype no collective carries is refused, naming the variable.
+#[test]
+fn integer_variables_are_buffers_broadcast_from_rank_0_and_never_reduced() {
+    let results = distributed::spawn_threads(2, |pg| {
+        let varmap = VarMap::new();
+        let rank = pg.rank();
+        let model =
+            DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, move |vb| indexed(vb, rank))?;
+        assert_eq!(model.parameter_names(), ["lin.bias", "lin.weight"]);
+        let var = |name: &str| varmap.data().lock().unwrap()[name].clone();
+        let after_construction = var("pick.index").to_vec1::<u32>()?;
+        // Rank 0 counts past 2^53; rank 1 counts its own: the next training forward takes
+        // rank 0's.
+        let count = if rank == 0 { (1i64 << 60) + 3 } else { 7 };
+        var("pick.num_batches_tracked").set(&Tensor::new(&[count], &Device::Cpu)?)?;
+        let mut opt = Sgd::new(model.parameters(), SGD)?;
+        for step in 0..3 {
+            let (x, _) = share(step, 2, 4, rank);
+            let loss = model.forward_t(&x, true)?.sqr()?.mean_all()?;
+            opt.step(&model.backward(&loss)?)?;
+        }
+        let count = var("pick.num_batches_tracked").to_vec1::<i64>()?;
+        Ok((
+            after_construction,
+            count,
+            var("lin.weight").flatten_all()?.to_vec1::<f32>()?,
+        ))
+    })
+    .unwrap();
+    for (rank, (table, count, weight)) in results.iter().enumerate() {
+        assert_eq!(table, &[1, 1, 1], "rank {rank}: rank 0's table");
+        assert_eq!(count, &[(1i64 << 60) + 3], "rank {rank}: rank 0's count");
+        assert_eq!(weight, &results[0].2, "rank {rank}: the trained weight");
+    }
+
+    let errors = distributed::spawn_threads(2, |pg| {
+        let varmap = VarMap::new();
+        let err = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, |vb| {
+            vb.get_with_hints_dtype(2, "scale.fp8", candle_nn::Init::Const(1.0), DType::F8E4M3)
+        })
+        .err()
+        .map(|e| e.to_string());
+        Ok(err)
+    })
+    .unwrap();
+    for err in errors {
+        let err = err.expect("an f8 variable is refused");
+        assert!(
+            err.contains("`scale.fp8`") && err.contains("F8E4M3"),
+            "{err}"
+        );
+    }
+}

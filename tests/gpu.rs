@@ -474,10 +474,11 @@ fn the_nets_loss_and_gradients_on_the_gpu_equal_those_of_our_cpu_kernels() {
     }
 }
 
-/// The fused layers on CUDA (candle's kernels forward; candle ops, or the rotation kernel,
-/// backward) against our CPU kernels: the output and every input's gradient of
-/// `sum(layer(x) * g)`, in f32 and bf16; and the forward equal to candle-nn's fused op on the
-/// GPU bit for bit.
+/// The fused layers on the GPU (our CUDA kernels for the normalisations and softmax, candle's
+/// for rope, and the backwards of candle ops) against our CPU kernels: the output and every
+/// input's gradient of `sum(layer(x) * g)`, in f32, f64, f16 and bf16 (rope in f32 and bf16),
+/// on ordinary inputs and on the adversarial ones (rows of mean 1e3 and spread 0.1, of 4096
+/// values and more, no rows); and rope's forward equal to candle-nn's on the GPU bit for bit.
 #[test]
 fn the_fused_layers_on_the_gpu_equal_their_cpu_kernels() {
     use candle_parallel::nn::{ops, rotary_emb};
@@ -489,52 +490,104 @@ fn the_fused_layers_on_the_gpu_equal_their_cpu_kernels() {
     let angles = Tensor::randn(0f32, 1., (9, 4), &Device::Cpu).unwrap();
     let table = [angles.cos().unwrap(), angles.sin().unwrap()];
     let randn = |shape: &[usize]| Tensor::randn(0f32, 1., shape, &Device::Cpu).unwrap();
-    let cases: Vec<(&str, Vec<Tensor>, Layer, Layer)> = vec![
+    let around = |shape: &[usize], mean: f64| ((randn(shape) * 0.1).unwrap() + mean).unwrap();
+    let layer_norm: Layer = |t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5);
+    let rms_norm: Layer = |t| ops::rms_norm(&t[0], &t[1], 1e-5);
+    let softmax: Layer = |t| ops::softmax_last_dim(&t[0]);
+    // (name, inputs, ours, candle-nn's forward where it must equal ours)
+    let mut cases: Vec<(&str, Vec<Tensor>, Layer, Option<Layer>)> = vec![
         (
             "layer_norm",
             vec![randn(&[6, 37]), randn(&[37]), randn(&[37])],
-            |t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
-            |t| candle_nn::ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            layer_norm,
+            None,
         ),
         (
             "layer_norm, 1536 wide",
             vec![randn(&[3, 1536]), randn(&[1536]), randn(&[1536])],
-            |t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
-            |t| candle_nn::ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            layer_norm,
+            None,
+        ),
+        (
+            "layer_norm, mean 1e3 and spread 0.1, 4096 wide",
+            vec![around(&[4, 4096], 1e3), randn(&[4096]), randn(&[4096])],
+            layer_norm,
+            None,
+        ),
+        (
+            "layer_norm, no rows",
+            vec![randn(&[0, 16]), randn(&[16]), randn(&[16])],
+            layer_norm,
+            None,
         ),
         (
             "rms_norm",
             vec![randn(&[6, 37]), randn(&[37])],
-            |t| ops::rms_norm(&t[0], &t[1], 1e-5),
-            |t| candle_nn::ops::rms_norm(&t[0], &t[1], 1e-5),
+            rms_norm,
+            None,
         ),
         (
-            "softmax_last_dim",
-            vec![randn(&[5, 3, 70])],
-            |t| ops::softmax_last_dim(&t[0]),
-            |t| candle_nn::ops::softmax_last_dim(&t[0]),
+            "rms_norm, mean 1e3, 4096 wide",
+            vec![around(&[4, 4096], 1e3), randn(&[4096])],
+            rms_norm,
+            None,
         ),
+        ("softmax_last_dim", vec![randn(&[5, 3, 70])], softmax, None),
+        (
+            "softmax_last_dim, zeros 4096 wide",
+            vec![Tensor::zeros((2, 4096), DType::F32, &Device::Cpu).unwrap()],
+            softmax,
+            None,
+        ),
+        (
+            "softmax_last_dim, 16384 wide",
+            vec![(randn(&[2, 16384]) * 3.0).unwrap()],
+            softmax,
+            None,
+        ),
+    ];
+    let rope: [(&str, Layer, Layer); 3] = [
         (
             "rope",
-            vec![randn(&[2, 3, 9, 8]), table[0].clone(), table[1].clone()],
             |t| rotary_emb::rope(&t[0], &t[1], &t[2]),
             |t| candle_nn::rotary_emb::rope(&t[0], &t[1], &t[2]),
         ),
         (
             "rope_i",
-            vec![randn(&[2, 3, 9, 8]), table[0].clone(), table[1].clone()],
             |t| rotary_emb::rope_i(&t[0], &t[1], &t[2]),
             |t| candle_nn::rotary_emb::rope_i(&t[0], &t[1], &t[2]),
         ),
         (
             "rope_thd",
-            vec![randn(&[2, 9, 3, 8]), table[0].clone(), table[1].clone()],
             |t| rotary_emb::rope_thd(&t[0], &t[1], &t[2]),
             |t| candle_nn::rotary_emb::rope_thd(&t[0], &t[1], &t[2]),
         ),
     ];
+    for (name, ours, candle) in rope {
+        let x = if name == "rope_thd" {
+            randn(&[2, 9, 3, 8])
+        } else {
+            randn(&[2, 3, 9, 8])
+        };
+        cases.push((
+            name,
+            vec![x, table[0].clone(), table[1].clone()],
+            ours,
+            Some(candle),
+        ));
+    }
     for (name, inputs, ours, candle) in cases {
-        for (dtype, tol) in [(DType::F32, 1e-5f32), (DType::BF16, 2e-2)] {
+        let dtypes: &[(DType, f32)] = if candle.is_some() {
+            &[(DType::F32, 1e-5), (DType::BF16, 2e-2)]
+        } else {
+            &[
+                (DType::F32, 1e-5),
+                (DType::F64, 1e-9),
+                (DType::F16, 4e-3),
+                (DType::BF16, 2e-2),
+            ]
+        };
+        for &(dtype, tol) in dtypes {
             let run = |dev: &Device| {
                 let vars: Vec<Var> = inputs
                     .iter()
@@ -547,29 +600,43 @@ fn the_fused_layers_on_the_gpu_equal_their_cpu_kernels() {
                 let g = (g / 50.).unwrap().sin().unwrap();
                 let grads = (&y * g).unwrap().sum_all().unwrap().backward().unwrap();
                 let host = |t: &Tensor| {
-                    t.to_dtype(DType::F32)
+                    t.to_dtype(DType::F64)
                         .unwrap()
                         .to_device(&Device::Cpu)
                         .unwrap()
                 };
                 let mut out = vec![host(&y)];
                 for v in &vars {
-                    out.push(host(grads.get(v).unwrap()));
+                    let grad = grads
+                        .get(v)
+                        .unwrap_or_else(|| panic!("{name}: no gradient"));
+                    out.push(host(grad));
                 }
-                let fused = host(&candle(&ts).unwrap());
+                let fused = candle.map(|c| host(&c(&ts).unwrap()));
                 (out, fused)
             };
             let (cpu, _) = run(&Device::Cpu);
             let (cuda, candle_fused) = run(&gpu);
-            assert_eq!(
-                max_abs_diff(&cuda[0], &candle_fused),
-                0.0,
-                "{name} {dtype:?}: our CUDA forward is candle-nn's"
-            );
+            if let Some(fused) = candle_fused {
+                assert_eq!(
+                    max_abs_diff(&cuda[0], &fused),
+                    0.0,
+                    "{name} {dtype:?}: our CUDA forward is candle-nn's"
+                );
+            }
             for (i, (a, b)) in cuda.iter().zip(&cpu).enumerate() {
-                let (diff, size) = (max_abs_diff(a, b), max_abs(b));
+                assert_eq!(a.dims(), b.dims(), "{name} {dtype:?}: result {i}");
+                if b.elem_count() == 0 {
+                    continue;
+                }
+                let diff = common::as_f64(&(a - b).unwrap().abs().unwrap())
+                    .into_iter()
+                    .fold(0.0, f64::max);
+                let size = common::as_f64(&b.abs().unwrap())
+                    .into_iter()
+                    .fold(0.0, f64::max);
                 assert!(
-                    diff <= tol * size.max(1.0),
+                    diff <= tol as f64 * size.max(1.0),
                     "{name} {dtype:?}: result {i} (0 the output, then each input's gradient) \
                      differs by {diff} on the GPU (largest {size})"
                 );

@@ -16,6 +16,23 @@ fn kernels_lock() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Switches our kernels on or off for its lifetime, and back on when dropped (also when the
+/// test panics, so that the next test holding the lock gets ours).
+struct OwnKernels;
+
+impl OwnKernels {
+    fn set(on: bool) -> Self {
+        nn::use_own_cpu_kernels(on);
+        Self
+    }
+}
+
+impl Drop for OwnKernels {
+    fn drop(&mut self) {
+        nn::use_own_cpu_kernels(true);
+    }
+}
+
 fn random(shape: &[usize], seed: u64) -> Tensor {
     let mut rng = Rng::new(seed);
     let n: usize = shape.iter().product();
@@ -640,6 +657,106 @@ fn the_fused_linear_layer_equals_candle_nn_linear_and_relu_with_gradients() {
                 (Some(f), Some(a)) => assert!(rel_diff(f, a) <= 1e-5, "{case}: {name} gradient"),
                 (None, None) => assert!(name == "input" && !input_grad, "{case}: {name}"),
                 _ => panic!("{case}: the {name} gradient is in one store only"),
+            }
+        }
+    }
+}
+
+/// The linear layer and the convolution sum their gradients over the batch in f32 for f16 and
+/// bf16 (as torch does), with our kernels and with candle's: a bias (and a weight) over 4096
+/// rows of ones gets 4096, where candle's sums in the element type stop at 256 (bf16) and 2048
+/// (f16). Inputs of rank 3 and layers without a bias take the same path.
+#[test]
+fn linear_and_conv_gradients_sum_in_f32_in_every_dtype() {
+    let _serial = kernels_lock();
+    use candle_core::Module;
+    let ones = |shape: &[usize], dtype| Tensor::ones(shape, dtype, &Device::Cpu).unwrap();
+    let values = |t: &Tensor| as_f64(t);
+    for own in [true, false] {
+        let _kernels = OwnKernels::set(own);
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let case = format!("{dtype:?}, our kernels {own}");
+            let w = Var::from_tensor(&ones(&[2, 3], dtype)).unwrap();
+            let b = Var::from_tensor(&ones(&[2], dtype)).unwrap();
+            for (x, bias) in [
+                (ones(&[4096, 3], dtype), true),
+                (ones(&[2, 2048, 3], dtype), false),
+            ] {
+                let layer = candle_nn::Linear::new(
+                    w.as_tensor().clone(),
+                    bias.then(|| b.as_tensor().clone()),
+                );
+                let y = nn::linear(&x, &layer).unwrap();
+                assert_eq!(
+                    (y.dtype(), &y.dims()[..y.rank() - 1]),
+                    (dtype, &x.dims()[..x.rank() - 1])
+                );
+                assert_eq!(values(&y)[0], if bias { 4.0 } else { 3.0 }, "{case}");
+                let grads = y.sum_all().unwrap().backward().unwrap();
+                assert_eq!(
+                    values(grads.get(&w).unwrap()),
+                    [4096.0; 6],
+                    "{case}: weight"
+                );
+                if bias {
+                    assert_eq!(values(grads.get(&b).unwrap()), [4096.0; 2], "{case}: bias");
+                }
+            }
+            if !own && dtype == DType::BF16 {
+                continue; // candle has no bf16 convolution on the CPU
+            }
+            let cw = Var::from_tensor(&ones(&[1, 1, 1, 1], dtype)).unwrap();
+            let cb = Var::from_tensor(&ones(&[1], dtype)).unwrap();
+            let conv = nn::Conv2d::new(
+                cw.as_tensor().clone(),
+                Some(cb.as_tensor().clone()),
+                Default::default(),
+            );
+            let y = conv.forward(&ones(&[4, 1, 32, 32], dtype)).unwrap();
+            assert_eq!(y.dtype(), dtype);
+            let grads = y.sum_all().unwrap().backward().unwrap();
+            assert_eq!(
+                values(grads.get(&cb).unwrap()),
+                [4096.0],
+                "{case}: conv bias"
+            );
+            assert_eq!(
+                values(grads.get(&cw).unwrap()),
+                [4096.0],
+                "{case}: conv weight"
+            );
+        }
+    }
+}
+
+/// A batch of no rows gives the weight and the bias zero gradients (torch's), in every dtype,
+/// with our kernels and with candle's (whose product of no rows is untracked zeros).
+#[test]
+fn an_empty_batch_gives_the_linear_layer_zero_gradients() {
+    let _serial = kernels_lock();
+    for own in [true, false] {
+        let _kernels = OwnKernels::set(own);
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let var = |shape: &[usize], seed| {
+                Var::from_tensor(&random(shape, seed).to_dtype(dtype).unwrap()).unwrap()
+            };
+            let (x, w, b) = (var(&[0, 5], 1), var(&[3, 5], 2), var(&[3], 3));
+            let layer = candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
+            for relu in [false, true] {
+                let y = if relu {
+                    nn::linear_relu(x.as_tensor(), &layer).unwrap()
+                } else {
+                    nn::linear(x.as_tensor(), &layer).unwrap()
+                };
+                assert_eq!((y.dims(), y.dtype()), (&[0, 3][..], dtype));
+                let grads = y.sum_all().unwrap().backward().unwrap();
+                for (name, v) in [("weight", &w), ("bias", &b)] {
+                    let g = grads.get(v).unwrap_or_else(|| {
+                        panic!("{dtype:?} own {own} relu {relu}: no {name} gradient")
+                    });
+                    assert_eq!(g.dims(), v.dims());
+                    assert_eq!(max_abs(g), 0.0);
+                }
             }
         }
     }

@@ -4,6 +4,7 @@
 
 use super::bucket::{assign_buckets, BucketParam};
 use super::hook::{Entry, Kind};
+use super::integers;
 use crate::distributed::objects::all_gather_bytes;
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
@@ -100,7 +101,9 @@ pub(crate) fn check_same_descriptions(
 }
 
 /// Overwrites `vars` on every rank with rank 0's values: one broadcast per bucket of at most
-/// `bucket_bytes` (per dtype), all issued before the first is waited for.
+/// `bucket_bytes` (per dtype), all issued before the first is waited for. Integer variables
+/// (index tables, counts: buffers, never parameters) travel together in one more broadcast, as
+/// f64 ([`integers::encode`]), as torch broadcasts every buffer.
 pub(crate) fn broadcast_from_rank_0(
     group: &ProcessGroup,
     vars: &[Var],
@@ -109,7 +112,8 @@ pub(crate) fn broadcast_from_rank_0(
     if group.world_size() == 1 || vars.is_empty() {
         return Ok(());
     }
-    let params: Vec<BucketParam> = vars
+    let (ints, floats): (Vec<&Var>, Vec<&Var>) = vars.iter().partition(|v| v.dtype().is_int());
+    let params: Vec<BucketParam> = floats
         .iter()
         .enumerate()
         .map(|(index, v)| BucketParam {
@@ -124,26 +128,46 @@ pub(crate) fn broadcast_from_rank_0(
         .map(|members| {
             let parts = members
                 .iter()
-                .map(|&i| vars[i].as_tensor().flatten_all())
+                .map(|&i| floats[i].as_tensor().flatten_all())
                 .collect::<candle_core::Result<Vec<_>>>()?;
             let flat = Tensor::cat(&parts, 0)?;
             group.broadcast_async(&flat, 0)
         })
         .collect::<Result<Vec<_>>>()?;
+    let int_work = if ints.is_empty() {
+        None
+    } else {
+        let parts = ints
+            .iter()
+            .map(|v| integers::encode(v.as_tensor()))
+            .collect::<Result<Vec<_>>>()?;
+        Some(group.broadcast_async(&Tensor::cat(&parts, 0)?, 0)?)
+    };
     for (members, work) in buckets.iter().zip(works) {
         let flat = work.wait()?;
         let mut offset = 0;
         for &i in members {
-            let v = &vars[i];
+            let v = floats[i];
             let n = v.elem_count();
             v.set(&flat.narrow(0, offset, n)?.reshape(v.shape())?)?;
+            offset += n;
+        }
+    }
+    if let Some(work) = int_work {
+        let flat = work.wait()?;
+        let mut offset = 0;
+        for v in ints {
+            let n = integers::encoded_len(v.dtype(), v.elem_count());
+            let values = integers::decode(&flat.narrow(0, offset, n)?, v.dtype(), v.as_tensor())?;
+            v.set(&values)?;
             offset += n;
         }
     }
     Ok(())
 }
 
-/// Whether `dtype` can travel in a collective (the others stay as each rank has them).
+/// Whether variables of `dtype` travel in [`broadcast_from_rank_0`] ([`integers::carried`]:
+/// every dtype the hook lets through).
 pub(crate) fn travels(dtype: DType) -> bool {
-    crate::distributed::reduce_op::SUPPORTED_DTYPES.contains(&dtype)
+    integers::carried(dtype)
 }

@@ -12,7 +12,10 @@
 //! of the variable: [`Registry`] keeps the copies so that DDP refreshes them in place from the
 //! variables before each forward (after the optimizer changed them). Buffers (BatchNorm's
 //! running statistics) are handed out as the `VarMap`'s own variables, so their in-place
-//! updates persist and checkpoints hold them.
+//! updates persist and checkpoints hold them. An integer variable (an index table read with
+//! `get_with_hints_dtype`) is a buffer whatever its name: nothing trains it, and collectives
+//! cannot reduce it (torch's parameters are float too). A variable of a dtype no collective
+//! carries (f8, f6, f4) is refused, by name.
 
 use super::reducer::Reducer;
 use crate::error::{device_name, Error};
@@ -63,8 +66,31 @@ impl candle_core::CustomOp1 for GradReady {
 pub(crate) enum Kind {
     /// Trained: its gradient is averaged over the world.
     Parameter,
-    /// State kept beside the parameters (running statistics): broadcast from rank 0.
+    /// State kept beside the parameters (running statistics, integer tables): broadcast from
+    /// rank 0.
     Buffer,
+}
+
+impl Kind {
+    /// What variable `name` of `dtype` is, `named_buffer` whether its name says buffer; an
+    /// error, naming it, for a dtype no collective carries.
+    fn of(name: &str, dtype: DType, named_buffer: bool) -> Result<Self, Error> {
+        if !super::integers::carried(dtype) {
+            return Err(Error::InvalidArgument {
+                what: "DDP variable dtype",
+                detail: format!(
+                    "variable `{name}` is {dtype:?}, which no collective carries: parameters \
+                     must be f32, f64, f16 or bf16 and buffers those or an integer dtype; keep \
+                     it in one of those and convert where the model uses it"
+                ),
+            });
+        }
+        Ok(if named_buffer || dtype.is_int() {
+            Self::Buffer
+        } else {
+            Self::Parameter
+        })
+    }
 }
 
 /// One variable the model asked for, in the order it asked.
@@ -134,7 +160,9 @@ impl Registry {
             }
             .into_candle());
         }
-        let (kind, held) = if (self.is_buffer)(name) {
+        let kind =
+            Kind::of(name, var.dtype(), (self.is_buffer)(name)).map_err(Error::into_candle)?;
+        let (kind, held) = if kind == Kind::Buffer {
             (Kind::Buffer, var.as_tensor().clone())
         } else {
             // Parameters are numbered in the order the model asks for them.

@@ -118,6 +118,7 @@ pub struct DdpConfig {
     /// Variables whose name ends in one of these path components are buffers, not parameters:
     /// they get no gradient and are broadcast from rank 0 (default: candle-nn's BatchNorm
     /// statistics `running_mean` and `running_var`, and torch's `num_batches_tracked`).
+    /// Integer variables are buffers whatever their name.
     pub buffer_names: Vec<String>,
     /// The dtype variables are created with when the `VarMap` lacks them (default f32).
     pub dtype: DType,
@@ -181,7 +182,7 @@ pub struct DistributedDataParallel<M> {
     reducer: Arc<Reducer>,
     /// The parameters, in the order the model asked for them.
     params: Vec<Entry>,
-    /// The buffers that travel (float dtypes), in the order the model asked for them.
+    /// The buffers (float and integer), in the order the model asked for them.
     buffers: Vec<Var>,
     /// The parameters' names and variables, sorted by name.
     sorted: Vec<(String, Var)>,

@@ -13,8 +13,11 @@
 //!   the image (`col2im`), and only when the input needs a gradient (a variable, or the output
 //!   of a tracked op);
 //!
-//! with the batch split over candle's thread pool. Other dtypes and devices (CUDA) use candle's
-//! own kernels, so one model definition serves both.
+//! with the batch split over candle's thread pool. f16 and bf16 run the same f32 kernels and
+//! round their results once, so that their sums (the weight and bias gradients over the batch)
+//! accumulate in f32, as torch's do (see the [`nn` module docs](super)). f64 and other devices
+//! (CUDA) use candle's own kernels, with the bias added in f32 for f16 and bf16; one model
+//! definition serves all.
 //!
 //! ```rust
 //! use candle_core::{DType, Device, Module, Tensor};
@@ -33,8 +36,9 @@
 //! # Ok(()) }
 //! ```
 
-use super::kernels::ours;
-use candle_core::{Module, Result, Tensor};
+use super::accumulate;
+use super::kernels::ours_in_f32;
+use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Conv2dConfig, Init, VarBuilder};
 
 /// A 2-D convolution layer (candle-nn's `Conv2d`, with CPU training kernels of our own).
@@ -73,7 +77,7 @@ impl Conv2d {
     /// `max_pool2d(relu(self.forward(x)), kernel)`: the convolution, a ReLU and a max-pooling
     /// over `kernel`-sized windows with stride `kernel`, as the CIFAR Net's blocks are.
     ///
-    /// For f32 tensors on the CPU (with our kernels on, and a bias) this is one op: each image
+    /// For f32, f16 and bf16 tensors on the CPU (with our kernels on, and a bias) this is one op: each image
     /// is convolved, rectified and pooled while its output is in the cache. The numbers are
     /// those of the three ops apart (which run elsewhere: candle's convolution and ReLU,
     /// [`max_pool2d`]) up to rounding: the sums run in another order.
@@ -96,19 +100,22 @@ impl Conv2d {
     ///
     /// [`max_pool2d`]: super::max_pool2d
     pub fn forward_relu_max_pool2d(&self, x: &Tensor, kernel: usize) -> Result<Tensor> {
-        match &self.bias {
-            Some(b) if ours(&[x, &self.weight, b]) && x.rank() == 4 && self.weight.rank() == 4 => {
-                super::conv_relu_pool::conv2d_relu_max_pool2d(
-                    x,
-                    &self.weight,
-                    b,
-                    &self.config,
-                    kernel,
-                    kernel,
-                )
+        if let Some(b) = &self.bias {
+            if let Some(dtype) = ours_in_f32(&[x, &self.weight, b]) {
+                if x.rank() == 4 && self.weight.rank() == 4 {
+                    return super::conv_relu_pool::conv2d_relu_max_pool2d(
+                        &f32(x)?,
+                        &f32(&self.weight)?,
+                        &f32(b)?,
+                        &self.config,
+                        kernel,
+                        kernel,
+                    )?
+                    .to_dtype(dtype);
+                }
             }
-            _ => super::max_pool2d(&self.forward(x)?.relu()?, kernel),
         }
+        super::max_pool2d(&self.forward(x)?.relu()?, kernel)
     }
 }
 
@@ -154,7 +161,7 @@ impl Module for Conv2d {
 }
 
 /// The convolution of `x` `(N, Cin, H, W)` with `w` `(Cout, Cin / groups, K, K)`, no bias:
-/// our kernels for f32 tensors on the CPU, candle's elsewhere.
+/// our kernels for f32, f16 and bf16 tensors on the CPU, candle's elsewhere.
 pub fn conv2d_forward(x: &Tensor, w: &Tensor, cfg: &Conv2dConfig) -> Result<Tensor> {
     conv2d_with_bias(x, w, None, cfg)
 }
@@ -169,12 +176,22 @@ fn conv2d_with_bias(
     cfg: &Conv2dConfig,
 ) -> Result<Tensor> {
     let with_bias: Vec<&Tensor> = [x, w].into_iter().chain(bias).collect();
-    if !(ours(&with_bias) && x.rank() == 4 && w.rank() == 4) {
-        let y = x.conv2d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups)?;
-        return match bias {
-            None => Ok(y),
-            Some(b) => y.broadcast_add(&b.reshape((1, (), 1, 1))?),
-        };
+    match ours_in_f32(&with_bias) {
+        Some(dtype) if x.rank() == 4 && w.rank() == 4 => {
+            let bias = bias.map(f32).transpose()?;
+            super::conv_kernel::conv2d(&f32(x)?, &f32(w)?, bias.as_ref(), cfg)?.to_dtype(dtype)
+        }
+        _ => {
+            let y = x.conv2d(w, cfg.padding, cfg.stride, cfg.dilation, cfg.groups)?;
+            match bias {
+                None => Ok(y),
+                Some(b) => accumulate::broadcast_add(&y, &b.reshape((1, (), 1, 1))?),
+            }
+        }
     }
-    super::conv_kernel::conv2d(x, w, bias, cfg)
+}
+
+/// `t` as f32 (itself when it is).
+fn f32(t: &Tensor) -> Result<Tensor> {
+    t.to_dtype(DType::F32)
 }

@@ -1,14 +1,71 @@
 //! The CUDA forwards of the fused layers in [`ops`](super::ops) and
-//! [`rotary_emb`](super::rotary_emb): candle's own kernels (`candle-kernels`' reduce module),
-//! launched as candle-nn launches them, so the numbers are candle's. Their backwards are made of
-//! candle ops, or reuse these kernels (a rotation's backward is a rotation).
+//! [`rotary_emb`](super::rotary_emb). Their backwards are made of candle ops, or reuse these
+//! kernels (a rotation's backward is a rotation).
+//!
+//! The normalisations and softmax reduce, and candle's kernels for them break the crate's rule
+//! (see the [`nn` module docs](super)): its layer norm takes the variance as `E[x²] - E[x]²` in
+//! f32 (also for f64), and its softmax takes the exponentials in the element type. They run
+//! kernels of our own instead (`rows.cu`, the CPU kernels' arithmetic, one warp per row),
+//! compiled by NVRTC on first use. The rotary embeddings reduce nothing: candle's kernels
+//! (`candle-kernels`' reduce module), launched as candle-nn launches them.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
+use candle_core::cuda_backend::cudarc::nvrtc;
 use candle_core::cuda_backend::{kernel_name, kernels, CudaStorageSlice as S, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape, WithDType};
+use std::sync::OnceLock;
+
+/// The source of our row kernels.
+const ROWS_SRC: &str = include_str!("rows.cu");
+/// Rows one block of the row kernels takes: a warp each.
+const ROWS_PER_BLOCK: u32 = 8;
+
+/// The module of our row kernels on a device.
+const ROWS_MODULE: &str = "candle_parallel_rows";
+
+/// The PTX of our row kernels, compiled once per process (NVRTC).
+fn rows_ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    let ptx = PTX.get_or_init(|| {
+        nvrtc::compile_ptx(ROWS_SRC)
+            .map(|ptx| ptx.to_src())
+            .map_err(|e| e.to_string())
+    });
+    match ptx {
+        Ok(ptx) => Ok(ptx),
+        Err(e) => candle_core::bail!(
+            "compiling candle_parallel's row kernels (nn/rows.cu) with NVRTC failed: {e}; \
+             libnvrtc.so and libnvrtc-builtins.so (CUDA 12 or 13) must be on the library path"
+        ),
+    }
+}
+
+/// The name of our row kernel `kernel` (`cp_norm`, `cp_softmax`) for element type `T`.
+fn row_kernel_name<T: WithDType>(kernel: &str) -> String {
+    format!("{kernel}_{}", T::DTYPE.as_str())
+}
+
+/// The launch of a row kernel over `rows` rows.
+fn row_launch(rows: usize) -> Result<LaunchConfig> {
+    let blocks = u32::try_from(rows.div_ceil(ROWS_PER_BLOCK as usize))
+        .map_err(|_| candle_core::Error::Msg(format!("{rows} rows are too many for one launch")))?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (32, ROWS_PER_BLOCK, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// `rows` and `n` as the kernels' `int`s.
+fn row_sizes(rows: usize, n: usize) -> Result<(i32, i32)> {
+    match (i32::try_from(rows), i32::try_from(n)) {
+        (Ok(r), Ok(n)) => Ok((r, n)),
+        _ => candle_core::bail!("{rows} rows of {n} values: both must be below 2^31"),
+    }
+}
 
 /// The values of a contiguous tensor.
 fn view<'a, T>(s: &'a CudaSlice<T>, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
@@ -67,31 +124,28 @@ fn norm_kernel<T: DeviceRepr + WithDType>(
     };
     let el = lx.shape().elem_count();
     let n = lx.dims().last().copied().unwrap_or(1).max(1);
-    let block = if n < 1024 { 32u32 } else { 1024 };
-    let cfg = LaunchConfig {
-        grid_dim: ((el / n) as u32, 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let name = if remove_mean { "layernorm" } else { "rmsnorm" };
-    let func = dev.get_or_load_func(&kernel_name::<T>(name), &kernels::REDUCE)?;
     // SAFETY: every element is written by the kernel.
     let dst = unsafe { dev.alloc::<T>(el)? };
-    // candle's layernorm kernel skips the shift when given a null pointer.
+    if el == 0 {
+        return Ok(dst);
+    }
+    let (rows, cols) = row_sizes(el / n, n)?;
+    let name = row_kernel_name::<T>("cp_norm");
+    let func = dev.get_or_load_custom_func(&name, ROWS_MODULE, rows_ptx()?)?;
+    // The kernel skips the shift when given a null pointer.
     let null = 0u64;
     let mut builder = func.builder();
     builder.arg(&src);
     builder.arg(&dst);
     builder.arg(&alpha);
-    if remove_mean {
-        match &beta {
-            Some(beta) => builder.arg(beta),
-            None => builder.arg(&null),
-        };
-    }
-    candle_core::builder_arg!(builder, n as i32, block as i32, eps);
-    // SAFETY: the arguments match the kernel's signature.
-    unsafe { builder.launch(cfg) }.w()?;
+    match &beta {
+        Some(beta) => builder.arg(beta),
+        None => builder.arg(&null),
+    };
+    let remove_mean = i32::from(remove_mean);
+    candle_core::builder_arg!(builder, rows, cols, eps, remove_mean);
+    // SAFETY: the arguments match the kernel's signature (rows.cu's `cp_norm_*`).
+    unsafe { builder.launch(row_launch(el / n)?) }.w()?;
     Ok(dst)
 }
 
@@ -129,20 +183,20 @@ fn softmax_kernel<T: DeviceRepr + WithDType>(
     let src = view(x, l, "the input")?;
     let el = l.shape().elem_count();
     let n = l.dims().last().copied().unwrap_or(1).max(1);
-    let cfg = LaunchConfig {
-        grid_dim: ((el / n) as u32, 1, 1),
-        block_dim: (1, 32, 1),
-        shared_mem_bytes: 0,
-    };
-    let func = dev.get_or_load_func(&kernel_name::<T>("softmax"), &kernels::REDUCE)?;
     // SAFETY: every element is written by the kernel.
     let dst = unsafe { dev.alloc::<T>(el)? };
+    if el == 0 {
+        return Ok(dst);
+    }
+    let (rows, cols) = row_sizes(el / n, n)?;
+    let name = row_kernel_name::<T>("cp_softmax");
+    let func = dev.get_or_load_custom_func(&name, ROWS_MODULE, rows_ptx()?)?;
     let mut builder = func.builder();
     builder.arg(&src);
     builder.arg(&dst);
-    candle_core::builder_arg!(builder, n as i32);
-    // SAFETY: the arguments match the kernel's signature.
-    unsafe { builder.launch(cfg) }.w()?;
+    candle_core::builder_arg!(builder, rows, cols);
+    // SAFETY: the arguments match the kernel's signature (rows.cu's `cp_softmax_*`).
+    unsafe { builder.launch(row_launch(el / n)?) }.w()?;
     Ok(dst)
 }
 
@@ -229,4 +283,23 @@ pub(super) fn rope(
     }
     let slice = by_dtype!(&s1.slice, go);
     Ok((storage(slice, dev), l1.shape().clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC compiles the row kernels (no GPU needed, only libnvrtc): every entry point the
+    /// launches name is in the PTX.
+    #[test]
+    fn the_row_kernels_compile_with_nvrtc() {
+        let ptx = rows_ptx().unwrap();
+        for kernel in ["cp_norm", "cp_softmax"] {
+            for dtype in ["f32", "f64", "f16", "bf16"] {
+                let entry = format!(".entry {kernel}_{dtype}(");
+                assert!(ptx.contains(&entry), "{entry} is missing from the PTX");
+            }
+        }
+        assert_eq!(row_kernel_name::<half::bf16>("cp_norm"), "cp_norm_bf16");
+    }
 }

@@ -34,6 +34,18 @@ pub(super) fn ours(ts: &[&candle_core::Tensor]) -> bool {
             .all(|t| t.device().is_cpu() && t.dtype() == candle_core::DType::F32)
 }
 
+/// The dtype of these tensors when our kernels take them: f32, or f16 and bf16, which they
+/// compute in f32 (the crate's rule for reductions, see the [`nn` module docs](super)); all of
+/// one dtype, on the CPU, and ours not switched off.
+pub(super) fn ours_in_f32(ts: &[&candle_core::Tensor]) -> Option<candle_core::DType> {
+    use candle_core::DType;
+    let dtype = ts.first()?.dtype();
+    let takes = own_cpu_kernels()
+        && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+        && ts.iter().all(|t| t.device().is_cpu() && t.dtype() == dtype);
+    takes.then_some(dtype)
+}
+
 /// What `im2col` and `col2im` need of a convolution's geometry.
 pub(super) trait Window {
     fn input(&self) -> (usize, usize);

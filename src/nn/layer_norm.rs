@@ -113,7 +113,7 @@ impl Module for LayerNorm {
             (false, bias) => {
                 let y = ops::rms_norm(x, &self.weight, eps)?;
                 match bias {
-                    Some(bias) => y.broadcast_add(bias),
+                    Some(bias) => super::accumulate::broadcast_add(&y, bias),
                     None => Ok(y),
                 }
             }

@@ -4,14 +4,22 @@
 //! candle 0.11 applies its fused layers without a backward (`apply_op*_no_bwd`, candle issue
 //! [#2168](https://github.com/huggingface/candle/issues/2168)): gradients stop there without an
 //! error, and every parameter upstream of them trains as if frozen. These take the same
-//! arguments and give the same forward numbers (on the CPU, candle's arithmetic in the same
-//! order; on CUDA, candle's own kernels), and carry an analytic backward, computed in f32 for
-//! f16 and bf16. On the CPU the backward runs kernels of our own; elsewhere it is made of candle
-//! ops. They also take non-contiguous inputs, which candle's refuse. Once candle's fused layers
-//! have a backward upstream, these can go.
+//! arguments and carry an analytic backward; they also take non-contiguous inputs, which
+//! candle's refuse. On the CPU both directions run kernels of our own, elsewhere the forward is
+//! a CUDA kernel of ours (compiled at run time) and the backward is made of candle ops.
+//!
+//! Their numbers follow the crate's rule for reductions (see the [`nn` module docs](super)), not
+//! candle's kernels, which they replace where those fail: candle's layer normalisation takes the
+//! variance as `E[x²] - E[x]²`, which cancels and goes negative for rows of mean 1e3 and spread
+//! 0.1 (every output NaN, in f32), and its softmax sums in the element type (a bf16 row of 4096
+//! zeros sums to 256, so each output is 1/256). Here the variance is a corrected two-pass one
+//! and every sum runs in f32 (f64 for f64), each output rounded once: the errors against an f64
+//! computation are torch's or smaller. On an empty input they give every input a gradient of
+//! zeros, as torch does.
 //!
 //! The rest of `candle_nn::ops`' differentiable functions are re-exported, so that
-//! `use candle_parallel::nn::ops` can replace `use candle_nn::ops` whole.
+//! `use candle_parallel::nn::ops` can replace `use candle_nn::ops` whole; [`softmax`] and
+//! [`log_softmax`], which sum, follow the rule too (candle's sum bf16 in bf16).
 //!
 //! ```rust
 //! use candle_core::{Device, Tensor, Var};
@@ -28,14 +36,14 @@
 //! # Ok(()) }
 //! ```
 
+use super::accumulate::{empty_output, wide, widen};
 use super::kernels::own_cpu_kernels;
 use super::rows::{self, values, with_float_slices};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 
 pub use candle_nn::ops::{
-    dropout, hard_sigmoid, layer_norm_slow, leaky_relu, log_softmax, mish, pixel_shuffle,
-    pixel_unshuffle, replication_pad2d, rms_norm_slow, selu, sigmoid, silu, softmax, swiglu,
-    Dropout,
+    dropout, hard_sigmoid, layer_norm_slow, leaky_relu, mish, pixel_shuffle, pixel_unshuffle,
+    replication_pad2d, rms_norm_slow, selu, sigmoid, silu, swiglu, Dropout,
 };
 
 /// Layer normalisation over the last dimension, `(x - mean) / sqrt(var + eps) * alpha + beta`,
@@ -48,7 +56,7 @@ pub fn layer_norm(xs: &Tensor, alpha: &Tensor, beta: &Tensor, eps: f32) -> Resul
         remove_mean: true,
     };
     if xs.elem_count() == 0 {
-        return xs.contiguous();
+        return empty_output(xs.shape(), &[xs, alpha, beta]);
     }
     xs.contiguous()?
         .apply_op3(&alpha.contiguous()?, &beta.contiguous()?, op)
@@ -73,15 +81,32 @@ pub fn softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
         candle_core::bail!("softmax_last_dim: the input is a scalar; it needs a last dimension");
     }
     if xs.elem_count() == 0 {
-        return xs.contiguous();
+        return empty_output(xs.shape(), &[xs]);
     }
     xs.contiguous()?.apply_op1(SoftmaxLastDim)
+}
+
+/// Softmax over dimension `dim`, as `candle_nn::ops::softmax`, by the crate's rule: over the
+/// last dimension [`softmax_last_dim`]; over another, candle's ops in f32 for f16 and bf16
+/// (candle's sum a bf16 row of 4096 zeros to 256), rounded once.
+pub fn softmax<D: candle_core::shape::Dim>(xs: &Tensor, dim: D) -> Result<Tensor> {
+    let dim = dim.to_index(xs.shape(), "softmax")?;
+    if dim + 1 == xs.rank() {
+        return softmax_last_dim(xs);
+    }
+    candle_nn::ops::softmax(&widen(xs)?, dim)?.to_dtype(xs.dtype())
+}
+
+/// Log-softmax over dimension `d`, as `candle_nn::ops::log_softmax`, in f32 for f16 and bf16
+/// (the crate's rule), rounded once.
+pub fn log_softmax<D: candle_core::shape::Dim>(xs: &Tensor, d: D) -> Result<Tensor> {
+    candle_nn::ops::log_softmax(&widen(xs)?, d)?.to_dtype(xs.dtype())
 }
 
 fn norm2(what: &str, xs: &Tensor, alpha: &Tensor, eps: f32, remove_mean: bool) -> Result<Tensor> {
     check_norm(what, xs, alpha, None)?;
     if xs.elem_count() == 0 {
-        return xs.contiguous();
+        return empty_output(xs.shape(), &[xs, alpha]);
     }
     xs.contiguous()?
         .apply_op2(&alpha.contiguous()?, Norm { eps, remove_mean })
@@ -133,15 +158,6 @@ fn check_norm(what: &str, xs: &Tensor, alpha: &Tensor, beta: Option<&Tensor>) ->
 /// Whether this backward runs our CPU kernels (rather than candle ops).
 fn kernel_backward(t: &Tensor) -> bool {
     t.device().is_cpu() && own_cpu_kernels()
-}
-
-/// The dtype a backward computes in: f32, or f64 for f64.
-pub(super) fn wide(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
 }
 
 /// Layer (`remove_mean`) or RMS normalisation over the last dimension, as a custom op over
@@ -230,7 +246,9 @@ fn norm_backward_ops(
     );
     let alpha = alpha.to_dtype(wide(dtype))?;
     let centred = if norm.remove_mean {
-        x2.broadcast_sub(&x2.mean_keepdim(D::Minus1)?)?
+        // Two passes, the second correcting the first mean, as the kernels do.
+        let d = x2.broadcast_sub(&x2.mean_keepdim(D::Minus1)?)?;
+        d.broadcast_sub(&d.mean_keepdim(D::Minus1)?)?
     } else {
         x2
     };
@@ -448,6 +466,24 @@ impl candle_core::CustomOp2 for SoftmaxGrad {
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    /// softmax over any dimension and log_softmax sum in f32 for bf16 and f16: over 4096 zeros
+    /// every probability is 1/4096 (candle's: 1/256 in bf16), every log-probability -ln 4096.
+    #[test]
+    fn softmax_and_log_softmax_over_4096_values_hold_in_half_precision() -> Result<()> {
+        for dtype in [DType::BF16, DType::F16, DType::F32, DType::F64] {
+            let x = Tensor::zeros((4096, 2), dtype, &Device::Cpu)?;
+            let p = softmax(&x, 0)?.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+            assert!(p.iter().flatten().all(|&v| v == 1.0 / 4096.0), "{dtype:?}");
+            let l = log_softmax(&x.t()?, D::Minus1)?;
+            assert_eq!(l.dtype(), dtype);
+            let want = -(4096f64.ln());
+            for v in l.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()? {
+                assert!((v - want).abs() <= want.abs() * 4e-3, "{dtype:?}: {v}");
+            }
+        }
+        Ok(())
+    }
 
     /// The candle-ops backward (CUDA's) equals the kernel backward, on the CPU.
     #[test]

@@ -25,7 +25,8 @@
 //! # Ok(()) }
 //! ```
 
-use super::ops::{check_float, wide};
+use super::accumulate::wide;
+use super::ops::check_float;
 use super::rows::{self, values, with_float_slices, Elem};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;

@@ -1,23 +1,28 @@
 //! CPU kernels of the fused layers in [`ops`](super::ops) that work row by row over the last
 //! dimension: layer and RMS normalisation, and softmax, forward and backward.
 //!
-//! The forwards repeat candle-nn 0.11's fused CPU kernels operation for operation, so that they
-//! give the same numbers (statistics in f32 for f32, f16 and bf16; candle's order of
-//! operations). The backwards compute in f32 (f64 for f64) and round once at the end. Rows are
-//! spread over candle's thread pool (rayon's).
+//! They follow the crate's rule for reductions (see the [`nn` module docs](super)): every sum
+//! runs in f32 for f32, f16 and bf16 (f64 for f64), in [`LANES`] interleaved partial sums
+//! over blocks of [`BLOCK`] values (which the compiler keeps in vector registers, and which
+//! keep each partial sum short), the blocks added pairwise; each element is computed in that type and rounded to the
+//! element type once. The variance is stable at any mean: a first pass takes the mean `m`, a
+//! second the sums of `d = x - m` and `d²`, from which the mean's correction `c = Σd / n` and
+//! the variance `Σd² / n - c²` follow (the corrected two-pass algorithm); each value is then
+//! centred as `(x - m) - c`, where `x - m` is exact for values near the mean. Rows are spread
+//! over candle's thread pool (rayon's).
 
 use candle_core::{CpuStorage, Layout, Result, WithDType};
 use num_traits::{Float, NumCast, Zero};
 use rayon::prelude::*;
 use std::ops::AddAssign;
 
-/// An element type of the fused layers, with the type its statistics are computed in.
+/// An element type of the fused layers, with the type its sums are computed in.
 pub(super) trait Elem: WithDType + Float {
     /// f32 for f32, f16 and bf16; f64 for f64.
     type Acc: Float + AddAssign + Send + Sync;
     fn up(self) -> Self::Acc;
     fn down(a: Self::Acc) -> Self;
-    /// `a` as the f32 candle's kernels compute statistics in (f64 stays f64 here).
+    /// `a` in the accumulation type.
     fn acc_from_f32(a: f32) -> Self::Acc;
 }
 
@@ -59,23 +64,134 @@ fn count<A: Float>(n: usize) -> A {
     <A as NumCast>::from(n).expect("a length converts to a float")
 }
 
-/// Row statistics as candle's kernels compute them: the mean (0 for RMS normalisation) and
-/// the inverse of the standard deviation (of the root mean square).
+/// The number of interleaved partial sums of a row's reductions.
+const LANES: usize = 8;
+/// The most values one set of partial sums takes: longer rows are halved, pairwise.
+const BLOCK: usize = 32 * LANES;
+
+/// `Σ f(v)` over `values`: [`LANES`] partial sums over each block of at most [`BLOCK`] values,
+/// the blocks' totals added pairwise. Each partial sum adds at most `BLOCK / LANES` terms, so
+/// the error stays near that of a pairwise sum, at the speed of a vectorised loop.
 #[inline(always)]
-fn stats<T: Elem>(row: &[T], eps: T::Acc, remove_mean: bool) -> (T::Acc, T::Acc) {
+pub(super) fn lane_sum<V: Copy, A: Float + AddAssign>(
+    values: &[V],
+    f: impl Fn(V) -> A + Copy,
+) -> A {
+    if values.len() > BLOCK {
+        let half = values.len().div_ceil(2 * BLOCK) * BLOCK;
+        return lane_sum(&values[..half], f) + lane_sum(&values[half..], f);
+    }
+    let mut lanes = [A::zero(); LANES];
+    let mut whole = values.chunks_exact(LANES);
+    for chunk in &mut whole {
+        for (l, &v) in lanes.iter_mut().zip(chunk) {
+            *l += f(v);
+        }
+    }
+    for (l, &v) in lanes.iter_mut().zip(whole.remainder()) {
+        *l += f(v);
+    }
+    fold_lanes(lanes)
+}
+
+/// `Σ a·b` over two rows, in the accumulation type, as [`lane_sum`] adds.
+#[inline(always)]
+fn lane_dot<T: Elem>(a: &[T], b: &[T]) -> T::Acc {
+    if a.len() > BLOCK {
+        let half = a.len().div_ceil(2 * BLOCK) * BLOCK;
+        return lane_dot(&a[..half], &b[..half]) + lane_dot(&a[half..], &b[half..]);
+    }
+    let mut lanes = [T::Acc::zero(); LANES];
+    let (mut wa, mut wb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    for (ca, cb) in (&mut wa).zip(&mut wb) {
+        for ((l, &x), &y) in lanes.iter_mut().zip(ca).zip(cb) {
+            *l += x.up() * y.up();
+        }
+    }
+    for ((l, &x), &y) in lanes.iter_mut().zip(wa.remainder()).zip(wb.remainder()) {
+        *l += x.up() * y.up();
+    }
+    fold_lanes(lanes)
+}
+
+/// The sum of the partial sums, pairwise.
+#[inline(always)]
+fn fold_lanes<A: Float>(l: [A; LANES]) -> A {
+    ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]))
+}
+
+/// A row's statistics: each value is centred as `(x - shift) - correction` and scaled by
+/// `rstd`, the inverse standard deviation (of the root mean square, for RMS normalisation,
+/// where both offsets are 0).
+#[derive(Clone, Copy)]
+struct Stats<A> {
+    shift: A,
+    correction: A,
+    rstd: A,
+}
+
+impl<A: Float> Stats<A> {
+    /// `x` normalised.
+    #[inline(always)]
+    fn xhat(&self, x: A) -> A {
+        ((x - self.shift) - self.correction) * self.rstd
+    }
+}
+
+/// Row statistics (see the module docs): the corrected two-pass mean and variance, or
+/// (without `remove_mean`) the mean square.
+#[inline(always)]
+fn stats<T: Elem>(row: &[T], eps: T::Acc, remove_mean: bool) -> Stats<T::Acc> {
     let n = count::<T::Acc>(row.len());
-    let (mut sum, mut sum2) = (T::Acc::zero(), T::Acc::zero());
-    for &v in row {
-        let v = v.up();
-        sum += v;
-        sum2 += v * v;
+    let zero = T::Acc::zero();
+    if !remove_mean {
+        let ms = lane_sum(row, |v: T| v.up() * v.up()) / n;
+        return Stats {
+            shift: zero,
+            correction: zero,
+            rstd: (ms + eps).sqrt().recip(),
+        };
     }
-    if remove_mean {
-        let mean = sum / n;
-        (mean, (sum2 / n - mean * mean + eps).sqrt().recip())
-    } else {
-        (T::Acc::zero(), (sum2 / n + eps).sqrt().recip())
+    let shift = lane_sum(row, |v: T| v.up()) / n;
+    let total = deviation_sums(row, shift);
+    let correction = total.0 / n;
+    // Σ(d - c)² = Σd² - n c², never below 0 (up to rounding, clamped).
+    let var = (total.1 / n - correction * correction).max(zero);
+    Stats {
+        shift,
+        correction,
+        rstd: (var + eps).sqrt().recip(),
     }
+}
+
+/// `(Σd, Σd²)` for `d = x - shift` over `row`, in lanes and pairwise as [`lane_sum`] adds.
+#[inline(always)]
+fn deviation_sums<T: Elem>(row: &[T], shift: T::Acc) -> (T::Acc, T::Acc) {
+    if row.len() > BLOCK {
+        let half = row.len().div_ceil(2 * BLOCK) * BLOCK;
+        let (a, b) = (
+            deviation_sums(&row[..half], shift),
+            deviation_sums(&row[half..], shift),
+        );
+        return (a.0 + b.0, a.1 + b.1);
+    }
+    let zero = T::Acc::zero();
+    let (mut s, mut s2) = ([zero; LANES], [zero; LANES]);
+    let mut add = |j: usize, v: T| {
+        let d = v.up() - shift;
+        s[j] += d;
+        s2[j] += d * d;
+    };
+    let mut whole = row.chunks_exact(LANES);
+    for chunk in &mut whole {
+        for (j, &v) in chunk.iter().enumerate() {
+            add(j, v);
+        }
+    }
+    for (j, &v) in whole.remainder().iter().enumerate() {
+        add(j, v);
+    }
+    (fold_lanes(s), fold_lanes(s2))
 }
 
 /// Layer normalisation (`remove_mean`) or RMS normalisation of each row of `n` values, scaled
@@ -89,34 +205,25 @@ pub(super) fn norm_fwd<T: Elem>(
 ) -> Vec<T> {
     let n = alpha.len();
     let mut out = vec![T::zero(); x.len()];
-    let eps_acc = T::acc_from_f32(eps);
+    if n == 0 {
+        return out;
+    }
+    let eps = T::acc_from_f32(eps);
     x.par_chunks(n)
         .zip(out.par_chunks_mut(n))
         .for_each(|(row, dst)| {
-            if remove_mean {
-                let (mean, inv_std) = stats(row, eps_acc, true);
-                let scaled = dst.iter_mut().zip(row).zip(alpha);
-                match beta {
-                    Some(beta) => {
-                        for (((d, &s), &a), &b) in scaled.zip(beta) {
-                            *d = T::down((s.up() - mean) * inv_std * a.up() + b.up());
-                        }
-                    }
-                    None => {
-                        for ((d, &s), &a) in scaled {
-                            *d = T::down((s.up() - mean) * inv_std * a.up());
-                        }
+            let s = stats(row, eps, remove_mean);
+            let scaled = dst.iter_mut().zip(row).zip(alpha);
+            match beta {
+                Some(beta) => {
+                    for (((d, &v), &a), &b) in scaled.zip(beta) {
+                        *d = T::down(s.xhat(v.up()) * a.up() + b.up());
                     }
                 }
-            } else {
-                // candle divides by the root mean square rounded to the element type.
-                let mut sum2 = T::Acc::zero();
-                for &v in row {
-                    sum2 += v.up() * v.up();
-                }
-                let rms = T::down((sum2 / count(n) + eps_acc).sqrt());
-                for (j, (d, &s)) in dst.iter_mut().zip(row).enumerate() {
-                    *d = s / rms * alpha[j];
+                None => {
+                    for ((d, &v), &a) in scaled {
+                        *d = T::down(s.xhat(v.up()) * a.up());
+                    }
                 }
             }
         });
@@ -125,6 +232,7 @@ pub(super) fn norm_fwd<T: Elem>(
 
 /// The gradients of [`norm_fwd`] given the output's gradient `g`, packed into one vector: the
 /// input's gradient (as many values as `x`), then `alpha`'s, then `beta`'s when `with_beta`.
+/// With no rows, the gradients of `alpha` and `beta` are zeros.
 pub(super) fn norm_bwd<T: Elem>(
     x: &[T],
     alpha: &[T],
@@ -135,14 +243,14 @@ pub(super) fn norm_bwd<T: Elem>(
 ) -> Vec<T> {
     let n = alpha.len();
     let rows = x.len() / n.max(1);
-    let eps_acc = T::acc_from_f32(eps);
+    let eps = T::acc_from_f32(eps);
     let n_acc = count::<T::Acc>(n);
     let mut packed = vec![T::zero(); x.len() + n * if with_beta { 2 } else { 1 }];
     let (dx, dparams) = packed.split_at_mut(x.len());
     // Each block of rows sums its share of the parameters' gradients; the blocks are then added.
     let block = rows.div_ceil(4 * rayon::current_num_threads()).max(1) * n;
     let zeros = || (vec![T::Acc::zero(); n], vec![T::Acc::zero(); n]);
-    let (d_alpha, d_beta) = if n == 0 {
+    let (d_alpha, d_beta) = if n == 0 || rows == 0 {
         zeros()
     } else {
         x.par_chunks(block)
@@ -151,10 +259,10 @@ pub(super) fn norm_bwd<T: Elem>(
             .map(|((xs, gs), dxs)| {
                 let (mut da, mut db) = zeros();
                 for ((row, gr), dr) in xs.chunks(n).zip(gs.chunks(n)).zip(dxs.chunks_mut(n)) {
-                    let (mean, rstd) = stats(row, eps_acc, remove_mean);
+                    let s = stats(row, eps, remove_mean);
                     let (mut sum_gy, mut sum_gy_xhat) = (T::Acc::zero(), T::Acc::zero());
                     for j in 0..n {
-                        let xhat = (row[j].up() - mean) * rstd;
+                        let xhat = s.xhat(row[j].up());
                         let gj = gr[j].up();
                         let gy = gj * alpha[j].up();
                         sum_gy += gy;
@@ -169,9 +277,9 @@ pub(super) fn norm_bwd<T: Elem>(
                         T::Acc::zero()
                     };
                     for j in 0..n {
-                        let xhat = (row[j].up() - mean) * rstd;
+                        let xhat = s.xhat(row[j].up());
                         let gy = gr[j].up() * alpha[j].up();
-                        dr[j] = T::down(rstd * (gy - c2 - xhat * c1));
+                        dr[j] = T::down(s.rstd * (gy - c2 - xhat * c1));
                     }
                 }
                 (da, db)
@@ -194,28 +302,43 @@ pub(super) fn norm_bwd<T: Elem>(
     packed
 }
 
-/// Softmax of each row of `n` values, as candle's fused kernel computes it.
+/// Softmax of each row of `n` values: the exponentials and their sum in the accumulation type,
+/// each output rounded once.
 pub(super) fn softmax_fwd<T: Elem>(x: &[T], n: usize) -> Vec<T> {
     let mut out = vec![T::zero(); x.len()];
     if n == 0 {
         return out;
     }
-    x.par_chunks(n)
-        .zip(out.par_chunks_mut(n))
-        .for_each(|(row, dst)| {
-            let mut max = T::neg_infinity();
-            // SAFETY: `row` holds `n` values.
-            unsafe { T::vec_reduce_max(row.as_ptr(), &mut max, n) };
-            for (d, &s) in dst.iter_mut().zip(row) {
-                *d = (s - max).exp();
+    // Where the element type is the accumulation type (f32, f64), the exponentials go straight
+    // into the output; f16 and bf16 keep them in f32 beside it, so that each output is rounded
+    // once.
+    let exact = std::mem::size_of::<T>() == std::mem::size_of::<T::Acc>();
+    x.par_chunks(n).zip(out.par_chunks_mut(n)).for_each_init(
+        Vec::new,
+        |exps: &mut Vec<T::Acc>, (row, dst)| {
+            // NaN is no maximum: a row holding one comes out NaN through its exponential.
+            let max = row
+                .iter()
+                .fold(T::neg_infinity(), |m, &v| if v > m { v } else { m })
+                .up();
+            if exact {
+                for (d, &v) in dst.iter_mut().zip(row) {
+                    *d = T::down((v.up() - max).exp());
+                }
+                let sum = lane_sum(dst, |e: T| e.up());
+                for d in dst.iter_mut() {
+                    *d = T::down(d.up() / sum);
+                }
+                return;
             }
-            let mut sum = T::zero();
-            // SAFETY: `dst` holds `n` values.
-            unsafe { T::vec_reduce_sum(dst.as_ptr(), &mut sum, n) };
-            for d in dst.iter_mut() {
-                *d /= sum;
+            exps.clear();
+            exps.extend(row.iter().map(|&v| (v.up() - max).exp()));
+            let sum = lane_sum(exps.as_slice(), |e| e);
+            for (d, &e) in dst.iter_mut().zip(exps.iter()) {
+                *d = T::down(e / sum);
             }
-        });
+        },
+    );
     out
 }
 
@@ -230,17 +353,13 @@ pub(super) fn softmax_bwd<T: Elem>(y: &[T], g: &[T], n: usize) -> Vec<T> {
         .zip(g.par_chunks(n))
         .zip(dx.par_chunks_mut(n))
         .for_each(|((yr, gr), dr)| {
-            let mut dot = T::Acc::zero();
-            for (&y, &g) in yr.iter().zip(gr) {
-                dot += y.up() * g.up();
-            }
+            let dot = lane_dot(yr, gr);
             for ((d, &y), &g) in dr.iter_mut().zip(yr).zip(gr) {
                 *d = T::down(y.up() * (g.up() - dot));
             }
         });
     dx
 }
-
 /// Applies `f` to the slices of one float dtype held by `storages` (all of the same dtype).
 macro_rules! with_float_slices {
     ($storages:expr, |$s:ident : $t:ident| $body:expr) => {{

@@ -1,6 +1,7 @@
 //! `SyncBatchNorm` (`torch.nn.SyncBatchNorm`): the layer, its statistics' collective and its
 //! backward. The user-facing documentation is on [`SyncBatchNorm`].
 
+use super::accumulate::{sum_rows, wide};
 use crate::distributed::{ProcessGroup, ReduceOp};
 use crate::error::Error;
 use crate::util::sync::lock;
@@ -77,9 +78,10 @@ pub fn finish_backward(group: &ProcessGroup) -> crate::Result<()> {
 /// the slice's statistics. SyncBatchNorm normalises with those of the whole batch, exactly as
 /// one process holding it would, with candle-nn's `BatchNorm` semantics and variable names:
 ///
-/// - training forward: each rank sends its per-channel count, mean and centred sum of squares
-///   (in f32, f64 for f64 inputs) in one all-gather; every rank combines them in rank order
-///   (Chan's parallel formula, stable where the sum of squares is not), normalises with the
+/// - training forward: each rank sends its per-channel count, mean (as a shift and its
+///   correction, from two passes) and centred sum of squares (in f32, f64 for f64 inputs) in
+///   one all-gather; every rank combines them in rank order in f64 (Chan's parallel formula,
+///   stable where the sum of squares is not), normalises with the
 ///   global mean and (biased) variance, and updates the running statistics with them, the
 ///   variance unbiased with the global count: identical on every rank. Ranks may hold different
 ///   numbers of rows, none included (they still take part);
@@ -201,7 +203,7 @@ fn row_sums(t: &Tensor) -> Result<Tensor> {
     if t.elem_count() == 0 {
         return Tensor::zeros(t.dim(0)?, t.dtype(), t.device());
     }
-    t.sum(1)
+    sum_rows(t)
 }
 
 /// The global statistics, combined from every rank's count, mean and centred sum of squares.
@@ -213,11 +215,14 @@ struct Stats {
 }
 
 impl Stats {
+    /// Combines every rank's message: per channel its mean's shift and correction, its sum of
+    /// squares about that mean, then its count (`3 c + 1` values).
     fn combine(parts: &[Vec<f64>], c: usize) -> Self {
-        let count: f64 = parts.iter().map(|p| p[2 * c]).sum();
+        let count: f64 = parts.iter().map(|p| p[3 * c]).sum();
+        let rank_mean = |p: &[f64], k: usize| p[k] + p[c + k];
         let mean: Vec<f64> = (0..c)
             .map(|k| {
-                let s: f64 = parts.iter().map(|p| p[2 * c] * p[k]).sum();
+                let s: f64 = parts.iter().map(|p| p[3 * c] * rank_mean(p, k)).sum();
                 if count > 0.0 {
                     s / count
                 } else {
@@ -229,7 +234,7 @@ impl Stats {
             .map(|k| {
                 let m2: f64 = parts
                     .iter()
-                    .map(|p| p[c + k] + p[2 * c] * (p[k] - mean[k]).powi(2))
+                    .map(|p| p[2 * c + k] + p[3 * c] * (rank_mean(p, k) - mean[k]).powi(2))
                     .sum();
                 if count > 0.0 {
                     m2 / count
@@ -279,49 +284,51 @@ impl SyncBatchNorm {
         Ok(c)
     }
 
-    /// Scales and shifts the normalised `x` with the weight and bias, in `x`'s layout.
+    /// Scales and shifts the normalised `x` (evaluation) with the weight and bias, taken to
+    /// `x`'s dtype, the internal one, so that their gradients are summed there.
     fn affine(&self, x: Tensor, shape: &[usize]) -> Result<Tensor> {
         match &self.weight_and_bias {
             None => Ok(x),
-            Some((w, b)) => x
-                .broadcast_mul(&w.reshape(shape)?)?
-                .broadcast_add(&b.reshape(shape)?),
+            Some((w, b)) => {
+                let param = |t: &Tensor| t.to_dtype(x.dtype())?.reshape(shape);
+                x.broadcast_mul(&param(w)?)?.broadcast_add(&param(b)?)
+            }
         }
     }
 
     /// The training forward. Everything runs in the channels-first layout `(C, M)`, `M` the
-    /// samples times the spatial positions (as candle-nn's `BatchNorm` does): there every
-    /// per-channel reduction, those of autograd for the weight and bias included, is over the
-    /// last, contiguous dimension, which candle's CPU backend sums fast; over the other
-    /// dimensions of `(N, C, H, W)` it takes a slow strided path.
+    /// samples times the spatial positions (as candle-nn's `BatchNorm` does), in f32 (f64 for
+    /// f64): there every per-channel reduction, the weight's and bias's gradients included, is
+    /// over the last, contiguous dimension, summed in lanes on the CPU ([`sum_rows`]); over the
+    /// other dimensions of `(N, C, H, W)` candle takes a slow strided path.
     fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
         let c = self.check_input(x)?;
-        let internal = if x.dtype() == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
-        };
+        let internal = wide(x.dtype());
         let xi = x.to_dtype(internal)?.transpose(0, 1)?;
         let channels_first = xi.dims().to_vec();
         let flat = xi.flatten_from(1)?.contiguous()?;
         let n = flat.dim(1)?;
         // The statistics need no gradient: the backward uses the global ones (below).
         let values = flat.detach();
-        let (mean, m2) = if n == 0 {
-            let z = Tensor::zeros(c, internal, x.device())?;
-            (z.clone(), z)
+        // This rank's mean as a shift and its correction (their sum in f64 is the mean: rounded
+        // to f32 it would be off by half an ulp, large against a small spread), and the sum of
+        // squares about it.
+        let zeros = || Tensor::zeros(c, internal, x.device());
+        let (shift, correction, m2) = if n == 0 {
+            (zeros()?, zeros()?, zeros()?)
         } else if self.remove_mean {
-            let mean = values.mean_keepdim(1)?;
-            let m2 = values.broadcast_sub(&mean)?.sqr()?.sum(1)?;
-            (mean.flatten_all()?, m2)
+            // Two passes, the second correcting the first mean by c = mean(d), d = x - mean:
+            // then sum((d - c)^2) = sum(d^2) - n c^2 (stable at any mean).
+            let shift = (sum_rows(&values)? / n as f64)?;
+            let d = values.broadcast_sub(&shift.reshape((c, 1))?)?;
+            let correction = (sum_rows(&d)? / n as f64)?;
+            let m2 = (sum_rows(&d.sqr()?)? - (correction.sqr()? * n as f64)?)?.relu()?;
+            (shift, correction, m2)
         } else {
-            (
-                Tensor::zeros(c, internal, x.device())?,
-                values.sqr()?.sum(1)?,
-            )
+            (zeros()?, zeros()?, sum_rows(&values.sqr()?)?)
         };
         let count = Tensor::new(&[n as f64], x.device())?.to_dtype(internal)?;
-        let message = Tensor::cat(&[&mean, &m2, &count], 0)?;
+        let message = Tensor::cat(&[&shift, &correction, &m2, &count], 0)?;
         let parts = self
             .group
             .all_gather(&message)
@@ -353,7 +360,12 @@ impl SyncBatchNorm {
         };
         let std: Vec<f64> = stats.var.iter().map(|v| (v + self.eps).sqrt()).collect();
         let centred = if self.remove_mean {
-            flat.broadcast_sub(&column(&stats.mean)?)?
+            // Centred on this rank's shift first (exact for values near it), then by the small
+            // difference to the global mean, taken in f64.
+            let own = &parts[self.group.rank()][..c];
+            let rest: Vec<f64> = stats.mean.iter().zip(own).map(|(g, o)| g - o).collect();
+            flat.broadcast_sub(&shift.reshape((c, 1))?)?
+                .broadcast_sub(&column(&rest)?)?
         } else {
             flat
         };
@@ -367,7 +379,25 @@ impl SyncBatchNorm {
             remove_mean: self.remove_mean,
             name: self.name.clone(),
         })?;
-        self.affine(normed.to_dtype(x.dtype())?, &[c, 1])?
+        let y = match &self.weight_and_bias {
+            None => normed,
+            Some((w, b)) => {
+                // The product and sum by candle ops, with constants; the weight's and bias's
+                // gradients (sums over the samples) by `row_sums`, through `ParamGrads`.
+                let constant = |t: &Tensor| t.to_dtype(internal)?.detach().reshape((c, 1));
+                normed
+                    .broadcast_mul(&constant(w)?)?
+                    .broadcast_add(&constant(b)?)?
+                    .apply_op3(
+                        w,
+                        b,
+                        ParamGrads {
+                            x_hat: normed.detach(),
+                        },
+                    )?
+            }
+        };
+        y.to_dtype(x.dtype())?
             .reshape(channels_first)?
             .transpose(0, 1)
     }
@@ -376,37 +406,42 @@ impl SyncBatchNorm {
         let m = self.momentum;
         let dev = self.running_mean.device();
         let dtype = self.running_mean.dtype();
+        // In the internal dtype, rounded to the statistics' own once.
+        let internal = wide(dtype);
         let tensor = |v: Vec<f64>| -> Result<Tensor> {
             Tensor::from_vec(v, stats.mean.len(), &Device::Cpu)?
-                .to_dtype(dtype)?
+                .to_dtype(internal)?
                 .to_device(dev)
         };
+        let update = |running: &Var, batch: Tensor| -> Result<()> {
+            let old = running.as_tensor().to_dtype(internal)?;
+            running.set(&((old * (1.0 - m))? + (batch * m)?)?.to_dtype(dtype)?)
+        };
         if self.remove_mean {
-            let mean = tensor(stats.mean.clone())?;
-            let updated = ((self.running_mean.as_tensor() * (1.0 - m))? + (mean * m)?)?;
-            self.running_mean.set(&updated)?;
+            update(&self.running_mean, tensor(stats.mean.clone())?)?;
         }
         let unbias = stats.count / (stats.count - 1.0);
-        let var = tensor(stats.var.iter().map(|v| v * unbias).collect())?;
-        let updated = ((self.running_var.as_tensor() * (1.0 - m))? + (var * m)?)?;
-        self.running_var.set(&updated)
+        update(
+            &self.running_var,
+            tensor(stats.var.iter().map(|v| v * unbias).collect())?,
+        )
     }
 
     fn forward_eval(&self, x: &Tensor) -> Result<Tensor> {
         let c = self.check_input(x)?;
         let shape = channel_shape(x.rank(), c);
-        let mean = self
-            .running_mean
-            .as_detached_tensor()
-            .reshape(shape.as_slice())?;
-        let var = self
-            .running_var
-            .as_detached_tensor()
-            .reshape(shape.as_slice())?;
-        let x = x
+        let internal = wide(x.dtype());
+        let stat = |v: &Var| {
+            v.as_detached_tensor()
+                .to_dtype(internal)?
+                .reshape(shape.as_slice())
+        };
+        let (mean, var) = (stat(&self.running_mean)?, stat(&self.running_var)?);
+        let normed = x
+            .to_dtype(internal)?
             .broadcast_sub(&mean)?
             .broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        self.affine(x, &shape)
+        self.affine(normed, &shape)?.to_dtype(x.dtype())
     }
 }
 
@@ -480,5 +515,56 @@ impl candle_core::CustomOp1 for GlobalStatsGrad {
             dz
         };
         Ok(Some(dz))
+    }
+}
+
+/// The identity on the channels-first `(C, M)` output of the affine step, over the weight and
+/// bias it used as constants: its backward hands the output's gradient `g` on, and gives the
+/// weight `sum(g * x_hat)` and the bias `sum(g)` per channel, in their dtype.
+struct ParamGrads {
+    x_hat: Tensor,
+}
+
+impl candle_core::CustomOp3 for ParamGrads {
+    fn name(&self) -> &'static str {
+        "sync-batch-norm-affine"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &CpuStorage,
+        l: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        crate::util::pass_through::cpu(s, l)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::util::pass_through::cuda(s, l)
+    }
+
+    fn bwd(
+        &self,
+        _: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dw = row_sums(&(g * &self.x_hat)?)?.to_dtype(w.dtype())?;
+        let db = row_sums(g)?.to_dtype(b.dtype())?;
+        Ok((Some(g.clone()), Some(dw), Some(db)))
     }
 }

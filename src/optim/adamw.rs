@@ -1,6 +1,8 @@
 //! `torch.optim.AdamW`.
 
-use super::{checked_state, managed, ElementwiseOptimizer, OptimizerState};
+use super::{
+    check_grads, checked_state, empty_state, managed, ElementwiseOptimizer, OptimizerState,
+};
 use crate::error::Error;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -208,6 +210,17 @@ impl AdamW {
         let (beta1, beta2) = c.betas;
         let var = &self.vars[i];
         let dtype = state_dtype(var);
+        if var.elem_count() == 0 {
+            // Nothing to write; its state, as torch's, is as empty as it is.
+            if self.moments[i].is_none() {
+                self.moments[i] = Some(Moments {
+                    exp_avg: empty_state(var, dtype)?,
+                    exp_avg_sq: empty_state(var, dtype)?,
+                    max_exp_avg_sq: c.amsgrad.then(|| empty_state(var, dtype)).transpose()?,
+                });
+            }
+            return Ok(());
+        }
         let mut p = var.as_tensor().to_dtype(dtype)?;
         let mut g = grad.to_dtype(dtype)?;
         if c.maximize {
@@ -298,6 +311,7 @@ impl AdamW {
         if !has_grad.contains(&true) {
             return Ok(());
         }
+        check_grads("AdamW", &self.vars, grads).map_err(Error::into_candle)?;
         self.note_shared_step(&has_grad);
         self.step += 1;
         // As torch: Python floats (f64) for the scalars, `**` for the powers.

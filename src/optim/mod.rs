@@ -2,6 +2,10 @@
 //! weight decay, Nesterov) and [`AdamW`] (`torch.optim.AdamW`: decoupled weight decay, AMSGrad),
 //! and their state as plain tensors ([`OptimizerState`]), to save, load and shard.
 //!
+//! A step checks every gradient against its variable (shape, device) before it writes anything,
+//! so it updates every variable that has a gradient or, with an error that names the variable,
+//! none. A variable of no elements steps as in torch: nothing to write, an empty state.
+//!
 //! Both update each element of a variable from that element, its gradient and its state alone
 //! ([`ElementwiseOptimizer`]), so stepping a slice of the parameters equals stepping all of them
 //! and slicing: sharded data parallel steps each rank's shard with them.
@@ -41,6 +45,7 @@ pub use finite::FiniteLoss;
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::error::Error;
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use std::collections::BTreeMap;
 
@@ -134,4 +139,182 @@ fn checked_state(
         out.push(Some(tensors));
     }
     Ok(out)
+}
+
+/// Fails, naming the first variable at fault, unless every variable of `vars` that has a
+/// gradient in `grads` can be stepped by it: the gradient of the variable's shape and on its
+/// device, the variable contiguous (what `Var::set` writes). Optimizers call it before they
+/// write anything, so that a step is never partial.
+fn check_grads(optimizer: &'static str, vars: &[Var], grads: &GradStore) -> crate::Result<()> {
+    for (i, var) in vars.iter().enumerate() {
+        let Some(grad) = grads.get(var) else {
+            continue;
+        };
+        let fault = if grad.dims() != var.dims() {
+            format!(
+                "has shape {:?} but its gradient {:?}",
+                var.dims(),
+                grad.dims()
+            )
+        } else if !grad.device().same_device(var.device()) {
+            format!(
+                "is on {} but its gradient on {}",
+                crate::error::device_name(var.device()),
+                crate::error::device_name(grad.device())
+            )
+        } else if !var.is_contiguous() {
+            format!(
+                "(shape {:?}) is not contiguous, so it cannot be written",
+                var.dims()
+            )
+        } else {
+            continue;
+        };
+        return Err(Error::InvalidArgument {
+            what: "optimizer step",
+            detail: format!(
+                "{optimizer}: variable {i} {fault}; no variable was updated by this step"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// A fresh tensor of zeros of `var`'s shape and device, in `dtype`: the state of a variable of
+/// no elements (never `zeros_like` of a tensor derived from it, which candle may hand back as
+/// the same storage).
+fn empty_state(var: &Var, dtype: DType) -> candle_core::Result<Tensor> {
+    Tensor::zeros(var.shape(), dtype, var.device())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Variables around one of no elements, in `dtype`.
+    fn vars_around_an_empty_one(dtype: DType) -> candle_core::Result<Vec<Var>> {
+        let t = |v: &[f32], shape: &[usize]| {
+            Var::from_tensor(&Tensor::from_slice(v, shape, &Device::Cpu)?.to_dtype(dtype)?)
+        };
+        Ok(vec![
+            t(&[1.0, -2.0, 0.5], &[3])?,
+            t(&[], &[0, 4])?,
+            t(&[3.0, 0.25], &[2])?,
+        ])
+    }
+
+    /// A loss over every variable: its gradients include the empty one's.
+    fn loss(vars: &[Var]) -> candle_core::Result<Tensor> {
+        let mut total = vars[0].as_tensor().sqr()?.sum_all()?;
+        for v in &vars[1..] {
+            total = (total + v.as_tensor().sqr()?.sum_all()?)?;
+        }
+        Ok(total)
+    }
+
+    /// A variable of no elements steps as in torch, beside the others: the step succeeds,
+    /// updates the others, and leaves an empty state (it failed with "cannot set a variable to a
+    /// tensor that is derived from its value", after earlier variables were already updated).
+    fn steps_beside_an_empty_variable<O: ElementwiseOptimizer>(
+        make: impl Fn(Vec<Var>) -> candle_core::Result<O>,
+    ) -> candle_core::Result<()> {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let vars = vars_around_an_empty_one(dtype)?;
+            let before: Vec<Vec<f64>> = vars
+                .iter()
+                .map(|v| v.to_dtype(DType::F64)?.flatten_all()?.to_vec1())
+                .collect::<candle_core::Result<_>>()?;
+            let mut opt = make(vars.clone())?;
+            for _ in 0..2 {
+                let grads = loss(&vars)?.backward()?;
+                assert!(
+                    grads.get(&vars[1]).is_some(),
+                    "the empty variable has a gradient"
+                );
+                opt.step(&grads)?;
+            }
+            for i in [0, 2] {
+                let after = vars[i].to_dtype(DType::F64)?.to_vec1::<f64>()?;
+                assert!(
+                    after.iter().zip(&before[i]).all(|(a, b)| a != b),
+                    "{dtype:?}"
+                );
+            }
+            let state = opt.state();
+            // A state like the others' (none for Sgd without momentum).
+            assert_eq!(
+                state.per_var[1].keys().collect::<Vec<_>>(),
+                state.per_var[0].keys().collect::<Vec<_>>(),
+                "{dtype:?}: the empty variable's state"
+            );
+            for t in state.per_var[1].values() {
+                assert_eq!(t.dims(), [0, 4]);
+            }
+            let mut resumed = make(vars.clone())?;
+            resumed.load_state(&state).map_err(Error::into_candle)?;
+            resumed.step(&loss(&vars)?.backward()?)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn sgd_and_adamw_step_beside_a_variable_of_no_elements() -> candle_core::Result<()> {
+        use candle_nn::Optimizer;
+        let sgd = |momentum| {
+            move |vars| {
+                let config = SgdConfig {
+                    lr: 0.1,
+                    momentum,
+                    weight_decay: 0.01,
+                    ..Default::default()
+                };
+                Sgd::new(vars, config)
+            }
+        };
+        steps_beside_an_empty_variable(sgd(0.9))?;
+        steps_beside_an_empty_variable(sgd(0.0))?;
+        for amsgrad in [false, true] {
+            steps_beside_an_empty_variable(|vars| {
+                let config = AdamWConfig {
+                    lr: 0.1,
+                    amsgrad,
+                    ..Default::default()
+                };
+                AdamW::new(vars, config)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// A gradient that does not fit its variable fails the step before anything is written,
+    /// naming the variable.
+    fn a_bad_gradient_writes_nothing<O: ElementwiseOptimizer>(
+        make: impl Fn(Vec<Var>) -> candle_core::Result<O>,
+    ) -> candle_core::Result<()> {
+        let vars = vars_around_an_empty_one(DType::F32)?;
+        let mut opt = make(vars.clone())?;
+        let mut grads = loss(&vars)?.backward()?;
+        grads.insert(&vars[2], Tensor::ones(5, DType::F32, &Device::Cpu)?);
+        let err = opt.step(&grads).unwrap_err().to_string();
+        assert!(err.contains("variable 2") && err.contains("[5]"), "{err}");
+        assert!(err.contains("no variable was updated"), "{err}");
+        assert_eq!(vars[0].to_vec1::<f32>()?, [1.0, -2.0, 0.5]);
+        assert!(opt.state().per_var.iter().all(|m| m.is_empty()));
+        Ok(())
+    }
+
+    #[test]
+    fn a_gradient_that_does_not_fit_fails_the_step_before_any_write() -> candle_core::Result<()> {
+        use candle_nn::Optimizer;
+        a_bad_gradient_writes_nothing(|vars| {
+            let config = SgdConfig {
+                lr: 0.1,
+                momentum: 0.9,
+                ..Default::default()
+            };
+            Sgd::new(vars, config)
+        })?;
+        a_bad_gradient_writes_nothing(|vars| AdamW::new(vars, Default::default()))
+    }
 }

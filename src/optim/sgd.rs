@@ -1,9 +1,12 @@
 //! `torch.optim.SGD`.
 
-use super::{checked_state, managed, sgd_kernel, ElementwiseOptimizer, OptimizerState};
+use super::{
+    check_grads, checked_state, empty_state, managed, sgd_kernel, ElementwiseOptimizer,
+    OptimizerState,
+};
 use crate::error::Error;
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::Optimizer;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -137,7 +140,16 @@ impl Sgd {
     }
 
     fn update(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()> {
-        if self.vars[i].device().is_cpu() && self.update_in_place(i, grad)? {
+        let var = &self.vars[i];
+        if var.elem_count() == 0 {
+            // Nothing to write; its buffer, as torch's, is as empty as it is.
+            if self.config.momentum != 0.0 && self.momentum_buffers[i].is_none() {
+                self.momentum_buffers[i] = Some(empty_state(var, var.dtype())?);
+                self.owned[i] = true;
+            }
+            return Ok(());
+        }
+        if var.device().is_cpu() && self.update_in_place(i, grad)? {
             return Ok(());
         }
         self.update_with_ops(i, grad)
@@ -163,32 +175,47 @@ impl Sgd {
         Ok(true)
     }
 
-    /// The step of variable `i` with tensor ops, on any device.
+    /// The step of variable `i` with tensor ops, on any device: torch's CPU arithmetic, as the
+    /// kernel's (see `sgd_kernel`): each torch op in f32 (f64 for f64), rounded to the
+    /// variable's dtype once.
     fn update_with_ops(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<()> {
         let c = self.config;
         let var = &self.vars[i];
-        let mut g = if c.maximize {
-            grad.neg()?
+        let dtype = var.dtype();
+        let wide = if dtype == DType::F64 {
+            DType::F64
         } else {
-            grad.clone()
+            DType::F32
         };
+        let up = |t: &Tensor| t.to_dtype(wide);
+        let round = |t: Tensor| t.to_dtype(dtype)?.to_dtype(wide);
+        let alpha = |x: f64| sgd_kernel::alpha(x, dtype);
+        let mut d = up(grad)?;
+        if c.maximize {
+            d = d.neg()?;
+        }
         if c.weight_decay != 0.0 {
-            g = (g + (var.as_tensor() * c.weight_decay)?)?;
+            d = round((d + up(var.as_tensor())?.affine(alpha(c.weight_decay), 0.0)?)?)?;
         }
         if c.momentum != 0.0 {
             let buf = match self.momentum_buffers[i].take() {
-                None => g.copy()?.detach(),
-                Some(buf) => ((buf * c.momentum)? + (&g * (1.0 - c.dampening))?)?,
+                // A copy: `d` may be the gradient itself.
+                None => d.copy()?,
+                Some(buf) => {
+                    let kept = round(up(&buf)?.affine(c.momentum, 0.0)?)?;
+                    round((kept + d.affine(alpha(1.0 - c.dampening), 0.0)?)?)?
+                }
             };
-            g = if c.nesterov {
-                (g + (&buf * c.momentum)?)?
+            d = if c.nesterov {
+                round((&d + buf.affine(alpha(c.momentum), 0.0)?)?)?
             } else {
                 buf.clone()
             };
-            self.momentum_buffers[i] = Some(buf);
+            self.momentum_buffers[i] = Some(buf.to_dtype(dtype)?.detach());
             self.owned[i] = true;
         }
-        var.set(&(var.as_tensor() - (g * c.lr)?)?)
+        let stepped = (up(var.as_tensor())? + d.affine(alpha(-c.lr), 0.0)?)?;
+        var.set(&stepped.to_dtype(dtype)?)
     }
 }
 
@@ -220,6 +247,7 @@ impl Optimizer for Sgd {
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
         managed::check_vars(&self.vars).map_err(Error::into_candle)?;
+        check_grads("Sgd", &self.vars, grads).map_err(Error::into_candle)?;
         if std::mem::take(self.handed_out.get_mut()) {
             self.owned.fill(false);
         }
@@ -444,6 +472,71 @@ mod tests {
         assert!(!opt.update_in_place(0, p.as_tensor())?);
         opt.update(0, p.as_tensor())?;
         assert_eq!(p.to_vec1::<f32>()?, [0.5, 1.0]);
+        Ok(())
+    }
+
+    /// torch's CPU SGD on bf16 parameters, one element, written out: each op in f32, rounded to
+    /// bf16 once; `mul_`'s factor in f32, every `alpha` rounded to bf16 (through f32).
+    fn torch_bf16_step(
+        p: &mut half::bf16,
+        buf: &mut Option<half::bf16>,
+        g: half::bf16,
+        c: &SgdConfig,
+    ) {
+        use half::bf16;
+        let round = |x: f32| bf16::from_f32(x).to_f32();
+        let alpha = |x: f64| round(x as f32);
+        let mut d = g.to_f32();
+        d = round(d + alpha(c.weight_decay) * p.to_f32());
+        let b = match buf {
+            None => d,
+            Some(b) => round(round(b.to_f32() * c.momentum as f32) + alpha(1.0 - c.dampening) * d),
+        };
+        *buf = Some(bf16::from_f32(b));
+        *p = bf16::from_f32(p.to_f32() + alpha(-c.lr) * b);
+    }
+
+    /// bf16 parameters step as torch's CPU SGD does (the suspicion was that momentum, dampening,
+    /// lr and weight decay were rounded to bf16 for the whole computation: momentum 0.99 would
+    /// then act as 0.98828).
+    #[test]
+    fn bf16_steps_are_torchs_momentum_in_f32_and_one_rounding_per_op() -> candle_core::Result<()> {
+        use half::bf16;
+        let c = SgdConfig {
+            lr: 0.01,
+            momentum: 0.99,
+            dampening: 0.1,
+            weight_decay: 0.01,
+            ..Default::default()
+        };
+        let mut rng = crate::rng::Rng::new(7);
+        let n = 4096;
+        let start: Vec<bf16> = (0..n).map(|_| bf16::from_f64(rng.normal())).collect();
+        let grads: Vec<Vec<bf16>> = (0..4)
+            .map(|_| (0..n).map(|_| bf16::from_f64(rng.normal())).collect())
+            .collect();
+        let p = Var::from_tensor(&Tensor::from_slice(&start, n, &Device::Cpu)?)?;
+        let mut opt = Sgd::new(vec![p.clone()], c)?;
+        let (mut want, mut bufs) = (start.clone(), vec![None; n]);
+        for g in &grads {
+            opt.update(0, &Tensor::from_slice(g, n, &Device::Cpu)?)?;
+            for i in 0..n {
+                torch_bf16_step(&mut want[i], &mut bufs[i], g[i], &c);
+            }
+        }
+        assert_eq!(p.to_vec1::<bf16>()?, want);
+        // Momentum rounded to bf16 gives other parameters.
+        let rounded = SgdConfig {
+            momentum: bf16::from_f64(0.99).to_f64(),
+            ..c
+        };
+        let (mut other, mut bufs) = (start, vec![None; n]);
+        for g in &grads {
+            for i in 0..n {
+                torch_bf16_step(&mut other[i], &mut bufs[i], g[i], &rounded);
+            }
+        }
+        assert_ne!(other, want);
         Ok(())
     }
 

@@ -6,53 +6,102 @@
 //! Here each element of the parameter, its gradient and its momentum buffer is read once and
 //! the parameter and the buffer are written once, in place, split over candle's threads.
 //!
-//! The arithmetic is the tensor ops', in their order and in the variable's dtype (a scalar
-//! product is candle's `affine`, `x * s + 0`), so both paths give the same bits; the tests
-//! check that they do.
+//! The arithmetic is torch's CPU `SGD` (`foreach=False`) and the tensor ops' of
+//! [`Sgd`](super::Sgd), in their order, so both paths give the same bits (the tests check that
+//! they do): each torch op (`grad.add(param, alpha=weight_decay)`, `buf.mul_(momentum)`,
+//! `buf.add_(grad, alpha=1 - dampening)`, `grad.add(buf, alpha=momentum)`, `param.add_(grad,
+//! alpha=-lr)`) is computed in f32 for f16 and bf16 (f64 for f64) and rounded to the
+//! parameter's dtype once. The scalars are taken as torch's CPU kernels take a Python float: the
+//! factor of `mul_` in f32 (f64 for f64), an `alpha` rounded to the parameter's dtype. For bf16,
+//! momentum 0.99 multiplies as 0.99, not as bf16's 0.98828.
 
 use super::SgdConfig;
 use crate::distributed::transport::host_buf::with_bytes;
 use crate::error::Error;
 use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Result, Tensor, Var, WithDType};
 use half::{bf16, f16};
+use num_traits::Float;
 use rayon::prelude::*;
 use std::cell::RefCell;
-use std::ops::Neg;
 
 /// Parameters below this many elements are stepped on one thread: splitting costs more.
 const PARALLEL_MIN: usize = 1 << 15;
 
-/// An element type the kernel steps, and how to find its values in a CPU storage.
-trait Elem: WithDType + Neg<Output = Self> {
+/// An element type the kernel steps, the type it computes in, and how to find its values in a
+/// CPU storage.
+trait Elem: WithDType {
+    /// f32 for f32, f16 and bf16; f64 for f64.
+    type Acc: Float + Send + Sync;
     fn values(s: &mut CpuStorage) -> Option<&mut [Self]>;
+    fn up(self) -> Self::Acc;
+    fn down(a: Self::Acc) -> Self;
+    /// A Python float as the factor of a tensor-by-scalar product (f32, f64 for f64).
+    fn factor(x: f64) -> Self::Acc;
+    /// A Python float as the `alpha` of an `add`: rounded to the element type (through f32).
+    fn alpha(x: f64) -> Self::Acc {
+        Self::down(Self::factor(x)).up()
+    }
+    /// `a` rounded to the element type, back in the computing type.
+    #[inline(always)]
+    fn round(a: Self::Acc) -> Self::Acc {
+        Self::down(a).up()
+    }
 }
 
 macro_rules! elem {
-    ($t:ty, $variant:ident) => {
+    ($t:ty, $variant:ident, $acc:ty, $up:expr, $down:expr) => {
         impl Elem for $t {
+            type Acc = $acc;
             fn values(s: &mut CpuStorage) -> Option<&mut [Self]> {
                 match s {
                     CpuStorage::$variant(v) => Some(v),
                     _ => None,
                 }
             }
+            #[inline(always)]
+            fn up(self) -> $acc {
+                $up(self)
+            }
+            #[inline(always)]
+            fn down(a: $acc) -> Self {
+                $down(a)
+            }
+            fn factor(x: f64) -> $acc {
+                x as $acc
+            }
         }
     };
 }
-elem!(f32, F32);
-elem!(f64, F64);
-elem!(f16, F16);
-elem!(bf16, BF16);
+elem!(f32, F32, f32, |x| x, |a| a);
+elem!(f64, F64, f64, |x| x, |a| a);
+elem!(f16, F16, f32, f16::to_f32, f16::from_f32);
+elem!(bf16, BF16, f32, bf16::to_f32, bf16::from_f32);
 
-/// The step's constants in the variable's dtype, as candle's scalar ops convert them.
+/// `x` (a Python float) as torch's CPU `add` takes its `alpha` for a tensor of `dtype`: rounded
+/// to f32, then to `dtype` (f64 stays f64).
+pub(super) fn alpha(x: f64, dtype: candle_core::DType) -> f64 {
+    use candle_core::DType;
+    match dtype {
+        DType::F16 => f16::alpha(x) as f64,
+        DType::BF16 => bf16::alpha(x) as f64,
+        DType::F32 => f32::alpha(x) as f64,
+        _ => x,
+    }
+}
+
+/// The step's constants in the type it computes in (see the module docs).
 #[derive(Clone, Copy)]
-struct Coefficients<T> {
-    lr: T,
-    momentum: T,
-    /// `1 - dampening`.
-    keep: T,
-    weight_decay: T,
-    zero: T,
+struct Coefficients<A> {
+    /// `-lr`, an alpha.
+    neg_lr: A,
+    /// The factor of `buf.mul_(momentum)`.
+    momentum: A,
+    /// Momentum as the alpha of Nesterov's `grad.add(buf, alpha=momentum)`.
+    momentum_alpha: A,
+    /// `1 - dampening`, an alpha.
+    keep: A,
+    /// An alpha.
+    weight_decay: A,
     decay: bool,
     nesterov: bool,
     maximize: bool,
@@ -60,14 +109,14 @@ struct Coefficients<T> {
     first: bool,
 }
 
-impl<T: Elem> Coefficients<T> {
-    fn new(c: &SgdConfig, first: bool) -> Self {
+impl<A: Float + Send + Sync> Coefficients<A> {
+    fn new<T: Elem<Acc = A>>(c: &SgdConfig, first: bool) -> Self {
         Self {
-            lr: T::from_f64(c.lr),
-            momentum: T::from_f64(c.momentum),
-            keep: T::from_f64(1.0 - c.dampening),
-            weight_decay: T::from_f64(c.weight_decay),
-            zero: T::from_f64(0.0),
+            neg_lr: T::alpha(-c.lr),
+            momentum: T::factor(c.momentum),
+            momentum_alpha: T::alpha(c.momentum),
+            keep: T::alpha(1.0 - c.dampening),
+            weight_decay: T::alpha(c.weight_decay),
             decay: c.weight_decay != 0.0,
             nesterov: c.nesterov,
             maximize: c.maximize,
@@ -75,38 +124,34 @@ impl<T: Elem> Coefficients<T> {
         }
     }
 
-    /// `x * s` as candle's `Tensor * f64` computes it (`affine(s, 0)`).
-    #[inline(always)]
-    fn scaled(&self, x: T, s: T) -> T {
-        x * s + self.zero
-    }
-
     /// Steps `p` (and `buf`, with momentum) by `g`, element by element.
-    fn run(&self, p: &mut [T], g: &[T], mut buf: Option<&mut [T]>) {
+    fn run<T: Elem<Acc = A>>(&self, p: &mut [T], g: &[T], mut buf: Option<&mut [T]>) {
         for i in 0..p.len() {
-            let mut d = if self.maximize { -g[i] } else { g[i] };
+            let pi = p[i].up();
+            let mut d = if self.maximize { -g[i].up() } else { g[i].up() };
             if self.decay {
-                d += self.scaled(p[i], self.weight_decay);
+                d = T::round(d + self.weight_decay * pi);
             }
             if let Some(buf) = buf.as_deref_mut() {
                 let b = if self.first {
                     d
                 } else {
-                    self.scaled(buf[i], self.momentum) + self.scaled(d, self.keep)
+                    let kept = T::round(buf[i].up() * self.momentum);
+                    T::round(kept + self.keep * d)
                 };
-                buf[i] = b;
+                buf[i] = T::down(b);
                 d = if self.nesterov {
-                    d + self.scaled(b, self.momentum)
+                    T::round(d + self.momentum_alpha * b)
                 } else {
                     b
                 };
             }
-            p[i] -= self.scaled(d, self.lr);
+            p[i] = T::down(pi + self.neg_lr * d);
         }
     }
 
     /// [`run`](Self::run), split into one run of elements per thread.
-    fn run_parallel(&self, p: &mut [T], g: &[T], buf: Option<&mut [T]>) {
+    fn run_parallel<T: Elem<Acc = A>>(&self, p: &mut [T], g: &[T], buf: Option<&mut [T]>) {
         let threads = candle_core::utils::get_num_threads().max(1);
         if p.len() < PARALLEL_MIN || threads == 1 {
             return self.run(p, g, buf);
@@ -147,8 +192,8 @@ fn values<'a, T: Elem>(s: &'a CpuStorage, layout: &Layout) -> Result<&'a [T]> {
 
 /// Writes the parameter (`dst`) from the gradient (`src`), with the momentum buffer's values,
 /// which [`OnBuffer`] holds locked for the whole step.
-struct OnParameter<'a, T> {
-    coefficients: Coefficients<T>,
+struct OnParameter<'a, T: Elem> {
+    coefficients: Coefficients<T::Acc>,
     buf: RefCell<Option<&'a mut [T]>>,
 }
 
@@ -169,10 +214,10 @@ impl<T: Elem> InplaceOp2 for OnParameter<'_, T> {
 }
 
 /// Locks the momentum buffer (`dst`) and steps the parameter with it.
-struct OnBuffer<'a, T> {
+struct OnBuffer<'a, T: Elem> {
     var: &'a Var,
     grad: &'a Tensor,
-    coefficients: Coefficients<T>,
+    coefficients: Coefficients<T::Acc>,
 }
 
 impl<T: Elem> InplaceOp1 for OnBuffer<'_, T> {
@@ -245,15 +290,15 @@ fn typed<T: Elem>(
     match buf {
         None => var.inplace_op2(
             grad,
-            &OnParameter {
-                coefficients: Coefficients::<T>::new(c, false),
+            &OnParameter::<T> {
+                coefficients: Coefficients::new::<T>(c, false),
                 buf: RefCell::new(None),
             },
         ),
-        Some((buf, first)) => buf.inplace_op1(&OnBuffer {
+        Some((buf, first)) => buf.inplace_op1(&OnBuffer::<T> {
             var,
             grad,
-            coefficients: Coefficients::<T>::new(c, first),
+            coefficients: Coefficients::new::<T>(c, first),
         }),
     }
 }

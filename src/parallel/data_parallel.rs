@@ -26,7 +26,10 @@
 //!
 //! As in PyTorch: when the batch has fewer rows than there are devices, only as many replicas
 //! run as there are chunks; with a single chunk the master model runs alone. In training mode
-//! only the master replica's in-place state updates (BatchNorm running statistics) persist.
+//! only the master replica's in-place state updates (BatchNorm running statistics) persist. A
+//! model that returns a scalar (its loss) gives, over several devices, a vector of one value per
+//! replica (gathered along dimension 0, with a warning once through the `log` facade), and over
+//! one device its scalar, as `torch.nn.DataParallel` does.
 
 use crate::error::Result;
 use crate::parallel::comm;
@@ -34,6 +37,7 @@ use crate::parallel::parallel_apply::parallel_apply;
 use crate::parallel::replicate::{build_master, replica_var_builder, vars_by_name};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ModuleT, VarBuilder, VarMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Options of [`DataParallel`]; `Default` gives PyTorch's defaults.
 #[derive(Clone, Debug)]
@@ -68,6 +72,8 @@ pub struct DataParallel<M> {
     dim: usize,
     dtype: DType,
     build: Builder<M>,
+    /// Whether the warning about scalar outputs was given.
+    warned_scalars: AtomicBool,
 }
 
 impl<M> DataParallel<M> {
@@ -103,6 +109,7 @@ impl<M> DataParallel<M> {
             dim: config.dim,
             dtype: config.dtype,
             build: Box::new(build),
+            warned_scalars: AtomicBool::new(false),
         })
     }
 
@@ -176,7 +183,32 @@ impl<M> DataParallel<M> {
             |x| f(&self.module, x),
             |i, x| f(&build(replica_var_builder(varmap, dtype, &devices[i]))?, x),
         )?;
+        if outputs.iter().all(|t| t.rank() == 0) && self.dim == 0 {
+            return self.gather_scalars(outputs);
+        }
         comm::gather(&outputs, &self.output_device, self.dim)
+    }
+
+    /// torch's `Gather` of scalar outputs (a model that returns its loss): over one device the
+    /// master's scalar as it is; otherwise each scalar as a vector of one value, gathered into
+    /// one value per replica, with a warning (once).
+    fn gather_scalars(&self, outputs: Vec<Tensor>) -> Result<Tensor> {
+        if let ([out], 1) = (outputs.as_slice(), self.devices.len()) {
+            return Ok(out.clone());
+        }
+        if !self.warned_scalars.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "DataParallel: the model returned scalars, which cannot be gathered along \
+                 dimension 0; each is taken as a vector of one value, so the output holds one \
+                 value per replica (torch does the same): reduce it, e.g. with mean_all(), \
+                 before backward (said once)"
+            );
+        }
+        let vectors = outputs
+            .iter()
+            .map(|t| t.unsqueeze(0))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        comm::gather(&vectors, &self.output_device, 0)
     }
 }
 
@@ -254,6 +286,43 @@ mod tests {
         assert!(matches!(err, Error::Replica { index: 2, .. }), "{err}");
         assert!(err.to_string().contains("replica 2 on cpu failed"), "{err}");
         assert!(err.to_string().contains("chunk of 2 rows"), "{err}");
+        Ok(())
+    }
+
+    /// A model that returns its loss: over several devices, a vector of one loss per replica
+    /// (torch unsqueezes the scalars and warns), whose mean trains as the whole batch's loss
+    /// would; over one device the scalar itself.
+    #[test]
+    fn scalar_outputs_gather_into_one_value_per_replica() -> Result<()> {
+        struct Loss(candle_nn::Linear);
+        impl ModuleT for Loss {
+            fn forward_t(&self, x: &Tensor, _: bool) -> candle_core::Result<Tensor> {
+                candle_nn::Module::forward(&self.0, x)?.sqr()?.mean_all()
+            }
+        }
+        let varmap = VarMap::new();
+        let x = Tensor::arange(0f32, 20.0, &Device::Cpu)?.reshape((10, 2))?;
+        for (devices, want) in [(3, vec![3]), (1, vec![])] {
+            let dp = DataParallel::new(&varmap, vec![Device::Cpu; devices], |vb| {
+                Ok(Loss(linear(2, 2, vb)?))
+            })?;
+            let y = dp.forward_t(&x, true)?;
+            assert_eq!(y.dims(), want, "{devices} devices");
+            let grads = y.mean_all()?.backward()?;
+            assert!(dp.parameters().iter().all(|v| grads.get(v).is_some()));
+        }
+        // 10 rows on 3 devices: chunks of 4, 4 and 2, each replica's mean loss.
+        let dp = DataParallel::new(&varmap, vec![Device::Cpu; 3], |vb| {
+            Ok(Loss(linear(2, 2, vb)?))
+        })?;
+        let y = dp.forward_t(&x, true)?.to_vec1::<f32>()?;
+        let plain = |rows: std::ops::Range<usize>| -> Result<f32> {
+            Ok(dp
+                .module()
+                .forward_t(&x.narrow(0, rows.start, rows.len())?, true)?
+                .to_scalar()?)
+        };
+        assert_eq!(y, [plain(0..4)?, plain(4..8)?, plain(8..10)?]);
         Ok(())
     }
 
