@@ -29,6 +29,7 @@ use super::bucket::{assign_buckets, BucketParam};
 use super::compression::Compression;
 use super::integers;
 use super::iteration::{Iteration, Phase};
+use super::param::Param;
 use super::unused::{describe, UnusedReport};
 use super::zero2::Zero2;
 use super::Sharding;
@@ -37,26 +38,10 @@ use crate::error::{Error, Result};
 use crate::shard::FlatLayout;
 use crate::util::sync::lock;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-/// One parameter, as the reducer needs it.
-pub(crate) struct Param {
-    pub name: String,
-    pub var: Var,
-    /// The dtype its gradient travels and is averaged in (mixed precision's reduce dtype, or
-    /// the dtype it is computed in).
-    pub grad_dtype: DType,
-}
-
-impl Param {
-    /// The bytes its gradient takes in a bucket.
-    fn bytes(&self) -> usize {
-        self.var.elem_count() * self.grad_dtype.size_in_bytes()
-    }
-}
 
 /// What the reducer is told at construction.
 pub(crate) struct Setup {

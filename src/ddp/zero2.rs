@@ -17,7 +17,7 @@
 //! backward came since the last gather and some piece is not held by one of this crate's
 //! optimizers (whose step gathers), since another rank's pieces may then have moved.
 
-use super::reducer::Param;
+use super::param::Param;
 use crate::distributed::{ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::optim::managed;
