@@ -228,12 +228,14 @@ pub enum Error {
         code: i32,
     },
 
-    /// The ranks built different models under DistributedDataParallel.
+    /// The ranks built different models under a data-parallel wrapper.
     #[error(
         "the ranks' models differ at variable `{variable}` ({detail}); every rank must build the \
-         same model (names, shapes and dtypes) before DistributedDataParallel can keep them equal"
+         same model (names, shapes and dtypes) before {wrapper} can keep them equal"
     )]
     ModelMismatch {
+        /// The wrapper ("DistributedDataParallel", "FullyShardedDataParallel").
+        wrapper: &'static str,
         /// The first variable that differs.
         variable: String,
         /// Which ranks have what.

@@ -371,7 +371,10 @@ fn ranks_that_build_different_models_get_an_error_naming_the_variable() {
     .unwrap();
     for e in errors {
         let e = e.expect("an error");
-        assert!(e.contains("models differ"), "{e}");
+        assert!(
+            e.contains("models differ") && e.contains("before FullyShardedDataParallel can"),
+            "{e}"
+        );
     }
 }
 

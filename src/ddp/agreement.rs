@@ -33,7 +33,12 @@ pub(crate) fn check_same_model(
     device: &Device,
 ) -> Result<()> {
     let mine: Vec<String> = entries.iter().map(describe).collect();
-    check_same_descriptions(group, &mine, device)
+    check_same_descriptions(
+        group,
+        &mine,
+        device,
+        crate::error::DISTRIBUTED_DATA_PARALLEL,
+    )
 }
 
 /// Fails, on every rank and with the same message, unless every rank passed the same
@@ -43,6 +48,7 @@ pub(crate) fn check_same_descriptions(
     group: &ProcessGroup,
     mine: &[String],
     device: &Device,
+    wrapper: &'static str,
 ) -> Result<()> {
     let all = all_gather_bytes(group, mine.join("\n").as_bytes(), device)?;
     let lists: Vec<Vec<String>> = all
@@ -93,6 +99,7 @@ pub(crate) fn check_same_descriptions(
             })
             .collect();
         return Err(Error::ModelMismatch {
+            wrapper,
             variable,
             detail: format!("variable #{pos}: {}", parts.join("; ")),
         });

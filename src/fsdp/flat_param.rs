@@ -25,6 +25,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+/// The wrapper, in messages.
+const FSDP: &str = "FullyShardedDataParallel";
+
 /// The name of the parameters outside every unit, in messages.
 pub(crate) const ROOT: &str = "(root)";
 
@@ -208,7 +211,7 @@ impl FlatParam {
             })
             .chain(describe_buffers(name, &buffers))
             .collect();
-        check_same_descriptions(group, &descriptions, &shared.device)?;
+        check_same_descriptions(group, &descriptions, &shared.device, FSDP)?;
         let numels: Vec<usize> = entries.iter().map(|(_, t)| t.elem_count()).collect();
         let (world, rank) = (group.world_size(), group.rank());
         let layout = FlatLayout::new(&numels, world);
@@ -484,6 +487,6 @@ pub(crate) fn agree_on_buffers(
     buffers: &[(String, Var)],
 ) -> Result<()> {
     let descriptions: Vec<String> = describe_buffers(unit, buffers).collect();
-    check_same_descriptions(&shared.group, &descriptions, &shared.device)?;
+    check_same_descriptions(&shared.group, &descriptions, &shared.device, FSDP)?;
     broadcast_buffers(&shared.group, buffers)
 }
