@@ -120,6 +120,7 @@ fn ranks_meet_through_a_tcp_url_or_explicit_values() {
                 world_size: 2,
                 local_rank: 0,
                 local_world_size: 1,
+                launcher: candle_parallel::distributed::Launcher::Given,
             };
             ProcessGroup::new(&explicit, &Device::Cpu, child_options()).unwrap()
         };
@@ -388,6 +389,7 @@ fn bad_local_configuration_fails_fast_with_a_clear_error() {
         world_size: world,
         local_rank: 0,
         local_world_size: 1,
+        launcher: candle_parallel::distributed::Launcher::Given,
     };
     let quick = InitConfig {
         rendezvous_timeout: Duration::from_millis(500),

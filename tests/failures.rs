@@ -260,6 +260,7 @@ fn rendezvous(rank: usize, world: usize, port: u16) -> Rendezvous {
         world_size: world,
         local_rank: rank,
         local_world_size: world,
+        launcher: candle_parallel::distributed::Launcher::Given,
     }
 }
 

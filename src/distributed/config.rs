@@ -177,6 +177,11 @@ pub const BACKEND_VAR: &str = "CANDLE_PARALLEL_BACKEND";
 /// when it is not a number.
 pub const THREADS_VAR: &str = "RAYON_NUM_THREADS";
 
+/// OpenMP's thread count, which torchrun sets for its workers (to 1 when it starts several on
+/// a machine and it is unset) and which users set under srun and mpirun: it sizes each rank's
+/// compute pool when [`THREADS_VAR`] is unset ([`honour_omp_num_threads`]).
+pub const OMP_THREADS_VAR: &str = "OMP_NUM_THREADS";
+
 /// Checks `RAYON_NUM_THREADS`'s value (`None`: unset): rayon itself falls back to one thread
 /// per core, without a word, when it is not a positive number.
 pub fn check_threads_var(value: Option<&str>) -> Result<()> {
@@ -191,6 +196,62 @@ pub fn check_threads_var(value: Option<&str>) -> Result<()> {
             ),
         }),
     }
+}
+
+/// The threads `OMP_NUM_THREADS` asks for: "4", or "4,2" (a count per nesting level, of which
+/// the first sizes the pool).
+pub fn omp_threads(value: &str) -> Result<usize> {
+    let first = value.split(',').next().unwrap_or("").trim();
+    match first.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(Error::Config {
+            what: format!("environment variable {OMP_THREADS_VAR}"),
+            detail: format!(
+                "{value:?} is not a number of threads; set a positive integer (or \
+                 {THREADS_VAR}, which wins) or unset it"
+            ),
+        }),
+    }
+}
+
+/// Sizes this process's compute pools from `OMP_NUM_THREADS` when `RAYON_NUM_THREADS` is
+/// unset, as torch sizes its intra-op pool: sets `RAYON_NUM_THREADS` (which candle reads for its
+/// own pool and its matrix products, and rayon for its global pool) and starts rayon's global
+/// pool with that many threads. Returns the count when it applied one. [`ProcessGroup::from_env`]
+/// and `launch::spawn`'s ranks call it first thing; call it yourself before any tensor work
+/// when a program computes before joining its group. A value that is not a number is reported
+/// (`log`) and ignored.
+///
+/// [`ProcessGroup::from_env`]: super::ProcessGroup::from_env
+pub fn honour_omp_num_threads() -> Option<usize> {
+    if std::env::var_os(THREADS_VAR).is_some() {
+        return None;
+    }
+    let value = std::env::var(OMP_THREADS_VAR).ok()?;
+    let n = match omp_threads(&value) {
+        Ok(n) => n,
+        Err(e) => {
+            log::warn!("{e}; ignored");
+            return None;
+        }
+    };
+    // Before any other thread reads the environment: this runs first thing in a rank.
+    std::env::set_var(THREADS_VAR, n.to_string());
+    if rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .is_err()
+        && rayon::current_num_threads() != n
+    {
+        log::warn!(
+            "{OMP_THREADS_VAR}={n}, but rayon's global pool already runs {} threads (tensor work \
+             started before the process group was made): it sizes candle's own pool and \
+             matrix products only; call distributed::honour_omp_num_threads() first thing in \
+             main, or set {THREADS_VAR}",
+            rayon::current_num_threads()
+        );
+    }
+    Some(n)
 }
 
 /// The environment variable choosing the TCP backend's all-reduce algorithm (`auto`, `ring`,
@@ -245,6 +306,16 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(name) && err.contains(value), "{err}");
+        }
+    }
+
+    #[test]
+    fn omp_thread_counts_are_read_as_openmp_reads_them() {
+        assert_eq!(omp_threads("4").unwrap(), 4);
+        assert_eq!(omp_threads(" 2,1").unwrap(), 2);
+        for v in ["", "0", "many", "-1"] {
+            let err = omp_threads(v).unwrap_err().to_string();
+            assert!(err.contains("OMP_NUM_THREADS"), "{err}");
         }
     }
 

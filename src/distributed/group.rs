@@ -113,16 +113,26 @@ fn restore_nan(t: &Tensor, mask: &Tensor) -> Result<Tensor> {
 }
 
 impl ProcessGroup {
-    /// Joins the group described by torchrun's (or Slurm's) environment, with the options
-    /// `CANDLE_PARALLEL_*` variables set ([`InitConfig::from_env`]: the job token among them);
-    /// the backend follows `device` (NCCL for CUDA with the `nccl` feature, else TCP) unless
-    /// `CANDLE_PARALLEL_BACKEND` says otherwise.
+    /// Joins the group described by the environment of the launcher that started this process
+    /// (torchrun's, candle-run's, Slurm's, Open MPI's or MPICH's: [`Rendezvous::from_env`]),
+    /// with the options `CANDLE_PARALLEL_*` variables set ([`InitConfig::from_env`]: the job
+    /// token among them, else one from the launcher's job id, see
+    /// [`Launcher::default_token`](super::Launcher::default_token)); the backend follows
+    /// `device` (NCCL for CUDA with the `nccl` feature, else TCP) unless
+    /// `CANDLE_PARALLEL_BACKEND` says otherwise. First, `OMP_NUM_THREADS` sizes the compute pool
+    /// when `RAYON_NUM_THREADS` is unset ([`honour_omp_num_threads`](super::honour_omp_num_threads)).
     pub fn from_env(device: &Device) -> Result<Self> {
         if let Err(e) = super::check_threads_var(std::env::var(super::THREADS_VAR).ok().as_deref())
         {
             log::warn!("{e}");
         }
-        Self::new(&Rendezvous::from_env()?, device, InitConfig::from_env()?)
+        super::honour_omp_num_threads();
+        let rendezvous = Rendezvous::from_env()?;
+        let mut options = InitConfig::from_env()?;
+        if std::env::var_os(super::TOKEN_VAR).is_none() {
+            options.token = rendezvous.launcher.default_token().unwrap_or_default();
+        }
+        Self::new(&rendezvous, device, options)
     }
 
     /// Joins the group at `tcp://host:port` as `rank` of `world_size`.

@@ -65,13 +65,13 @@ pub mod work;
 #[allow(deprecated)]
 pub use config::InitOptions;
 pub use config::{
-    check_threads_var, Algorithm, Backend, InitConfig, ALGORITHM_VAR, BACKEND_VAR,
-    RENDEZVOUS_TIMEOUT_VAR, THREADS_VAR, TOKEN_VAR,
+    check_threads_var, honour_omp_num_threads, omp_threads, Algorithm, Backend, InitConfig,
+    ALGORITHM_VAR, BACKEND_VAR, OMP_THREADS_VAR, RENDEZVOUS_TIMEOUT_VAR, THREADS_VAR, TOKEN_VAR,
 };
 pub use group::ProcessGroup;
 pub use reduce_op::ReduceOp;
 pub use rendezvous::store;
-pub use rendezvous::{Rendezvous, MAX_WORLD_SIZE};
+pub use rendezvous::{Launcher, Rendezvous, MAX_WORLD_SIZE};
 #[allow(deprecated)]
 pub use spawn::spawn_threads_with;
 pub use spawn::{spawn_threads, spawn_threads_with_config, spawn_threads_with_error};

@@ -79,8 +79,9 @@ pub(crate) fn agree_on<T>(
         Ok(value) => match all.into_iter().enumerate().find(|(_, b)| !b.is_empty()) {
             Some((rank, b)) => {
                 // This rank fails because of that one: a launcher names that one as the cause.
-                super::error_file::note_loss(Some(rank));
-                Err(others(rank, String::from_utf8_lossy(&b[1..]).into_owned()))
+                let message = String::from_utf8_lossy(&b[1..]).into_owned();
+                super::error_file::note_loss(Some(rank), &format!("it failed: {message}"));
+                Err(others(rank, message))
             }
             None => Ok(value),
         },

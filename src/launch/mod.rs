@@ -155,9 +155,11 @@ impl LaunchConfig {
 /// 127.0.0.1) and returns when all have finished: `Ok` when every rank succeeded, else the
 /// error of the rank that failed first. In a rank, runs `f` with the rank and exits the process
 /// with status 0 (or 1, with the error on stderr and recorded for the launcher) — `spawn` never
-/// returns there. A process that already is a rank (started by `candle-run`, torchrun or
-/// Slurm: `RANK` or `SLURM_PROCID` is set) runs `f` itself, whatever `nprocs`, so a program
-/// works started either way. Call it early in `main`: each copy runs `main` up to this call.
+/// returns there. A process that already is a rank (started by `candle-run`, torchrun, srun
+/// or mpirun: `RANK`, `OMPI_COMM_WORLD_RANK`, `PMI_RANK` or `SLURM_PROCID` is set) runs `f`
+/// itself, whatever `nprocs`, so a program works started either way; `OMP_NUM_THREADS` sizes
+/// its compute pool first when `RAYON_NUM_THREADS` is unset. Call it early in `main`: each
+/// copy runs `main` up to this call.
 pub fn spawn<F, E>(nprocs: usize, f: F) -> Result<()>
 where
     F: FnOnce(usize) -> std::result::Result<(), E>,
@@ -189,12 +191,8 @@ where
     F: FnOnce(usize) -> std::result::Result<(), E>,
     E: std::fmt::Display,
 {
-    let var = |name: &str| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-    };
-    if let Some(rank) = var("RANK").or_else(|| var("SLURM_PROCID")) {
+    if let Some(rank) = rank_given() {
+        crate::distributed::honour_omp_num_threads();
         let code = match f(rank) {
             Ok(()) => 0,
             Err(e) => {
@@ -213,6 +211,15 @@ where
     })?;
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
     launch(config, exe.as_os_str(), &args)
+}
+
+/// This process's rank when a launcher started it: `RANK` (candle-run, torchrun), Open MPI's
+/// `OMPI_COMM_WORLD_RANK`, MPICH's `PMI_RANK` or Slurm's `SLURM_PROCID`, in the order
+/// `Rendezvous::from_env` reads them.
+fn rank_given() -> Option<usize> {
+    ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
+        .iter()
+        .find_map(|name| std::env::var(name).ok().and_then(|v| v.trim().parse().ok()))
 }
 
 /// The job token: the configured one, else the environment's, else (one machine) a fresh one.

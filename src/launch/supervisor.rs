@@ -2,7 +2,7 @@
 
 use super::guardian::Guardian;
 use super::{round_token, signals, token, LaunchConfig, MAX_RESTARTS_VAR, RESTART_COUNT_VAR};
-use crate::distributed::{THREADS_VAR, TOKEN_VAR};
+use crate::distributed::{OMP_THREADS_VAR, THREADS_VAR, TOKEN_VAR};
 use crate::error::{Error, Result};
 use std::ffi::{OsStr, OsString};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -276,13 +276,15 @@ impl Round<'_> {
     }
 }
 
-/// The compute threads each rank gets when several share the machine and nobody chose:
+/// The compute threads each rank gets when several share the machine and nobody chose
+/// (neither `RAYON_NUM_THREADS` nor `OMP_NUM_THREADS`, which the ranks honour):
 /// the cores divided among the local ranks, at least one (torchrun sets `OMP_NUM_THREADS=1`
 /// for the same reason: N ranks each running a pool as large as the machine fight over the
 /// cores: two ranks of `cifar_ddp` on 2 cores trained slower than one process).
 fn compute_threads(config: &LaunchConfig) -> Option<usize> {
-    let chosen =
-        std::env::var_os(THREADS_VAR).is_some() || config.env.iter().any(|(k, _)| k == THREADS_VAR);
+    let chosen = [THREADS_VAR, OMP_THREADS_VAR]
+        .iter()
+        .any(|var| std::env::var_os(var).is_some() || config.env.iter().any(|(k, _)| k == var));
     if chosen || config.nproc_per_node < 2 {
         return None;
     }

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod collectives;
+pub mod engines;
 pub mod models;
 pub mod netns;
 
@@ -157,6 +158,7 @@ pub fn solo_rendezvous() -> candle_parallel::distributed::Rendezvous {
         world_size: 1,
         local_rank: 0,
         local_world_size: 1,
+        launcher: candle_parallel::distributed::Launcher::Given,
     }
 }
 

@@ -10,7 +10,7 @@ use crate::distributed::config::InitConfig;
 use crate::distributed::transport::mesh::{Mesh, MeshOptions, OnLost};
 use crate::error::{Error, Result};
 use std::collections::HashSet;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 /// made from it.
 #[derive(Clone)]
 pub(crate) struct MeshContext {
-    pub store_addr: SocketAddr,
+    /// The world group's store, which every later group connects to again.
+    pub store: Arc<Store>,
     /// The interface that reaches the master, where peers reach this rank too.
     pub local_ip: IpAddr,
     pub options: InitConfig,
@@ -72,12 +73,10 @@ impl MeshContext {
         world: usize,
         path: &GroupPath,
     ) -> Result<(Arc<Store>, Mesh)> {
-        let store = Arc::new(Store::connect(
-            self.store_addr,
-            &self.options.token,
-            self.world_rank,
-            self.options.rendezvous_timeout,
-        )?);
+        let store = Arc::new(
+            self.store
+                .reconnect(self.world_rank, self.options.rendezvous_timeout)?,
+        );
         let mesh = self.connect(&store, path, rank, world)?;
         Ok((store, mesh))
     }
@@ -95,7 +94,7 @@ pub(crate) fn join_world(
     let deadline = Instant::now() + options.rendezvous_timeout;
     let joined = join(r, options)?;
     let context = MeshContext {
-        store_addr: joined.store.addr(),
+        store: joined.store.clone(),
         local_ip: joined.store.local_addr().ip(),
         options: options.clone(),
         job: joined.job,

@@ -1,9 +1,11 @@
-//! The store's client.
+//! The client of our own store ([`server`](super::server)), in our protocol
+//! ([`protocol`](super::protocol)).
 
 use super::protocol::{
     millis, put_key, put_value, worth_retrying, ADD, COMPARE_SET, DELETE, GET, HANG_UP_LIMIT,
-    HELLO_TIMEOUT, MAX_KEY, MAX_KEYS, MAX_VALUE, REFUSED_KEY, SET, TIMED_OUT, WAIT,
+    HELLO_TIMEOUT, MAX_KEY, MAX_KEYS, MAX_VALUE, SET, TIMED_OUT, WAIT,
 };
+use super::StoreClient;
 use crate::distributed::transport::wire::{
     self, io_err, read_bytes, read_len, read_string, Hello, NoAnswer, Purpose,
 };
@@ -14,32 +16,18 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// A client of the store. Requests from several threads are served one at a time.
-pub struct Store {
+/// One connection to our store. Requests from several threads are served one at a time.
+pub(crate) struct CandleClient {
     addr: SocketAddr,
     local_addr: SocketAddr,
+    /// The job token it presented, to present again on a new connection.
+    token: String,
     conn: Mutex<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
-}
-
-/// The key where a rank that cannot go on writes why, for the others.
-pub(crate) const ABORT_KEY: &str = "abort";
-
-/// How long one store wait of a rank waiting for others lasts, before it checks that they
-/// are still there.
-const WAIT_SLICE: Duration = Duration::from_millis(500);
-
-/// "rank 1" or "ranks 1, 2", for messages.
-pub(crate) fn ranks_named(ranks: &[usize]) -> String {
-    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
-    match list.len() {
-        1 => format!("rank {}", list[0]),
-        _ => format!("ranks {}", list.join(", ")),
-    }
 }
 
 /// How often a waiting rank says that it is still waiting: every 30 s, or four times in the
 /// whole wait when that is shorter.
-fn progress_every(timeout: Duration) -> Duration {
+pub(crate) fn progress_every(timeout: Duration) -> Duration {
     (timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(30))
 }
 
@@ -66,7 +54,7 @@ fn foreign(addr: SocketAddr, what: &str) -> Error {
     }
 }
 
-impl Store {
+impl CandleClient {
     /// Connects to the store at `addr`, retrying until `timeout` while nobody listens yet (rank 0
     /// may start after the others), while the store of a job that just ended on this port is
     /// shutting down, and while it is busy; says every 30 s (or every quarter of `timeout`, when
@@ -132,6 +120,7 @@ impl Store {
         Ok(Self {
             addr,
             local_addr,
+            token: token.to_string(),
             conn: Mutex::new((r, BufWriter::new(w))),
         })
     }
@@ -147,6 +136,7 @@ impl Store {
                 Some(Self {
                     addr,
                     local_addr,
+                    token: token.to_string(),
                     conn: Mutex::new((r, BufWriter::new(w))),
                 })
             }
@@ -197,17 +187,6 @@ impl Store {
         }
     }
 
-    /// The store's address.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// This end of the connection: its IP is the interface that reaches the master, which is
-    /// where peers can reach this rank too.
-    pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
-    }
-
     /// Sends `request`, then reads the answer with `read` under a bounded wait.
     fn call<T>(
         &self,
@@ -237,17 +216,17 @@ impl Store {
         }
         read(r).map_err(lost)
     }
+}
 
-    /// Sets `key` to `value`.
-    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+impl StoreClient for CandleClient {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let mut req = vec![SET];
         put_key(&mut req, key)?;
         put_value(&mut req, value)?;
         self.call(&req, Duration::ZERO, |_| Ok(()))
     }
 
-    /// The value of `key`, waiting up to `timeout` for it to be set.
-    pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let mut req = vec![GET];
         put_key(&mut req, key)?;
         req.extend_from_slice(&millis(timeout).to_le_bytes());
@@ -261,17 +240,14 @@ impl Store {
             })
     }
 
-    /// Adds `delta` to the counter `key` (0 when unset) and returns the new value.
-    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let mut req = vec![ADD];
         put_key(&mut req, key)?;
         req.extend_from_slice(&delta.to_le_bytes());
         self.call(&req, Duration::ZERO, |r| Ok(wire::read_u64(r)? as i64))
     }
 
-    /// Waits up to `timeout` for every key to be set; returns the keys still missing (none when
-    /// all are there).
-    pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<Vec<String>> {
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<Vec<String>> {
         let mut req = vec![WAIT];
         req.extend_from_slice(&(keys.len() as u32).to_le_bytes());
         for k in keys {
@@ -284,14 +260,7 @@ impl Store {
         })
     }
 
-    /// Sets `key` to `desired` if its value is `expected` (`None`: unset); returns the value
-    /// after the call, so the caller sees whether it won.
-    pub fn compare_set(
-        &self,
-        key: &str,
-        expected: Option<&[u8]>,
-        desired: &[u8],
-    ) -> Result<Vec<u8>> {
+    fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>> {
         let mut req = vec![COMPARE_SET];
         put_key(&mut req, key)?;
         match expected {
@@ -305,91 +274,34 @@ impl Store {
         self.call(&req, Duration::ZERO, |r| read_bytes(r, MAX_VALUE, "value"))
     }
 
-    /// Waits up to `timeout` for `keys`, each published by a rank (`(rank, key)`), and returns
-    /// the ranks whose keys are still missing (none when all are there). Fails at once when the
-    /// job was aborted or one of the `watched` ranks left (by default those it waits for; see
-    /// [`Store::check_not_aborted`]); says every 30 s (or quarter of `timeout`), naming rank
-    /// `me`, whom it waits for.
-    pub(crate) fn wait_for_ranks(
-        &self,
-        keys: &[(usize, String)],
-        me: usize,
-        timeout: Duration,
-        watched: Option<&[usize]>,
-    ) -> Result<Vec<usize>> {
-        let started = Instant::now();
-        let mut said = Duration::ZERO;
-        loop {
-            let refs: Vec<&str> = keys.iter().map(|(_, k)| k.as_str()).collect();
-            let left = timeout.saturating_sub(started.elapsed());
-            // In slices: a rank that left is noticed within two (the store notices the close
-            // once the left rank's own wait ends, this wait then ends too).
-            let missing = self.wait(&refs, left.min(WAIT_SLICE))?;
-            let ranks: Vec<usize> = keys
-                .iter()
-                .filter(|(_, k)| missing.contains(k))
-                .map(|(r, _)| *r)
-                .collect();
-            if ranks.is_empty() {
-                return Ok(ranks);
-            }
-            self.check_not_aborted(watched.unwrap_or(&ranks))?;
-            let waited = started.elapsed();
-            if waited >= timeout {
-                return Ok(ranks);
-            }
-            if waited >= said + progress_every(timeout) {
-                said = waited;
-                log::info!(
-                    "rank {me} is still waiting for {} to join, {} s so far; \
-                     the rendezvous timeout is {} s{}",
-                    ranks_named(&ranks),
-                    waited.as_secs(),
-                    timeout.as_secs(),
-                    self.refusal_note()
-                );
-            }
-        }
-    }
-
-    /// Fails when the job was aborted (a rank wrote why in `abort`) or one of `ranks` left
-    /// (`gone/<rank>`, written by the store when the connection that claimed the rank closed).
-    pub(crate) fn check_not_aborted(&self, ranks: &[usize]) -> Result<()> {
-        let mut keys = vec![ABORT_KEY.to_string()];
-        keys.extend(ranks.iter().map(|r| format!("gone/{r}")));
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let missing = self.wait(&refs, Duration::ZERO)?;
-        if let Some(k) = keys.iter().find(|k| !missing.contains(k)) {
-            let why = String::from_utf8_lossy(&self.get(k, Duration::ZERO)?).into_owned();
-            let detail = match k.strip_prefix("gone/") {
-                Some(rank) => format!("rank {rank} left during the rendezvous: {why}"),
-                None => why,
-            };
-            return Err(Error::Rendezvous { detail });
-        }
-        Ok(())
-    }
-
-    /// Tells every rank of the job that it cannot form, and why (the first reason stays).
-    pub(crate) fn abort(&self, why: &str) {
-        let _ = self.compare_set(ABORT_KEY, None, why.as_bytes());
-    }
-
-    /// "; meanwhile the store refused ..." when it refused a connection of this job's shape.
-    pub(crate) fn refusal_note(&self) -> String {
-        match self.wait(&[REFUSED_KEY], Duration::ZERO) {
-            Ok(missing) if missing.is_empty() => match self.get(REFUSED_KEY, Duration::ZERO) {
-                Ok(v) => format!("; meanwhile the store {}", String::from_utf8_lossy(&v)),
-                Err(_) => String::new(),
-            },
-            _ => String::new(),
-        }
-    }
-
-    /// Removes `key`; returns whether it existed.
-    pub fn delete(&self, key: &str) -> Result<bool> {
+    fn delete(&self, key: &str) -> Result<bool> {
         let mut req = vec![DELETE];
         put_key(&mut req, key)?;
         self.call(&req, Duration::ZERO, |r| Ok(wire::read_u8(r)? != 0))
+    }
+
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    fn reconnect(&self, rank: usize, timeout: Duration) -> Result<Box<dyn StoreClient>> {
+        Ok(Box::new(Self::connect(
+            self.addr,
+            &self.token,
+            rank,
+            timeout,
+        )?))
+    }
+
+    fn writes_notes(&self) -> bool {
+        true
+    }
+
+    fn describe(&self) -> String {
+        format!("the store at {}", self.addr)
     }
 }

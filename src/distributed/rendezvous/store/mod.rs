@@ -1,9 +1,18 @@
-//! A TCP key-value store for rendezvous, hosted by rank 0 (`torch.distributed.TCPStore`).
+//! The key-value store where ranks meet (`torch.distributed.Store`).
 //!
 //! Ranks use it to find each other (each publishes its address), to hand out the NCCL unique id,
-//! to detect two processes claiming one rank, and for barriers. Values are bytes; [`Store::add`]
-//! keeps an 8-byte counter. Waits are bounded: a wait that runs out of time says which keys
-//! are still missing.
+//! to detect two processes claiming one rank, and for barriers. Values are bytes; waits are
+//! bounded: a wait that runs out of time says which keys are still missing.
+//!
+//! [`Store`] is the one face, whoever serves the store:
+//! - rank 0's [`StoreServer`], in our own protocol (`protocol`, `server`, `client`): it checks
+//!   the job token, notes a rank whose connection closed (`gone/<rank>`) and the last refused
+//!   connection;
+//! - torchrun's agent, which serves PyTorch's TCPStore (`torch_protocol`, `torch_client`;
+//!   [`Store::connect_torch`]).
+//!
+//! Each client implements `StoreClient`; the waits the rendezvous builds on them (for ranks,
+//! for an abort) are written once, on [`Store`].
 //!
 //! ```rust
 //! use candle_parallel::dist::store::{Store, StoreServer};
@@ -20,13 +29,60 @@
 //! ```
 
 mod client;
+mod handle;
+mod protocol;
 mod server;
+mod torch_client;
+mod torch_protocol;
 
-pub(crate) use client::ranks_named;
-pub use client::Store;
+pub(crate) use handle::ranks_named;
+pub use handle::Store;
 pub use server::StoreServer;
 
-mod protocol;
+use crate::error::Result;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// One connection to a store, in the protocol of whoever serves it. Keys are full keys (any
+/// prefix applied by [`Store`]).
+pub(crate) trait StoreClient: Send + Sync {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+    /// The value of `key`, waiting up to `timeout` for it (else `Error::Timeout`).
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
+    /// Waits up to `timeout` for every key; the keys still missing.
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<Vec<String>>;
+    /// Whether every key is set, asked once.
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        Ok(self.wait(keys, Duration::ZERO)?.is_empty())
+    }
+    fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>>;
+    fn delete(&self, key: &str) -> Result<bool>;
+    /// The values of `keys`, waiting up to `timeout` for all of them.
+    fn multi_get(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let missing = self.wait(keys, timeout)?;
+        if !missing.is_empty() {
+            return Err(crate::error::Error::Timeout {
+                what: format!("waiting for store keys {missing:?}"),
+                waited: timeout,
+            });
+        }
+        keys.iter().map(|k| self.get(k, Duration::ZERO)).collect()
+    }
+    fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<()> {
+        pairs.iter().try_for_each(|(k, v)| self.set(k, v))
+    }
+    fn addr(&self) -> SocketAddr;
+    /// This end of the connection.
+    fn local_addr(&self) -> SocketAddr;
+    /// A new connection to the same store, naming `rank`.
+    fn reconnect(&self, rank: usize, timeout: Duration) -> Result<Box<dyn StoreClient>>;
+    /// Whether the store writes notes of its own: `gone/<rank>` when the connection that
+    /// claimed a rank closes, `refused` when it refuses one (ours does; torch's does not).
+    fn writes_notes(&self) -> bool;
+    /// Who serves the store, and where, for messages.
+    fn describe(&self) -> String;
+}
 
 #[cfg(test)]
 mod tests {

@@ -22,7 +22,7 @@ impl MeshState {
         self.changed.notify_all();
         self.ring_all_doorbells();
         if fresh {
-            (self.on_lost)(first.lost);
+            (self.on_lost)(first.lost, &first.detail);
             let payload = first.encode();
             let header = encode_header(Tag::control(FrameKind::Abort), payload.len());
             for w in self.writers() {

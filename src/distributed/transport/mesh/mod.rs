@@ -248,7 +248,7 @@ mod tests {
     }
 
     fn ignore() -> OnLost {
-        Arc::new(|_| {})
+        Arc::new(|_, _| {})
     }
 
     fn no_shm() -> Vec<Option<ShmLink>> {

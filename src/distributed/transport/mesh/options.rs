@@ -14,6 +14,6 @@ pub(crate) struct MeshOptions {
 }
 
 /// What a mesh calls, once, when it breaks: with the rank it lost (`None` when it broke for
-/// another reason). The transport only reports the loss; what to do about it (tell the
+/// another reason) and how that was noticed. The transport only reports the loss; what to do about it (tell the
 /// launcher, say) is decided above it, by whoever connects the mesh.
-pub(crate) type OnLost = Arc<dyn Fn(Option<usize>) + Send + Sync>;
+pub(crate) type OnLost = Arc<dyn Fn(Option<usize>, &str) + Send + Sync>;

@@ -49,7 +49,7 @@ impl MeshState {
                         }
                     };
                     if st.broken.is_none() {
-                        (self.on_lost)(lost);
+                        (self.on_lost)(lost, &reason.detail);
                     }
                     st.broken.get_or_insert(reason);
                 }
