@@ -21,28 +21,15 @@ fn candle_run(args: &[&str]) -> Command {
     cmd
 }
 
-/// The process of rank `rank` in round `round` that `launcher` started: its child whose
-/// environment says so.
+/// The process of rank `rank` in round `round` that `launcher` started.
 fn rank_pid(launcher: u32, rank: usize, round: usize) -> Option<u32> {
-    let wanted = [
-        format!("RANK={rank}"),
-        format!("TORCHELASTIC_RESTART_COUNT={round}"),
-    ];
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let ppid: u32 = stat
-            .rsplit(')')
-            .next()?
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()?;
-        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-        let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
-        let has = |v: &String| vars.contains(&v.as_bytes());
-        (ppid == launcher && wanted.iter().all(has)).then_some(pid)
-    })
+    common::process_with_env(
+        Some(launcher),
+        &[
+            format!("RANK={rank}"),
+            format!("TORCHELASTIC_RESTART_COUNT={round}"),
+        ],
+    )
 }
 
 /// `candle-run --nproc-per-node 2 [extra] EXAMPLE args --checkpoint-dir DIR/ckpt --save

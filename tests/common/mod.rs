@@ -411,6 +411,26 @@ impl Ranks {
     }
 }
 
+/// The process (a child of `parent`, when given) whose environment holds every `NAME=value`
+/// of `vars`.
+pub fn process_with_env(parent: Option<u32>, vars: &[String]) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid: u32 = stat
+            .rsplit(')')
+            .next()?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        let set: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
+        let child = parent.is_none_or(|p| p == ppid);
+        (child && vars.iter().all(|v| set.contains(&v.as_bytes()))).then_some(pid)
+    })
+}
+
 /// What a child prints when its part of the test passed.
 pub const DONE: &str = "CHILD-DONE";
 

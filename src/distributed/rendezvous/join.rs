@@ -142,11 +142,15 @@ fn explain_port_in_use(r: &Rendezvous, master: SocketAddr, token: &str, addr: St
     }
 }
 
-/// A store that refuses this job's token at the master's port is another job's: say that the
-/// jobs collided on the port, rather than only that a token differs.
+/// Under a launcher whose job ids make the token (Slurm, mpirun), a store that refuses this
+/// job's token at the master's port is another job's: say that the jobs collided on the port,
+/// rather than only that a token differs.
 fn name_a_collision(e: Error, r: &Rendezvous) -> Error {
+    let tokens_from_job_ids = matches!(r.launcher, Launcher::Slurm { .. } | Launcher::Mpi { .. });
     match e {
-        Error::Refused { peer, reason } if reason.starts_with("wrong job token") => {
+        Error::Refused { peer, reason }
+            if tokens_from_job_ids && reason.starts_with("wrong job token") =>
+        {
             Error::Rendezvous {
                 detail: format!(
                     "port collision: {peer} belongs to another job (it refused this job's \

@@ -14,15 +14,17 @@ impl MeshState {
     /// Breaks the mesh for `reason` (unless already broken), tells every peer, and returns the
     /// error that now describes the mesh.
     pub(super) fn fail(&self, reason: Broken) -> Error {
-        let (first, fresh) = {
+        let (first, fresh, leaving) = {
             let mut st = lock(&self.state);
             let fresh = st.broken.is_none();
-            (st.broken.get_or_insert(reason).clone(), fresh)
+            (st.broken.get_or_insert(reason).clone(), fresh, st.leaving)
         };
         self.changed.notify_all();
         self.ring_all_doorbells();
         if fresh {
-            (self.on_lost)(first.lost, &first.detail);
+            if !leaving {
+                (self.on_lost)(first.lost, &first.detail);
+            }
             let payload = first.encode();
             let header = encode_header(Tag::control(FrameKind::Abort), payload.len());
             for w in self.writers() {

@@ -103,6 +103,7 @@ impl Mesh {
                 departed: vec![false; world],
                 broken: None,
                 closing: false,
+                leaving: false,
                 pool: Vec::new(),
             }),
             changed: Condvar::new(),
@@ -179,6 +180,7 @@ impl Drop for Mesh {
     /// the ranks of a group leave it together, so that none starts its next group (on the same
     /// master port, say) while another still serves this one.
     fn drop(&mut self) {
+        lock(&self.shared.state).leaving = true;
         let bye = encode_header(Tag::control(FrameKind::Bye), 0);
         for w in self.shared.writers() {
             if let Ok(mut s) = w.stream.try_lock() {

@@ -18,6 +18,9 @@ pub(super) struct State {
     pub(super) departed: Vec<bool>,
     pub(super) broken: Option<Broken>,
     pub(super) closing: bool,
+    /// This rank is leaving the mesh (its handle is being dropped): a peer's abort or loss
+    /// seen from now on is a consequence of its leaving, not a loss to report.
+    pub(super) leaving: bool,
     /// Payload buffers for the reader threads to reuse.
     pub(super) pool: Vec<Vec<u8>>,
 }

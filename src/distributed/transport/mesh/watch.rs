@@ -48,7 +48,7 @@ impl MeshState {
                             (reason, lost)
                         }
                     };
-                    if st.broken.is_none() {
+                    if st.broken.is_none() && !st.leaving {
                         (self.on_lost)(lost, &reason.detail);
                     }
                     st.broken.get_or_insert(reason);
