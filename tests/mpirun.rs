@@ -1,0 +1,83 @@
+//! mpirun for real: Open MPI's `mpirun -np 2` (two jobs at once on one machine, each meeting
+//! on a port of its job id) and MPICH's `mpiexec -n 2` (hydra; the ranks behind a wrapper
+//! shell, as job scripts often start them) train `mlp_ddp` to the weights `candle-run` gives,
+//! with nothing exported. Skipped, saying so, without them (see `common::engines`).
+
+mod common;
+
+use common::engines;
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+const RUN: &str = env!("CARGO_BIN_EXE_candle-run");
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// What `mlp_ddp` printed (its losses and accuracy), without a launcher's prefix.
+fn training_lines(out: &str) -> Vec<String> {
+    out.lines()
+        .map(|l| l.strip_prefix("[rank0]: ").unwrap_or(l))
+        .filter(|l| l.starts_with("epoch ") || l.starts_with("test accuracy"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Trains `mlp_ddp` on 2 ranks under `candle-run` into `dir/reference.safetensors`.
+fn reference(dir: &Path) -> Vec<String> {
+    let mut cmd = Command::new(RUN);
+    cmd.args(["--nproc-per-node", "2"])
+        .arg(common::example("mlp_ddp"))
+        .arg(dir.join("reference.safetensors"));
+    let lines = training_lines(&common::run_ok(cmd, LIMIT));
+    assert_eq!(lines.len(), 7, "{lines:?}");
+    lines
+}
+
+fn assert_trained_alike(dir: &Path, reference: &[String], out: &Output, weights: &str) {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{weights}: {}\n{text}", out.status);
+    assert_eq!(training_lines(&text), reference, "{weights}:\n{text}");
+    let a = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let b = std::fs::read(dir.join(weights)).unwrap();
+    assert!(a == b, "{weights} differs from candle-run's weights");
+}
+
+#[test]
+fn two_open_mpi_jobs_at_once_train_as_candle_run_does() {
+    let (Some(mut first), Some(mut second)) = (engines::open_mpi(2), engines::open_mpi(2)) else {
+        return;
+    };
+    let dir = common::temp_dir("mpirun-openmpi");
+    let want = reference(&dir);
+    let mlp = common::example("mlp_ddp");
+    first.arg(&mlp).arg(dir.join("first.safetensors"));
+    second.arg(&mlp).arg(dir.join("second.safetensors"));
+    let other = std::thread::spawn(move || common::run(second, LIMIT));
+    let out = common::run(first, LIMIT);
+    assert_trained_alike(&dir, &want, &out, "first.safetensors");
+    assert_trained_alike(&dir, &want, &other.join().unwrap(), "second.safetensors");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn mpich_mpiexec_trains_as_candle_run_does_behind_a_wrapper_shell() {
+    let Some(mut cmd) = engines::mpich(2) else {
+        return;
+    };
+    let dir = common::temp_dir("mpirun-mpich");
+    let want = reference(&dir);
+    // Not `exec`: each rank's parent is its shell, hydra's proxy is the grandparent.
+    let line = format!(
+        "{} {}; exit $?",
+        common::example("mlp_ddp").display(),
+        dir.join("mpich.safetensors").display()
+    );
+    cmd.args(["sh", "-c", &line]);
+    let out = common::run(cmd, LIMIT);
+    assert_trained_alike(&dir, &want, &out, "mpich.safetensors");
+    std::fs::remove_dir_all(dir).unwrap();
+}
