@@ -7,31 +7,11 @@ mod common;
 
 use common::engines;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Duration;
 
 const RUN: &str = env!("CARGO_BIN_EXE_candle-run");
 const LIMIT: Duration = Duration::from_secs(120);
-
-/// What `mlp_ddp` printed (its losses and accuracy), without a launcher's prefix.
-fn training_lines(out: &str) -> Vec<String> {
-    out.lines()
-        .map(|l| l.strip_prefix("[rank0]: ").unwrap_or(l))
-        .filter(|l| l.starts_with("epoch ") || l.starts_with("test accuracy"))
-        .map(str::to_string)
-        .collect()
-}
-
-/// Trains `mlp_ddp` on 2 ranks under `candle-run` into `dir/reference.safetensors`.
-fn reference(dir: &Path) -> Vec<String> {
-    let mut cmd = Command::new(RUN);
-    cmd.args(["--nproc-per-node", "2"])
-        .arg(common::example("mlp_ddp"))
-        .arg(dir.join("reference.safetensors"));
-    let lines = training_lines(&common::run_ok(cmd, LIMIT));
-    assert_eq!(lines.len(), 7, "{lines:?}");
-    lines
-}
 
 fn assert_trained_alike(dir: &Path, reference: &[String], out: &Output, weights: &str) {
     let text = format!(
@@ -40,10 +20,7 @@ fn assert_trained_alike(dir: &Path, reference: &[String], out: &Output, weights:
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(out.status.success(), "{weights}: {}\n{text}", out.status);
-    assert_eq!(training_lines(&text), reference, "{weights}:\n{text}");
-    let a = std::fs::read(dir.join("reference.safetensors")).unwrap();
-    let b = std::fs::read(dir.join(weights)).unwrap();
-    assert!(a == b, "{weights} differs from candle-run's weights");
+    engines::assert_trained_as_reference(dir, reference, &text, weights);
 }
 
 #[test]
@@ -52,7 +29,7 @@ fn two_open_mpi_jobs_at_once_train_as_candle_run_does() {
         return;
     };
     let dir = common::temp_dir("mpirun-openmpi");
-    let want = reference(&dir);
+    let want = engines::mlp_reference(RUN, &dir);
     let mlp = common::example("mlp_ddp");
     first.arg(&mlp).arg(dir.join("first.safetensors"));
     second.arg(&mlp).arg(dir.join("second.safetensors"));
@@ -69,7 +46,7 @@ fn mpich_mpiexec_trains_as_candle_run_does_behind_a_wrapper_shell() {
         return;
     };
     let dir = common::temp_dir("mpirun-mpich");
-    let want = reference(&dir);
+    let want = engines::mlp_reference(RUN, &dir);
     // Not `exec`: each rank's parent is its shell, hydra's proxy is the grandparent.
     let line = format!(
         "{} {}; exit $?",

@@ -12,21 +12,11 @@ use candle_parallel::distributed::store::StoreServer;
 use candle_parallel::distributed::{ProcessGroup, ReduceOp, Rendezvous};
 use common::slurm::Cluster;
 use common::{engines, is_child, Ranks};
-use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 const RUN: &str = env!("CARGO_BIN_EXE_candle-run");
 const LIMIT: Duration = Duration::from_secs(120);
-
-/// What `mlp_ddp` printed (its losses and accuracy), without a launcher's prefix.
-fn training_lines(out: &str) -> Vec<String> {
-    out.lines()
-        .map(|l| l.strip_prefix("[rank0]: ").unwrap_or(l))
-        .filter(|l| l.starts_with("epoch ") || l.starts_with("test accuracy"))
-        .map(str::to_string)
-        .collect()
-}
 
 /// Runs `cmd` (srun, sbatch) and returns everything it printed, asserting it succeeded.
 fn run_ok(cluster: &Cluster, cmd: Command) -> String {
@@ -43,15 +33,6 @@ fn run_ok(cluster: &Cluster, cmd: Command) -> String {
         cluster.logs()
     );
     text
-}
-
-/// Asserts that `weights` holds the reference's bytes and `out` its lines.
-fn assert_trained_alike(dir: &Path, reference: &[String], out: &str, weights: &str, what: &str) {
-    assert_eq!(&training_lines(out), reference, "{what}:\n{out}");
-    let a = std::fs::read(dir.join("reference.safetensors")).unwrap();
-    let b = std::fs::read(dir.join(weights))
-        .unwrap_or_else(|e| panic!("{what} saved no weights ({e}):\n{out}"));
-    assert!(a == b, "{what} saved other weights than candle-run");
 }
 
 #[test]
@@ -85,13 +66,7 @@ fn srun_and_sbatch_train_as_candle_run_and_steps_run_side_by_side() {
     };
     let dir = cluster.dir().to_path_buf();
     let mlp = common::example("mlp_ddp");
-    let mut reference = Command::new(RUN);
-    reference
-        .args(["--nproc-per-node", "2"])
-        .arg(&mlp)
-        .arg(dir.join("reference.safetensors"));
-    let reference = training_lines(&common::run_ok(reference, LIMIT));
-    assert_eq!(reference.len(), 7, "{reference:?}");
+    let reference = engines::mlp_reference(RUN, &dir);
 
     // srun -n 2: nothing exported, the ranks find the master and the port.
     let mut srun = cluster.command("srun");
@@ -99,7 +74,7 @@ fn srun_and_sbatch_train_as_candle_run_and_steps_run_side_by_side() {
         .arg(&mlp)
         .arg(dir.join("srun.safetensors"));
     let out = run_ok(&cluster, srun);
-    assert_trained_alike(&dir, &reference, &out, "srun.safetensors", "srun -n 2");
+    engines::assert_trained_as_reference(&dir, &reference, &out, "srun.safetensors");
 
     // sbatch --ntasks=2, one step; and a job running two steps at once.
     let script = |steps: &[&str]| {
@@ -127,8 +102,8 @@ fn srun_and_sbatch_train_as_candle_run_and_steps_run_side_by_side() {
         run_ok(&cluster, sbatch);
         for w in steps {
             let out = std::fs::read_to_string(dir.join(format!("{w}.out"))).unwrap();
-            let what = format!("sbatch {name}, step {w}");
-            assert_trained_alike(&dir, &reference, &out, &format!("{w}.safetensors"), &what);
+            let weights = format!("{w}.safetensors");
+            engines::assert_trained_as_reference(&dir, &reference, &out, &weights);
         }
     }
 

@@ -10,7 +10,6 @@ mod common;
 use candle_core::{Device, Tensor};
 use candle_parallel::distributed::{ProcessGroup, ReduceOp};
 use common::{engines, free_port, is_child};
-use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
@@ -23,26 +22,6 @@ fn text(out: &Output) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
-}
-
-/// The lines `mlp_ddp` prints on rank 0 (its losses and its accuracy), without a launcher's
-/// prefix.
-fn training_lines(out: &str) -> Vec<String> {
-    out.lines()
-        .map(|l| l.strip_prefix("[rank0]: ").unwrap_or(l))
-        .filter(|l| l.starts_with("epoch ") || l.starts_with("test accuracy"))
-        .map(str::to_string)
-        .collect()
-}
-
-/// Trains `mlp_ddp` on 2 ranks under `candle-run` into `dir/reference.safetensors`; returns
-/// its lines.
-fn reference(dir: &Path) -> Vec<String> {
-    let mut cmd = Command::new(RUN);
-    cmd.args(["--nproc-per-node", "2"])
-        .arg(common::example("mlp_ddp"))
-        .arg(dir.join("reference.safetensors"));
-    training_lines(&common::run_ok(cmd, LIMIT))
 }
 
 /// Trains `mlp_ddp` on 2 ranks under `torchrun MODE...` (plus `env`) and checks that it prints
@@ -61,12 +40,8 @@ fn trains_as_candle_run(name: &str, mode: &[&str], env: &[(&str, &str)]) {
     let out = common::run(cmd, LIMIT);
     let all = text(&out);
     assert!(out.status.success(), "{desc} failed:\n{all}");
-    let want = reference(&dir);
-    assert_eq!(want.len(), 7, "6 epochs and the accuracy: {want:?}");
-    assert_eq!(training_lines(&all), want, "{desc}:\n{all}");
-    let a = std::fs::read(dir.join("reference.safetensors")).unwrap();
-    let b = std::fs::read(&weights).unwrap();
-    assert!(a == b, "{desc} saved other weights than candle-run");
+    let want = engines::mlp_reference(RUN, &dir);
+    engines::assert_trained_as_reference(&dir, &want, &all, "torchrun.safetensors");
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -8,7 +8,7 @@
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -149,10 +149,34 @@ fn probe_version(program: &str) -> Option<String> {
     probe(cmd, Duration::from_secs(30)).ok()
 }
 
-/// The directory of the example binaries (next to the test binaries).
-pub fn examples_dir() -> PathBuf {
-    super::example("mlp_ddp")
-        .parent()
-        .expect("examples folder")
-        .to_path_buf()
+/// What `mlp_ddp` printed on rank 0 (its losses and its accuracy), without a launcher's
+/// `[rank0]: ` prefix.
+pub fn mlp_lines(out: &str) -> Vec<String> {
+    out.lines()
+        .map(|l| l.strip_prefix("[rank0]: ").unwrap_or(l))
+        .filter(|l| l.starts_with("epoch ") || l.starts_with("test accuracy"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Trains `mlp_ddp` on 2 ranks under `candle-run` (`run` is its path) into
+/// `dir/reference.safetensors`; returns its lines (6 epochs and the accuracy).
+pub fn mlp_reference(run: &str, dir: &Path) -> Vec<String> {
+    let mut cmd = Command::new(run);
+    cmd.args(["--nproc-per-node", "2"])
+        .arg(super::example("mlp_ddp"))
+        .arg(dir.join("reference.safetensors"));
+    let lines = mlp_lines(&super::run_ok(cmd, Duration::from_secs(180)));
+    assert_eq!(lines.len(), 7, "6 epochs and the accuracy: {lines:?}");
+    lines
+}
+
+/// Asserts that `out` (what a launcher printed) has the reference's lines and that it saved
+/// `dir/weights`, byte for byte the reference's.
+pub fn assert_trained_as_reference(dir: &Path, reference: &[String], out: &str, weights: &str) {
+    assert_eq!(mlp_lines(out), reference, "{weights}:\n{out}");
+    let a = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let b = std::fs::read(dir.join(weights))
+        .unwrap_or_else(|e| panic!("{weights} was not saved ({e}):\n{out}"));
+    assert!(a == b, "{weights} differs from candle-run's weights");
 }
