@@ -70,7 +70,7 @@ fn path_in(var: &str) -> Option<std::ffi::OsString> {
 /// with an error. Does nothing outside a launcher.
 pub fn record_error(error: &dyn Display) {
     if let Some(path) = path_in(ERROR_FILE_VAR) {
-        let _ = std::fs::write(path, format!("{}\n{error}", now().as_nanos()));
+        write_whole(path, format!("{}\n{error}", now().as_nanos()));
     }
     if path_in(TORCH_ERROR_FILE_VAR).is_some() {
         let at = LOSS.get().map_or_else(now, |loss| loss.at);
@@ -129,7 +129,22 @@ fn write_torch(message: &str, at: Duration) {
         json_string(&shown),
         at.as_secs()
     );
-    let _ = std::fs::write(path, json);
+    write_whole(path, json);
+}
+
+/// Writes `text` to `path` whole or not at all (a file beside it, renamed over it): the
+/// launcher may read it the moment this process ends, which may be while another of its
+/// threads writes.
+fn write_whole(path: std::ffi::OsString, text: String) {
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut part = path.clone();
+    part.push(format!(".part-{}-{n}", std::process::id()));
+    if std::fs::write(&part, text).is_ok() {
+        let _ = std::fs::rename(&part, &path);
+    } else {
+        let _ = std::fs::remove_file(&part);
+    }
 }
 
 /// `text` as a JSON string literal.

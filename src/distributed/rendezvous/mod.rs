@@ -52,7 +52,7 @@ pub struct Rendezvous {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum Launcher {
     /// Values given explicitly, by a `tcp://` address, or by torchrun's variables without its
-    /// agent's store (`candle-run`, Kubeflow's PyTorchJob, torch before 2.x, by hand): rank 0
+    /// agent's store (`candle-run`, Kubeflow's PyTorchJob, older torch, by hand): rank 0
     /// serves the store at the master's address.
     #[default]
     Given,

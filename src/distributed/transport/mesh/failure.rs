@@ -19,12 +19,14 @@ impl MeshState {
             let fresh = st.broken.is_none();
             (st.broken.get_or_insert(reason).clone(), fresh, st.leaving)
         };
+        // Told before the waiters wake: a rank that fails on this error and exits at once has
+        // its loss noted for the launcher first.
+        if fresh && !leaving {
+            (self.on_lost)(first.lost, &first.detail);
+        }
         self.changed.notify_all();
         self.ring_all_doorbells();
         if fresh {
-            if !leaving {
-                (self.on_lost)(first.lost, &first.detail);
-            }
             let payload = first.encode();
             let header = encode_header(Tag::control(FrameKind::Abort), payload.len());
             for w in self.writers() {
