@@ -14,16 +14,17 @@ impl MeshState {
     /// Breaks the mesh for `reason` (unless already broken), tells every peer, and returns the
     /// error that now describes the mesh.
     pub(super) fn fail(&self, reason: Broken) -> Error {
-        let (first, fresh, leaving) = {
+        let (first, fresh) = {
             let mut st = lock(&self.state);
             let fresh = st.broken.is_none();
-            (st.broken.get_or_insert(reason).clone(), fresh, st.leaving)
+            // Told before the mesh is marked broken, under the same lock: a rank whose
+            // collective sees the mark (waking, or looking on its own) and exits at once has
+            // its loss noted for the launcher first.
+            if fresh && !st.leaving {
+                (self.on_lost)(reason.lost, &reason.detail);
+            }
+            (st.broken.get_or_insert(reason).clone(), fresh)
         };
-        // Told before the waiters wake: a rank that fails on this error and exits at once has
-        // its loss noted for the launcher first.
-        if fresh && !leaving {
-            (self.on_lost)(first.lost, &first.detail);
-        }
         self.changed.notify_all();
         self.ring_all_doorbells();
         if fresh {

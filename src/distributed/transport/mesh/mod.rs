@@ -224,6 +224,11 @@ mod tests {
 
     /// A two-rank mesh over loopback.
     fn pair(options: MeshOptions) -> (Mesh, Mesh) {
+        pair_telling(options, ignore())
+    }
+
+    /// A pair whose rank 0 tells `on_lost` when it breaks.
+    fn pair_telling(options: MeshOptions, on_lost: OnLost) -> (Mesh, Mesh) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (b, _) = l.accept().unwrap();
@@ -234,7 +239,7 @@ mod tests {
                 vec![None, Some(Conn::Tcp(a))],
                 no_shm(),
                 options,
-                ignore(),
+                on_lost,
             )
             .unwrap(),
             Mesh::new(
@@ -286,6 +291,27 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(2));
         // Broken for good.
         assert!(matches!(a.usable(), Err(Error::PeerLost { rank: 1, .. })));
+    }
+
+    #[test]
+    fn a_loss_is_reported_before_any_collective_fails_on_it() {
+        // A rank exits as soon as its collective fails: the report (the launcher's error
+        // file) must be done by then, however slow.
+        let told = Arc::new(std::sync::Mutex::new(None));
+        let on_lost: OnLost = {
+            let told = told.clone();
+            Arc::new(move |rank, detail: &str| {
+                std::thread::sleep(Duration::from_millis(300));
+                *told.lock().unwrap() = Some((rank, detail.to_string()));
+            })
+        };
+        let (a, b) = pair_telling(options(10_000, 10_000), on_lost);
+        drop(b);
+        let err = a.recv(1, data(1, 0)).unwrap_err();
+        let seen = told.lock().unwrap().clone();
+        let (rank, detail) = seen.unwrap_or_else(|| panic!("failed before the report: {err}"));
+        assert_eq!(rank, Some(1));
+        assert!(err.to_string().contains(&detail), "{err} / {detail}");
     }
 
     #[test]

@@ -13,7 +13,8 @@ pub(crate) struct MeshOptions {
     pub peer_timeout: Duration,
 }
 
-/// What a mesh calls, once, when it breaks: with the rank it lost (`None` when it broke for
-/// another reason) and how that was noticed. The transport only reports the loss; what to do about it (tell the
-/// launcher, say) is decided above it, by whoever connects the mesh.
+/// What a mesh calls, once, when it breaks, before anyone sees it broken (under the mesh's
+/// lock: it must not use the mesh): with the rank it lost (`None` when it broke for another
+/// reason) and how that was noticed. Not called while this rank leaves the mesh. The transport only reports the loss; what to do about it
+/// (tell the launcher, say) is decided above it, by whoever connects the mesh.
 pub(crate) type OnLost = Arc<dyn Fn(Option<usize>, &str) + Send + Sync>;
