@@ -233,6 +233,10 @@ pub(crate) enum Buffers {
 }
 
 /// A `VarBuilder` serving `tensors` (full names) and `buffers` at `prefix`.
+///
+/// Parameters come in `dtype` (the compute dtype); buffers come as they are, whatever the
+/// builder is asked for: a BatchNorm under bf16 mixed precision keeps its running statistics
+/// in f32 and updates the variables themselves (torch's mixed precision leaves buffers alone).
 pub(crate) fn serving(
     names: &[String],
     tensors: Vec<Tensor>,
@@ -242,18 +246,74 @@ pub(crate) fn serving(
     dtype: DType,
     device: &Device,
 ) -> candle_core::Result<VarBuilder<'static>> {
-    let mut map: HashMap<String, Tensor> = names.iter().cloned().zip(tensors).collect();
+    let params = names.iter().cloned().zip(tensors).collect();
+    let mut served = HashMap::new();
     for (name, var) in buffers {
         let t = match how {
             Buffers::Live => var.as_tensor().clone(),
             Buffers::Copied => var.as_tensor().copy()?,
         };
-        map.insert(name.clone(), t);
+        served.insert(name.clone(), t);
     }
+    let backend = Serving {
+        params,
+        buffers: served,
+    };
     Ok(at_prefix(
-        VarBuilder::from_tensors(map, dtype, device),
+        VarBuilder::from_backend(Box::new(backend), dtype, device.clone()),
         prefix,
     ))
+}
+
+/// The backend of [`serving`].
+struct Serving {
+    params: HashMap<String, Tensor>,
+    buffers: HashMap<String, Tensor>,
+}
+
+impl Serving {
+    fn find(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        if let Some(t) = self.buffers.get(name) {
+            return Ok(t.clone());
+        }
+        match self.params.get(name) {
+            Some(t) => t.to_device(dev)?.to_dtype(dtype),
+            None => Err(candle_core::Error::CannotFindTensor {
+                path: name.to_string(),
+            }
+            .bt()),
+        }
+    }
+}
+
+impl SimpleBackend for Serving {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.find(name, dtype, dev)?;
+        if t.shape() != &s {
+            return Err(candle_core::Error::UnexpectedShape {
+                msg: format!("shape mismatch for {name}"),
+                expected: s,
+                got: t.shape().clone(),
+            }
+            .bt());
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.find(name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.params.contains_key(name) || self.buffers.contains_key(name)
+    }
 }
 
 /// `vb` at `prefix` ("" is the root, where `pp("")` would add an empty path component).
