@@ -5,7 +5,7 @@ use crate::distributed::{ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::optim::managed;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, TensorId, Var};
 use candle_nn::Optimizer;
 
 /// Options of [`GradScaler`], with `torch.amp.GradScaler`'s names and defaults.
@@ -37,12 +37,19 @@ impl Default for GradScalerConfig {
     }
 }
 
-/// Where the iteration stands (torch's `OptState`).
+/// Where the iteration stands for one optimizer (torch's `OptState`; no entry is `READY`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
-    Ready,
     Unscaled,
     Stepped,
+}
+
+/// One optimizer's iteration (torch keeps one per optimizer): known by its variables.
+#[derive(Debug)]
+struct PerOptimizer {
+    ids: Vec<TensorId>,
+    stage: Stage,
+    found_inf: bool,
 }
 
 /// Dynamic loss scaling (`torch.amp.GradScaler`): the loss is multiplied by a large scale
@@ -82,10 +89,8 @@ pub struct GradScaler {
     /// Kept as torch keeps it: an f32.
     scale: f32,
     growth_tracker: u64,
-    stage: Stage,
-    /// The variables whose gradients were unscaled this iteration.
-    vars: Vec<Var>,
-    found_inf: bool,
+    /// The optimizers unscaled or stepped since the last update, in order.
+    optimizers: Vec<PerOptimizer>,
     group: Option<(ProcessGroup, Device)>,
 }
 
@@ -130,9 +135,7 @@ impl GradScaler {
             scale: config.init_scale as f32,
             config,
             growth_tracker: 0,
-            stage: Stage::Ready,
-            vars: Vec::new(),
-            found_inf: false,
+            optimizers: Vec::new(),
             group: None,
         })
     }
@@ -173,25 +176,54 @@ impl GradScaler {
     /// Divides the gradients in `grads` of `vars` by the scale (torch's `unscale_`), and
     /// notes whether any is inf or NaN (agreed over the group with [`for_group`](Self::for_group)).
     /// Optional: [`step`](Self::step) does it when it was not done; call it first to clip or
-    /// inspect the true gradients. Once per iteration.
+    /// inspect the true gradients. Once per iteration for each optimizer: `vars` are the
+    /// variables of the optimizer stepped next (several optimizers each unscale and step
+    /// their own, as torch's scaler keeps a state per optimizer).
     pub fn unscale(&mut self, grads: &mut GradStore, vars: &[Var]) -> Result<()> {
         if !self.config.enabled {
             return Ok(());
         }
-        match self.stage {
-            Stage::Unscaled => {
-                return Err(Error::InvalidArgument {
-                    what: "GradScaler::unscale",
-                    detail: "already called since the last update(): once per iteration".into(),
-                })
-            }
-            Stage::Stepped => {
-                return Err(Error::InvalidArgument {
-                    what: "GradScaler::unscale",
-                    detail: "called after step(): call update() first".into(),
-                })
-            }
-            Stage::Ready => {}
+        if self.group.as_ref().is_some_and(|(g, _)| g.world_size() > 1)
+            && crate::util::plain_join::inside()
+        {
+            return Err(Error::InvalidArgument {
+                what: "GradScaler::unscale",
+                detail: "a group's scaler inside DistributedDataParallel::join: a rank that \
+                         has run out of batches would not take part in the scaler's \
+                         all-reduce (the ranks would wait for each other forever); give the \
+                         step (unscale, step, update) to join_with, which runs it on the \
+                         joined ranks too"
+                    .into(),
+            });
+        }
+        let ids: Vec<TensorId> = vars.iter().map(|v| v.id()).collect();
+        if let Some(known) = self.optimizers.iter().find(|o| o.ids == ids) {
+            return Err(Error::InvalidArgument {
+                what: "GradScaler::unscale",
+                detail: match known.stage {
+                    Stage::Unscaled => "already called for these variables since the last \
+                                        update(): once per optimizer and iteration"
+                        .into(),
+                    Stage::Stepped => "called after step() for these variables: call update() \
+                                       first"
+                        .into(),
+                },
+            });
+        }
+        if let Some(k) = vars
+            .iter()
+            .position(|v| self.optimizers.iter().any(|o| o.ids.contains(&v.id())))
+        {
+            return Err(Error::InvalidArgument {
+                what: "GradScaler::unscale",
+                detail: format!(
+                    "variable {k} of {} {:?} was already unscaled since the last update(), \
+                     with another set of variables: each optimizer's variables are unscaled \
+                     once, as a whole",
+                    vars.len(),
+                    vars[k].dims()
+                ),
+            });
         }
         // torch: the reciprocal in double, then float.
         let inv = (1.0 / f64::from(self.scale)) as f32;
@@ -224,18 +256,21 @@ impl GradScaler {
                 .to_vec1::<f32>()?[0];
             found = any > 0.0;
         }
-        self.found_inf = found;
-        self.vars = vars.to_vec();
-        self.stage = Stage::Unscaled;
+        self.optimizers.push(PerOptimizer {
+            ids,
+            stage: Stage::Unscaled,
+            found_inf: found,
+        });
         Ok(())
     }
 
     /// Unscales the gradients of `vars` in `grads` (unless [`unscale`](Self::unscale) did),
-    /// then steps `opt` with them unless some gradient was inf or NaN; returns whether it
-    /// stepped. `vars` are the variables `opt` steps (for an
+    /// then steps `opt` with them unless some gradient of these variables was inf or NaN;
+    /// returns whether it stepped. `vars` are the variables `opt` steps (for an
     /// [`ElementwiseOptimizer`](crate::optim::ElementwiseOptimizer), `opt.vars()`). A skipped
     /// step still runs what a sharding wrapper does after a step (the gather of ZeRO-2), so
-    /// that the model stays consistent on every rank.
+    /// that the model stays consistent on every rank. Each optimizer steps once per
+    /// iteration; [`update`](Self::update) comes after the last.
     pub fn step_vars<O: Optimizer>(
         &mut self,
         opt: &mut O,
@@ -246,17 +281,22 @@ impl GradScaler {
             opt.step(grads)?;
             return Ok(true);
         }
-        if self.stage == Stage::Stepped {
-            return Err(Error::InvalidArgument {
-                what: "GradScaler::step",
-                detail: "already called since the last update()".into(),
-            });
-        }
-        if self.stage == Stage::Ready {
-            self.unscale(grads, vars)?;
-        }
-        self.stage = Stage::Stepped;
-        if self.found_inf {
+        let ids: Vec<TensorId> = vars.iter().map(|v| v.id()).collect();
+        let k = match self.optimizers.iter().position(|o| o.ids == ids) {
+            Some(k) if self.optimizers[k].stage == Stage::Stepped => {
+                return Err(Error::InvalidArgument {
+                    what: "GradScaler::step",
+                    detail: "already called for this optimizer since the last update()".into(),
+                })
+            }
+            Some(k) => k,
+            None => {
+                self.unscale(grads, vars)?;
+                self.optimizers.len() - 1
+            }
+        };
+        self.optimizers[k].stage = Stage::Stepped;
+        if self.optimizers[k].found_inf {
             managed::after_step(vars)?;
             return Ok(false);
         }
@@ -275,18 +315,19 @@ impl GradScaler {
         self.step_vars(opt, grads, &vars)
     }
 
-    /// Ends the iteration (torch's `update`): after a skipped step the scale is multiplied by
-    /// `backoff_factor`; after `growth_interval` consecutive clean steps, by `growth_factor`.
+    /// Ends the iteration (torch's `update`): after an iteration in which some optimizer's
+    /// gradients held an inf or a NaN the scale is multiplied by `backoff_factor`; after
+    /// `growth_interval` consecutive clean iterations, by `growth_factor`.
     pub fn update(&mut self) {
         if !self.config.enabled {
             return;
         }
-        if self.stage == Stage::Ready {
+        if self.optimizers.is_empty() {
             // Nothing was unscaled: torch refuses; nothing to learn from here either.
             log::warn!("GradScaler::update without a step since the last one: the scale stays");
             return;
         }
-        if self.found_inf {
+        if self.found_inf() {
             self.scale = (f64::from(self.scale) * self.config.backoff_factor) as f32;
             self.growth_tracker = 0;
         } else {
@@ -300,14 +341,13 @@ impl GradScaler {
                 self.growth_tracker = 0;
             }
         }
-        self.stage = Stage::Ready;
-        self.found_inf = false;
-        self.vars.clear();
+        self.optimizers.clear();
     }
 
-    /// Whether the last unscale found an inf or a NaN (on any rank, for a group's scaler).
+    /// Whether an unscale since the last update found an inf or a NaN (on any rank, for a
+    /// group's scaler; for any optimizer).
     pub fn found_inf(&self) -> bool {
-        self.found_inf
+        self.optimizers.iter().any(|o| o.found_inf)
     }
 
     /// The state to checkpoint (torch's `state_dict`): `scale`, `growth_tracker`.

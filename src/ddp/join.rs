@@ -7,6 +7,7 @@ use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
 use crate::util::sync::lock;
 use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{ModuleT, Optimizer};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -36,11 +37,17 @@ impl<M: ModuleT> DistributedDataParallel<M> {
     /// over when some ranks have joined.
     ///
     /// Inside `train`, each forward must be a training forward followed by
-    /// [`backward`](Self::backward) and one `opt.step` (the shadow mirrors exactly that), with
-    /// the optimizer's learning rate changed the same way on every rank (a joined rank keeps the
-    /// last one it set). `no_sync` and SyncBatchNorm cannot be mixed with joining: they are an
-    /// error. If `train` fails, the error is returned at once and the other ranks see this rank
-    /// as lost at their next collective.
+    /// [`backward`](Self::backward) and one `opt.step` of the gradients as they are (the shadow
+    /// mirrors exactly that), with the optimizer's learning rate changed the same way on every
+    /// rank (a joined rank keeps the last one it set). A loop that does more between backward
+    /// and step (clipping, a [`GradScaler`](crate::amp::GradScaler)) uses
+    /// [`join_with`](Self::join_with) instead. `no_sync` and SyncBatchNorm cannot be mixed with
+    /// joining: they are an error. If `train` fails, the error is returned at once and the
+    /// other ranks see this rank as lost at their next collective.
+    ///
+    /// When every rank is done, the ranks compare a fingerprint of their parameters (one small
+    /// all-reduce): replicas that differ, because the loop did something the shadow could not
+    /// mirror, are an [`Error::Mismatch`], never a silent divergence.
     ///
     /// ```rust
     /// use candle_core::{Device, Tensor};
@@ -73,6 +80,74 @@ impl<M: ModuleT> DistributedDataParallel<M> {
         divisor: JoinDivisor,
         train: impl FnOnce(&mut O) -> Result<T>,
     ) -> Result<T> {
+        let step = |opt: &mut O, grads: GradStore| -> Result<()> { Ok(opt.step(&grads)?) };
+        self.join_inner(opt, divisor, step, train, true)
+    }
+
+    /// [`join`](Self::join) for a loop whose step is more than `opt.step(&grads)`: `step` takes
+    /// the training state (an optimizer, a scaler: whatever `train` steps with) and the
+    /// averaged gradients of one iteration, and does what the loop does with them (clipping,
+    /// unscaling, stepping, updating a scale). `train` calls the same `step` after each
+    /// [`backward`](Self::backward); a joined rank calls it with the gradients it shadows, so
+    /// that every rank clips by the same norm, skips the same steps and keeps the same scale,
+    /// and the collectives inside `step` (clipping under ZeRO-2,
+    /// [`GradScaler::for_group`](crate::amp::GradScaler::for_group)) have a partner.
+    ///
+    /// ```rust
+    /// use candle_core::backprop::GradStore;
+    /// use candle_core::{Device, Tensor};
+    /// use candle_nn::{linear, VarMap};
+    /// use candle_parallel::amp::{GradScaler, GradScalerConfig};
+    /// use candle_parallel::ddp::JoinDivisor;
+    /// use candle_parallel::optim::{Sgd, SgdConfig};
+    /// use candle_parallel::{distributed, DistributedDataParallel};
+    /// # fn main() -> candle_parallel::Result<()> {
+    /// let weights = distributed::spawn_threads(2, |pg| {
+    ///     let varmap = VarMap::new();
+    ///     let model = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, |vb| linear(3, 1, vb))?;
+    ///     let opt = Sgd::new(model.parameters(), SgdConfig { lr: 0.1, ..Default::default() })?;
+    ///     let scaler = GradScaler::for_group(GradScalerConfig::default(), &pg, &Device::Cpu)?;
+    ///     let step = |(opt, scaler): &mut (Sgd, GradScaler), mut grads: GradStore| {
+    ///         scaler.unscale(&mut grads, opt.vars())?;
+    ///         model.clip_grad_norm(&mut grads, 1.0, 2.0, false)?;
+    ///         scaler.step(opt, &mut grads)?;
+    ///         scaler.update();
+    ///         Ok(())
+    ///     };
+    ///     let batches = 2 + pg.rank(); // rank 0 has 2 batches, rank 1 has 3
+    ///     model.join_with(&mut (opt, scaler), JoinDivisor::World, &step, |state| {
+    ///         for _ in 0..batches {
+    ///             let x = Tensor::ones((4, 3), candle_core::DType::F32, &Device::Cpu)?;
+    ///             let loss = model.forward_t(&x, true)?.sqr()?.mean_all()?;
+    ///             step(state, model.backward(&state.1.scale(&loss)?)?)?;
+    ///         }
+    ///         Ok(())
+    ///     })?;
+    ///     Ok(model.parameters()[1].to_vec2::<f32>()?)
+    /// })?;
+    /// assert_eq!(weights[0], weights[1]);
+    /// # Ok(()) }
+    /// ```
+    pub fn join_with<S, T>(
+        &self,
+        state: &mut S,
+        divisor: JoinDivisor,
+        step: impl Fn(&mut S, GradStore) -> Result<()>,
+        train: impl FnOnce(&mut S) -> Result<T>,
+    ) -> Result<T> {
+        self.join_inner(state, divisor, step, train, false)
+    }
+
+    /// [`join_with`](Self::join_with); `plain` for [`join`](Self::join), whose loop the lower
+    /// layers check for collectives of their own (see [`crate::util::plain_join`]).
+    fn join_inner<S, T>(
+        &self,
+        state: &mut S,
+        divisor: JoinDivisor,
+        step: impl Fn(&mut S, GradStore) -> Result<()>,
+        train: impl FnOnce(&mut S) -> Result<T>,
+        plain: bool,
+    ) -> Result<T> {
         if !self.sync_groups.is_empty() {
             return Err(Error::InvalidArgument {
                 what: "DistributedDataParallel::join",
@@ -91,17 +166,38 @@ impl<M: ModuleT> DistributedDataParallel<M> {
             }
             *joining = Some(divisor);
         }
-        let trained = train(opt);
+        let trained = {
+            let _plain = plain.then(crate::util::plain_join::enter);
+            train(state)
+        };
         let result = trained.and_then(|t| {
-            self.shadow(opt, divisor)?;
+            self.shadow(state, divisor, &step)?;
+            self.check_replicas_agree()?;
             Ok(t)
         });
         *lock(&self.joining) = None;
-        result
+        result.map_err(|e| match mismatch_detail(e) {
+            Ok(detail) => Error::Mismatch {
+                detail: format!(
+                    "{detail} (inside join, rank {}: a rank that ran out of batches shadows \
+                     the others' iterations, each a forward's count of the ranks training, \
+                     the buffer broadcast, the gradient buckets and the step given to join; a \
+                     loop that runs other collectives, or changes the gradients before its \
+                     step (clip_grad_norm, a GradScaler), must give that step to join_with)",
+                    self.group.rank()
+                ),
+            },
+            Err(e) => e,
+        })
     }
 
     /// Shadows the iterations of the ranks still training, until none is.
-    fn shadow<O: Optimizer>(&self, opt: &mut O, divisor: JoinDivisor) -> Result<()> {
+    fn shadow<S>(
+        &self,
+        state: &mut S,
+        divisor: JoinDivisor,
+        step: impl Fn(&mut S, GradStore) -> Result<()>,
+    ) -> Result<()> {
         loop {
             let active = self.count_active(false, divisor)?;
             if active == 0 {
@@ -111,8 +207,55 @@ impl<M: ModuleT> DistributedDataParallel<M> {
             self.before_forward(true)?;
             let mut grads = GradStore::default();
             self.reducer.finalize_backward(&mut grads, Instant::now())?;
-            opt.step(&grads)?;
+            step(state, grads)?;
         }
+    }
+
+    /// Once every rank is done: a fingerprint of the parameters (their sum and sum of
+    /// squares, in f64), compared over the ranks with one all-reduce. Not under ZeRO-2, where
+    /// each rank keeps pieces of its own and the parameters are gathered at the next forward:
+    /// there a step the joined ranks cannot mirror leaves no two replicas to compare, and
+    /// such a loop must use `join_with` (clipping's collective, without it, is a mismatch).
+    fn check_replicas_agree(&self) -> Result<()> {
+        if !self.reducer.pieces().is_empty() {
+            return Ok(());
+        }
+        let mut sums = [0f64; 2];
+        for p in self.parameters() {
+            let p = p.to_dtype(DType::F64)?;
+            sums[0] += p.sum_all()?.to_device(&Device::Cpu)?.to_scalar::<f64>()?;
+            sums[1] += p
+                .sqr()?
+                .sum_all()?
+                .to_device(&Device::Cpu)?
+                .to_scalar::<f64>()?;
+        }
+        let both = [sums[0], sums[1], -sums[0], -sums[1]];
+        let t = Tensor::new(&both, &Device::Cpu)?.to_device(&self.device)?;
+        let max = self
+            .group
+            .all_reduce(&t, ReduceOp::Max)?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f64>()?;
+        // NaN never equals: a NaN parameter anywhere counts as differing, which it is worth
+        // hearing about too.
+        let agree = max[0] == -max[2] && max[1] == -max[3];
+        if agree {
+            return Ok(());
+        }
+        Err(Error::Mismatch {
+            detail: format!(
+                "after join the replicas' parameters differ (rank {}: sum {}, sum of squares \
+                 {}; over the ranks from {} to {}): the training loop changed the gradients \
+                 or the parameters between backward and step in a way the joined ranks did \
+                 not mirror",
+                self.group.rank(),
+                sums[0],
+                sums[1],
+                -max[2],
+                max[0]
+            ),
+        })
     }
 
     /// Inside `join`: how many ranks are still training (this one when `training`), agreed by
@@ -143,5 +286,22 @@ impl<M: ModuleT> DistributedDataParallel<M> {
             });
         }
         self.count_active(true, divisor).map(|_| ())
+    }
+}
+
+/// The detail of a collective mismatch, also when it came through a candle trait method (an
+/// optimizer's step), which keeps our error as text only; any other error as it is.
+fn mismatch_detail(e: Error) -> std::result::Result<String, Error> {
+    const PREFIX: &str = "collective mismatch between ranks: ";
+    match e {
+        Error::Mismatch { detail } => Ok(detail),
+        Error::Candle(c) => {
+            let text = c.to_string();
+            match text.strip_prefix(PREFIX) {
+                Some(detail) => Ok(detail.lines().next().unwrap_or(detail).to_string()),
+                None => Err(Error::Candle(c)),
+            }
+        }
+        e => Err(e),
     }
 }
