@@ -33,6 +33,7 @@
 
 mod pin;
 
+use crate::util::is_default_buffer;
 use crate::util::sync::lock;
 use candle_core::{DType, Device, Module, ModuleT, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
@@ -130,7 +131,11 @@ impl<M: 'static> Checkpointed<M> {
     where
         F: Fn(&M, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     {
-        let tracked = xs.track_op() || self.params.iter().any(|(_, p)| p.track_op());
+        let tracked = xs.track_op()
+            || self
+                .params
+                .iter()
+                .any(|(name, p)| p.track_op() && !is_default_buffer(name, p.dtype()));
         if !self.enabled || !tracked {
             // Nothing to keep: no graph would be built.
             return f(&self.module, xs);
@@ -139,12 +144,22 @@ impl<M: 'static> Checkpointed<M> {
         let (prefix, dtype, device) = (self.prefix.clone(), self.dtype, self.device.clone());
         let names: Vec<String> = self.params.iter().map(|(n, _)| n.clone()).collect();
         let run = move |tensors: Vec<Tensor>, x: &Tensor| -> candle_core::Result<Tensor> {
-            let map: HashMap<String, Tensor> = names.iter().cloned().zip(tensors).collect();
-            let vb = at_prefix(VarBuilder::from_tensors(map, dtype, &device), &prefix);
-            f(&build(vb)?, x)
+            let given = Given(names.iter().cloned().zip(tensors).collect());
+            let vb = VarBuilder::from_backend(Box::new(given), dtype, device.clone());
+            f(&build(at_prefix(vb, &prefix))?, x)
         };
         let recompute = Arc::new(Recompute::new(Arc::new(run), self.params.clone()));
-        let detached: Vec<Tensor> = self.params.iter().map(|(_, p)| p.detach()).collect();
+        // The parameters without their graph; the buffers themselves, so that a training
+        // forward updates BatchNorm's running statistics in place, once, as without
+        // checkpointing (the recomputation in backward gets copies).
+        let detached: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|(name, p)| match is_default_buffer(name, p.dtype()) {
+                true => p.clone(),
+                false => p.detach(),
+            })
+            .collect();
         let out = recompute.run_detached(detached, &xs.detach())?;
         attach(recompute, xs, out)
     }
@@ -206,6 +221,52 @@ impl SimpleBackend for &Recorder<'_> {
 
     fn contains_tensor(&self, name: &str) -> bool {
         self.root.contains_tensor(name)
+    }
+}
+
+/// A `VarBuilder` backend over the tensors a block asked for, handed out as they are: in the
+/// dtype the block's real `VarBuilder` gave them (under mixed precision, compute copies in
+/// bf16 beside an f32 builder), never cast again.
+struct Given(HashMap<String, Tensor>);
+
+impl Given {
+    fn find(&self, name: &str) -> candle_core::Result<Tensor> {
+        self.0.get(name).cloned().ok_or_else(|| {
+            candle_core::Error::CannotFindTensor {
+                path: name.to_string(),
+            }
+            .bt()
+        })
+    }
+}
+
+impl SimpleBackend for Given {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: Init,
+        _: DType,
+        _: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.find(name)?;
+        if t.shape() != &s {
+            return Err(candle_core::Error::UnexpectedShape {
+                msg: format!("activation checkpointing: {name} changed shape between uses"),
+                expected: s,
+                got: t.shape().clone(),
+            }
+            .bt());
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        self.find(name)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.contains_key(name)
     }
 }
 

@@ -7,6 +7,7 @@
 //! backward reaches the pins after `Core`, and each hands its parameter the gradient `Core`
 //! kept.
 
+use crate::util::is_default_buffer;
 use crate::util::sync::lock;
 use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor, Var};
 use std::sync::{Arc, Mutex};
@@ -49,10 +50,18 @@ impl Recompute {
         let leaves = self
             .params
             .iter()
-            .map(|(_, p)| match p.is_variable() {
-                true => Ok(p.clone()),
-                // A copy: a tensor made by an op (DDP's copies) must stop the inner backward.
-                false => Ok(Var::from_tensor(&p.detach())?.as_tensor().clone()),
+            .map(|(name, p)| {
+                if is_default_buffer(name, p.dtype()) {
+                    // Not a leaf, and not the buffer itself: the forward updated BatchNorm's
+                    // running statistics already (a layer handed a plain tensor keeps a copy).
+                    return Ok(p.detach());
+                }
+                match p.is_variable() {
+                    true => Ok(p.clone()),
+                    // A copy: a tensor made by an op (DDP's copies) must stop the inner
+                    // backward.
+                    false => Ok(Var::from_tensor(&p.detach())?.as_tensor().clone()),
+                }
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         let input = Var::from_tensor(&xs.detach())?;
@@ -90,8 +99,8 @@ pub(super) fn attach(
         out.copy()?
     };
     let mut marker = Tensor::zeros(1, DType::F32, out.device())?;
-    for (index, (_, p)) in recompute.params.iter().enumerate() {
-        if p.track_op() {
+    for (index, (name, p)) in recompute.params.iter().enumerate() {
+        if p.track_op() && !is_default_buffer(name, p.dtype()) {
             let pin = Pin {
                 recompute: recompute.clone(),
                 index,

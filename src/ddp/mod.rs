@@ -151,9 +151,7 @@ impl Default for DdpConfig {
             broadcast_buffers: true,
             compression: Compression::None,
             rebuild_buckets: true,
-            buffer_names: ["running_mean", "running_var", "num_batches_tracked"]
-                .map(String::from)
-                .to_vec(),
+            buffer_names: crate::util::BUFFER_NAMES.map(String::from).to_vec(),
             dtype: DType::F32,
             sync_batch_norm: false,
             unused_report: UnusedReport::Warn,

@@ -47,10 +47,6 @@ pub enum UnusedReport {
     Error,
 }
 
-/// The last path components of candle-nn's and torch's buffers, which live among the
-/// variables but never get a gradient.
-pub(crate) const BUFFER_NAMES: [&str; 3] = ["running_mean", "running_var", "num_batches_tracked"];
-
 /// How many names a message lists before it gives a count.
 const LISTED: usize = 5;
 
@@ -114,7 +110,7 @@ pub fn vars_without_gradient(varmap: &VarMap, grads: &GradStore) -> Vec<String> 
         .iter()
         .filter(|(name, _)| {
             let last = name.rsplit('.').next().unwrap_or(name);
-            !BUFFER_NAMES.contains(&last)
+            !crate::util::BUFFER_NAMES.contains(&last)
         })
         .map(|(n, v)| (n.clone(), v.clone()))
         .collect();

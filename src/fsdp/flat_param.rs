@@ -114,9 +114,10 @@ impl Shared {
         self.drop_prefetched();
     }
 
-    /// Drops every gather prefetched and never used: each forward and backward starts without,
-    /// since a step may change the parameters between them (such a gather still runs, in its
-    /// place in the collectives' order, on every rank alike).
+    /// Drops every gather prefetched and never used: each forward, backward and gathering of
+    /// the whole model starts without, since a step may change the parameters between them
+    /// (such a gather still runs, in its place in the collectives' order, on every rank
+    /// alike).
     pub fn drop_prefetched(&self) {
         let units: Vec<Arc<FlatParam>> =
             lock(&self.units).iter().filter_map(Weak::upgrade).collect();

@@ -144,7 +144,7 @@ impl Default for FsdpConfig {
         Self {
             dtype: DType::F32,
             seed: None,
-            buffer_names: crate::ddp::unused::BUFFER_NAMES.map(String::from).to_vec(),
+            buffer_names: crate::util::BUFFER_NAMES.map(String::from).to_vec(),
             broadcast_buffers: true,
             frozen_parameters: Vec::new(),
             mixed_precision: MixedPrecision::default(),
@@ -342,6 +342,8 @@ impl<M> FullyShardedDataParallel<M> {
     /// [`FsdpConfig::broadcast_buffers`]). Every rank must call it; every rank gets them all:
     /// what a checkpoint of the whole model holds.
     pub fn full_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        // A gather prefetched by an earlier forward may predate an optimizer step since.
+        self.shared.drop_prefetched();
         let mut out = Vec::new();
         for p in self.flat_params() {
             let tensors = p.gather()?;
@@ -385,6 +387,8 @@ impl<M> FullyShardedDataParallel<M> {
         if live.is_empty() {
             return Err(Error::FsdpBackwardWithoutForward);
         }
+        // An evaluation forward since the training one may have left gathers behind.
+        self.shared.drop_prefetched();
         let result = self.reduce(loss, live);
         // The graphs of this iteration are done with, whatever happened.
         self.shared.iteration.fetch_add(1, Ordering::SeqCst);
