@@ -588,9 +588,10 @@ fn main() -> Result<()> {
             Model::Tf => "25.2 M",
         };
         println!(
-            "\n{} ({params} parameters), global batch {global}, f32, CPU; images/s are the \
+            "\n{} ({params} parameters), global batch {global}, f32, {}; images/s are the \
              median of {} runs",
             model.name(),
+            if o.cuda { "GPU 0, DDP on NCCL" } else { "CPU" },
             o.repeat
         );
         if model == Model::Tf {

@@ -1,30 +1,44 @@
 #!/usr/bin/env bash
-# Runs every GPU check of candle-parallel, on the GPU machine, from a folder that
-# scripts/gpu-pack.sh filled (.gpu/ or .gpu-b/; a check whose binary is not in the folder is
-# skipped). Everything goes to one log, $OUT/gpu-checks.log (default ./logs): the device tool
-# brings back only a few files.
+# Runs every GPU check of candle-parallel, on the GPU machine, from the folder that
+# scripts/gpu-pack.sh filled (.gpu/; a check whose binary or script is not there is skipped).
+# Everything goes to one log, $OUT/gpu-checks.log (default ./logs), charts beside it.
 #
-#   cd .gpu && ./gpu-checks.sh; cd ../.gpu-b && ./gpu-checks.sh
+#   cd .gpu && ./gpu-checks.sh                 # every check, in order of what is least proven
+#   ONLY='gpu_tests|cifar_dp_2' ./gpu-checks.sh  # just those (a second sitting's leftovers)
+#
+# A device call has 10 minutes and a session about 15 minutes of device time in all, so the
+# sitting has a deadline (DEADLINE seconds from the start, default 540): each check is bounded
+# by its own timeout and by what is left, and the checks after the deadline are listed as not
+# run, so that one hang costs one check's time and the log always comes back.
 set -uo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-logs}
 mkdir -p "$OUT"
 LOG="$OUT/gpu-checks.log"
 : > "$LOG"
+START=$SECONDS
+DEADLINE=${DEADLINE:-540}
 for f in *.xz; do xz -d -k -f "$f" && chmod +x "${f%.xz}"; done
-# Each check is bounded (CHECK_TIMEOUT seconds, default 150), so that one hang costs one
-# check's time, not the sitting's: a device call has 10 minutes in all.
-run() { # name, command...: runs it, logs it, and never stops the sitting
+run() { # [T=seconds] name, command...: runs it, logs it, and never stops the sitting
   local name=$1; shift
-  # ONLY='gpu_tests|dp_throughput' runs just those checks (a second sitting's leftovers).
   if [[ -n "${ONLY:-}" && ! "$name" =~ ^(${ONLY})$ ]]; then return; fi
-  # A binary of the other pack, or a script that was not copied here.
+  # A binary or script that was not packed.
   local program=$1
   [[ "$program" == env ]] && program=$3
   [[ "$program" == python3 ]] && program=$2
-  if [[ "$program" == ./* || "$program" == *.py ]] && [[ ! -e "${program#./}" ]]; then return; fi
-  echo "=== $name: $*" | tee -a "$LOG"
-  ( time timeout -k 5 "${CHECK_TIMEOUT:-150}" ./run-on-gpu.sh "$@" ) 2>&1 | tee -a "$LOG" | tail -n 25
+  if [[ "$program" == ./* || "$program" == *.py ]] && [[ ! -e "${program#./}" ]]; then
+    echo "=== $name: skipped, $program is not in this pack" | tee -a "$LOG"
+    return
+  fi
+  local left=$((DEADLINE - (SECONDS - START)))
+  if ((left < 20)); then
+    echo "=== $name: not run, the sitting's deadline has passed" | tee -a "$LOG"
+    return
+  fi
+  local limit=${T:-90}
+  ((limit > left)) && limit=$left
+  echo "=== $name (limit ${limit}s, at $((SECONDS - START))s): $*" | tee -a "$LOG"
+  ( time timeout -k 5 "$limit" ./run-on-gpu.sh "$@" ) 2>&1 | tee -a "$LOG" | tail -n 30
   echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 }
 nvidia-smi 2>&1 | tee -a "$LOG"
@@ -36,47 +50,66 @@ for py in "${TORCH_PYTHON:-}" /opt/torch/.venv/bin/python python3; do
   echo "cuDNN: $cudnn_lib" | tee -a "$LOG"
   break
 done
-# In order of what is least proven: what has never run on a GPU first, what ran in an earlier
-# sitting last. A device call has 10 minutes; a second call runs the rest with ONLY='...'.
-#
-# DataParallel over two devices on GPU 0 vs one (and the ordered copies under it); NCCL with
-# one rank (blocking and async collectives, new_group, DDP and SyncBatchNorm against the plain
-# model); TCP with CUDA tensors across two processes (collectives, DDP and SyncBatchNorm
-# against one process).
-run gpu_tests ./gpu --test-threads=1 --nocapture
+python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))' 2>&1 | tee -a "$LOG"
+
+# tests/gpu.rs: ordered copies between two devices of GPU 0; DataParallel over them against one
+# device; the fused layers' CUDA kernels against their CPU kernels (f32, f64, f16, bf16,
+# adversarial rows); NCCL with one rank; TCP with CUDA tensors across two processes.
+T=240 run gpu_tests ./gpu --test-threads=1 --nocapture
+# The transformer on NCCL at world size 1: DDP, ZeRO-2, fully sharded; then what large models
+# use (bf16 and f16 with the scaler, activation checkpointing, clipping) under full sharding;
+# then two processes sharing the GPU over TCP/shm with CUDA tensors. The CPU twin of each run
+# is the same command with --cpu on any machine (same seed, same data).
+TR=(--epochs 1 --train-size 4096 --test-size 500)
+run transformer_ddp ./transformer_ddp "${TR[@]}"
+run transformer_zero2 ./transformer_ddp "${TR[@]}" --sharding zero2
+run transformer_full ./transformer_ddp "${TR[@]}" --sharding full
+run transformer_full_bf16_ac_clip ./transformer_ddp "${TR[@]}" --sharding full --precision bf16 \
+  --activation-checkpointing --clip-grad-norm 1
+# bf16 apart (on 2026-11-26 the four together trained far worse on the GPU than on the CPU).
+run transformer_bf16 ./transformer_ddp "${TR[@]}" --precision bf16
+run transformer_bf16_ac ./transformer_ddp "${TR[@]}" --precision bf16 --activation-checkpointing
+run transformer_bf16_full ./transformer_ddp "${TR[@]}" --precision bf16 --sharding full
+run transformer_bf16_clip ./transformer_ddp "${TR[@]}" --precision bf16 --clip-grad-norm 1
+run transformer_ddp_f16 ./transformer_ddp "${TR[@]}" --precision f16 --clip-grad-norm 1
+run transformer_ddp_2_tcp env CANDLE_PARALLEL_BACKEND=tcp ./transformer_ddp "${TR[@]}" --nproc 2
+run transformer_full_2_tcp env CANDLE_PARALLEL_BACKEND=tcp ./transformer_ddp "${TR[@]}" --nproc 2 \
+  --sharding full
+# Resumable checkpoints of CUDA tensors, fully sharded: one epoch saved every 50 steps, then a
+# second run that resumes there for a second epoch (its first line says where it resumed).
+rm -rf /tmp/gpu-ckpt
+run transformer_full_ckpt ./transformer_ddp "${TR[@]}" --sharding full --checkpoint-dir /tmp/gpu-ckpt \
+  --checkpoint-every 50
+run transformer_full_resume ./transformer_ddp --epochs 2 --train-size 4096 --test-size 500 \
+  --sharding full --checkpoint-dir /tmp/gpu-ckpt --checkpoint-every 50
 # One epoch of CIFAR-10 (synthetic) on 2 and on 1 devices of GPU 0.
 run cifar_dp_2 ./cifar_dp --epochs 1 --devices 2
 run cifar_dp_1 ./cifar_dp --epochs 1 --devices 1
-# Where the step's time goes: phases and layers with CUDA events, ours (with and without
+# Tokens/s: the transformer's training step beside PyTorch's on the same GPU, and the sharded
+# configurations beside FSDP2's fully_shard at world size 1 on NCCL.
+T=120 run torch_transformer python3 torch_transformer_bench.py --device cuda --rust ./transformer_ddp
+T=120 run torch_sharding python3 torch_sharding_bench.py --device cuda --worlds 1 --rust ./transformer_ddp
+# Where the Net's step time goes: phases and layers with CUDA events, ours (with and without
 # cuDNN) then PyTorch's.
 run net_phases ./net_phases --batches 128,512 --steps 30
 run net_phases_cudnn ./net_phases_cudnn --batches 128,512 --steps 30
 run torch_net_phases python3 torch_net_bench.py --phases --batches 128,512 --steps 30
-# NCCL all-reduce of 25.2 M f32 at world size 1: latency per call, and how much hides behind
-# the MLP's backward when issued before it.
-run async_overlap ./async_overlap --cuda
-# Throughput table: 1, 2, 4 devices on GPU 0, batch 128 and 512.
-run dp_throughput ./dp_throughput --devices 1,2,4 --batches 128,512 --steps 50
-# PyTorch's same Net at the same batches on the same GPU, right after.
+# Images/s over 1, 2, 4 devices of GPU 0 (the README's single- against multi-device chart),
+# then PyTorch's same Net at the same batches on the same GPU.
+run dp_throughput ./dp_throughput --devices 1,2,4 --batches 128,512 --steps 50 \
+  --plot "$OUT/dp_scaling_gpu.svg"
 run torch_net_bench python3 torch_net_bench.py --batches 128,512 --steps 50
-# DDP on NCCL (one rank), plain and with BatchNorm; two ranks sharing the GPU over TCP.
-run cifar_ddp_1 ./cifar_ddp --epochs 1
-run cifar_ddp_bn ./cifar_ddp --epochs 1 --batch-norm
-run cifar_ddp_2_tcp env CANDLE_PARALLEL_BACKEND=tcp ./cifar_ddp --epochs 1 --nproc 2 --batch-size 64
-# DDP on NCCL with one rank against the plain step (its overhead), beside PyTorch's.
-run ddp_throughput ./ddp_throughput --cuda
-run torch_ddp_bench python3 torch_ddp_bench.py --device cuda
-# The transformer layers (pack .gpu-b): their CUDA paths against the CPU are in ./gpu above; here
-# their speed beside candle-nn's fused forwards and PyTorch's layers, in f32 and bf16.
+# The fused layers' speed beside candle-nn's fused forwards and PyTorch's, f32 and bf16.
 for dtype in f32 bf16; do
   run "fused_layers_$dtype" ./fused_layers --cuda --reps 50 --dtype "$dtype"
   run "torch_fused_layers_$dtype" python3 torch_layers_check.py --bench --device cuda --reps 50 --dtype "$dtype"
 done
-# The transformer example on NCCL at world size 1, then PyTorch's same model on the same GPU.
-run transformer_ddp ./transformer_ddp --epochs 2
-run torch_transformer python3 torch_transformer_bench.py --device cuda --rust ./transformer_ddp
-# Sharded at world size 1 on NCCL (ZeRO-2, fully sharded: their CUDA paths), beside PyTorch's.
-run transformer_zero2 ./transformer_ddp --epochs 1 --sharding zero2
-run transformer_full ./transformer_ddp --epochs 1 --sharding full
-run torch_sharding python3 torch_sharding_bench.py --device cuda --worlds 1 --rust ./transformer_ddp
-echo "log: $LOG"
+# NCCL all-reduce of 25.2 M f32 at world size 1: latency per call, and how much hides behind
+# the MLP's backward when issued before it.
+run async_overlap ./async_overlap --cuda
+# DDP on NCCL with one rank against the plain step, beside PyTorch's.
+run ddp_throughput ./ddp_throughput --cuda
+# PyTorch's four models take about 3 minutes on the GPU (90 s cut it short on 2026-11-26).
+T=240 run torch_ddp_bench python3 torch_ddp_bench.py --device cuda
+run cifar_ddp_bn ./cifar_ddp --epochs 1 --batch-norm
+echo "done at $((SECONDS - START))s; log: $LOG" | tee -a "$LOG"
