@@ -33,8 +33,8 @@
 //! trains a model whose unsharded AdamW state (97 MiB) would not fit 40 MiB per rank.
 //!
 //! With `--checkpoint-dir DIR` (any sharding) the run saves a resumable checkpoint there every
-//! `--checkpoint-every` steps (the model, AdamW's state, the epoch, the step and the position in
-//! the epoch) and, started again, resumes from the last one by itself, so that under
+//! `--checkpoint-every` steps (the model, AdamW's state, under f16 the gradient scaler's, the epoch,
+//! the step and the position in the epoch) and, started again, resumes from the last one by itself, so that under
 //! `candle-run --max-restarts N` a job that lost a rank ends with the weights of a run that
 //! never stopped.
 //!
@@ -149,6 +149,9 @@ struct Args {
     /// Clip the gradients' total 2-norm (over every rank's shard) to this before each step.
     #[arg(long, value_name = "N")]
     clip_grad_norm: Option<f64>,
+    /// The gradient scaler's initial scale under f16 (torch's `init_scale`).
+    #[arg(long, default_value_t = 65536.0)]
+    init_scale: f64,
     /// Drop each block's activations in forward and recompute them in backward (activation
     /// checkpointing); with K, every K-th block only.
     #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "1")]
@@ -356,8 +359,26 @@ fn rank_main(args: &Args) -> Result<()> {
         position: 0,
         rng: None,
     };
+    let mut scaler = match args.precision {
+        Precision::F16 => Some(GradScaler::for_group(
+            GradScalerConfig {
+                init_scale: args.init_scale,
+                ..GradScalerConfig::default()
+            },
+            &pg,
+            &device,
+        )?),
+        _ => None,
+    };
     if let Some(c) = &checkpoints {
-        if let Some(p) = c.load(|path| model.load_checkpoint(&mut opt, path))? {
+        let resumed = c.load(|path| {
+            model.load_checkpoint(&mut opt, path)?;
+            match scaler.as_mut() {
+                Some(s) => load_scaler(s, path),
+                None => Ok(()),
+            }
+        })?;
+        if let Some(p) = resumed {
             if rank == 0 {
                 println!(
                     "Resumed at step {} (epoch {}, {} samples of each rank's share in)",
@@ -367,14 +388,6 @@ fn rank_main(args: &Args) -> Result<()> {
             at = p;
         }
     }
-    let mut scaler = match args.precision {
-        Precision::F16 => Some(GradScaler::for_group(
-            GradScalerConfig::default(),
-            &pg,
-            &device,
-        )?),
-        _ => None,
-    };
     let mut finite = match args.allow_non_finite {
         true => None,
         false => Some(FiniteLoss::new(&device)?),
@@ -439,7 +452,13 @@ fn rank_main(args: &Args) -> Result<()> {
                     if let Some(f) = finite.as_ref() {
                         f.check()?;
                     }
-                    let folder = c.save(&at, |path| model.save_checkpoint(&opt, path))?;
+                    let folder = c.save(&at, |path| {
+                        model.save_checkpoint(&opt, path)?;
+                        match (&scaler, rank) {
+                            (Some(s), 0) => save_scaler(s, path, &device),
+                            _ => Ok(()),
+                        }
+                    })?;
                     if rank == 0 {
                         println!("Checkpoint at step {step} saved to {}", folder.display());
                     }
@@ -522,6 +541,55 @@ fn rank_main(args: &Args) -> Result<()> {
 }
 
 /// The mean of `value` over the ranks.
+/// The gradient scaler's state beside a checkpoint's training state (`path`): without it an
+/// f16 run would resume at the initial scale of 65536 and skip steps until it backed off again.
+const SCALER_FILE: &str = "grad_scaler.safetensors";
+
+fn save_scaler(
+    scaler: &GradScaler,
+    path: &std::path::Path,
+    device: &Device,
+) -> candle_parallel::Result<()> {
+    let (scale, growth) = scaler.state();
+    let state = Tensor::new(&[scale, growth as f64], device)?;
+    checkpoint::save(
+        &HashMap::from([("scale_and_growth_tracker".to_string(), state)]),
+        path.with_file_name(SCALER_FILE),
+    )
+}
+
+fn load_scaler(scaler: &mut GradScaler, path: &std::path::Path) -> candle_parallel::Result<()> {
+    let file = path.with_file_name(SCALER_FILE);
+    if !file.exists() {
+        log::warn!(
+            "{} has no gradient scaler state (it was saved by a run without --precision f16): \
+             the scale starts at its initial value",
+            file.display()
+        );
+        return Ok(());
+    }
+    let tensors = checkpoint::read(&file)?;
+    let state = tensors
+        .get("scale_and_growth_tracker")
+        .ok_or_else(|| candle_parallel::Error::InvalidArgument {
+            what: "gradient scaler checkpoint",
+            detail: format!("{} lacks scale_and_growth_tracker", file.display()),
+        })?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f64>()?;
+    match state[..] {
+        [scale, growth] => scaler.load_state(scale, growth as u64),
+        _ => Err(candle_parallel::Error::InvalidArgument {
+            what: "gradient scaler checkpoint",
+            detail: format!(
+                "{}: expected 2 values, found {}",
+                file.display(),
+                state.len()
+            ),
+        }),
+    }
+}
+
 fn all_reduce_mean(pg: &ProcessGroup, value: f64, device: &Device) -> Result<f64> {
     let t = Tensor::new(&[value], device)?;
     Ok(pg.all_reduce(&t, ReduceOp::Avg)?.to_vec1::<f64>()?[0])

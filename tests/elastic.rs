@@ -377,3 +377,38 @@ fn on_two_machines_a_rank_sigkilled_mid_epoch_restarts_both_launchers_and_ends_a
     m.assert_empty(Duration::from_secs(5));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_rank_sigkilled_mid_epoch_restarts_and_transformer_ddp_in_f16_resumes_its_loss_scale() {
+    // f16 with the gradient scaler, started at 2^24: the first steps overflow and the scale
+    // backs off at each; a run resumed without that state would start again at 2^24 and skip
+    // as many steps again.
+    let args = [
+        "--cpu",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "16",
+        "--train-size",
+        "2048",
+        "--test-size",
+        "50",
+        "--layers",
+        "1",
+        "--dim",
+        "32",
+        "--precision",
+        "f16",
+        "--init-scale",
+        "16777216",
+        "--checkpoint-every",
+        "4",
+    ];
+    killed_and_resumed_equals_uninterrupted(
+        "elastic-transformer-f16",
+        "transformer_ddp",
+        &args,
+        "[rank0]: Checkpoint at step 8 saved",
+        1024,
+    );
+}
