@@ -33,10 +33,10 @@
 //! trains a model whose unsharded AdamW state (97 MiB) would not fit 40 MiB per rank.
 //!
 //! With `--checkpoint-dir DIR` (any sharding) the run saves a resumable checkpoint there every
-//! `--checkpoint-every` steps (the model, AdamW's state, under f16 the gradient scaler's, the epoch,
-//! the step and the position in the epoch) and, started again, resumes from the last one by itself, so that under
-//! `candle-run --max-restarts N` a job that lost a rank ends with the weights of a run that
-//! never stopped.
+//! `--checkpoint-every` steps (the model, AdamW's state, under f16 the gradient scaler's, the
+//! epoch, the step and the position in the epoch) and, started again, resumes from the last one
+//! by itself, so that under `candle-run --max-restarts N` a job that lost a rank ends with the
+//! weights of a run that never stopped.
 //!
 //! For `scripts/torch_transformer_bench.py`: `--dump-step FILE` writes the initial weights, one
 //! batch, its loss and every gradient, and exits; `--time-steps N` times N training steps.
