@@ -12,6 +12,7 @@ use candle_parallel::distributed::{Backend, InitConfig, ProcessGroup, ReduceOp, 
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::{comm, distributed, DataParallel, Error};
+use common::models::SGD;
 use common::{done, is_child, max_abs, max_abs_diff, solo_rendezvous, Ranks};
 use std::time::Duration;
 
@@ -295,15 +296,6 @@ fn labels(n: usize, step: u32, device: &Device) -> Tensor {
     let v: Vec<u32> = (0..n as u32).map(|i| (i + step) % 10).collect();
     Tensor::from_vec(v, n, device).unwrap()
 }
-
-const SGD: SgdConfig = SgdConfig {
-    lr: 0.05,
-    momentum: 0.9,
-    dampening: 0.0,
-    weight_decay: 0.0,
-    nesterov: false,
-    maximize: false,
-};
 
 /// SGD steps of `build`'s model on one device over the whole `batches`; its variables.
 fn train_plain<M: candle_nn::ModuleT>(
