@@ -33,6 +33,7 @@
 
 mod pin;
 
+use crate::distributed::ProcessGroup;
 use crate::util::is_default_buffer;
 use crate::util::sync::lock;
 use candle_core::{DType, Device, Module, ModuleT, Shape, Tensor};
@@ -58,6 +59,9 @@ pub struct Checkpointed<M> {
     prefix: String,
     dtype: DType,
     device: Device,
+    /// The group the block's `nn::batch_norm` layers synchronise over when it was built (under
+    /// `DdpConfig::sync_batch_norm`): each rebuild makes them SyncBatchNorm layers again.
+    sync_group: Option<ProcessGroup>,
 }
 
 /// Builds the module `build` makes from `vb` as a checkpointed block: see the
@@ -102,6 +106,7 @@ where
         prefix,
         dtype,
         device,
+        sync_group: crate::nn::building_sync_group(),
     })
 }
 
@@ -142,16 +147,30 @@ impl<M: 'static> Checkpointed<M> {
         }
         let build = self.build.clone();
         let (prefix, dtype, device) = (self.prefix.clone(), self.dtype, self.device.clone());
+        let sync_group = self.sync_group.clone();
         let names: Vec<String> = self.params.iter().map(|(n, _)| n.clone()).collect();
         let run = move |tensors: Vec<Tensor>, x: &Tensor| -> candle_core::Result<Tensor> {
             let given = Given(names.iter().cloned().zip(tensors).collect());
             let vb = VarBuilder::from_backend(Box::new(given), dtype, device.clone());
-            f(&build(at_prefix(vb, &prefix))?, x)
+            let module =
+                crate::nn::rebuilding(sync_group.clone(), || build(at_prefix(vb, &prefix)))?;
+            f(&module, x)
         };
-        let recompute = Arc::new(Recompute::new(Arc::new(run), self.params.clone()));
+        // The recomputation gets copies of the buffers as they are before this forward, which
+        // updates the live ones: its own updates are lost, and it computes with the values the
+        // forward used.
+        let before = self
+            .params
+            .iter()
+            .map(|(name, p)| match is_default_buffer(name, p.dtype()) {
+                true => p.copy().map(Some),
+                false => Ok(None),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let recompute = Arc::new(Recompute::new(Arc::new(run), self.params.clone(), before));
         // The parameters without their graph; the buffers themselves, so that a training
         // forward updates BatchNorm's running statistics in place, once, as without
-        // checkpointing (the recomputation in backward gets copies).
+        // checkpointing.
         let detached: Vec<Tensor> = self
             .params
             .iter()

@@ -21,15 +21,23 @@ pub(super) type Run =
 pub(super) struct Recompute {
     run: Run,
     params: Arc<Vec<(String, Tensor)>>,
+    /// Copies of the buffers among `params` as they were before the forward (`None` for the
+    /// parameters).
+    buffers_before: Vec<Option<Tensor>>,
     grads: Mutex<Vec<Option<Tensor>>>,
 }
 
 impl Recompute {
-    pub(super) fn new(run: Run, params: Arc<Vec<(String, Tensor)>>) -> Self {
+    pub(super) fn new(
+        run: Run,
+        params: Arc<Vec<(String, Tensor)>>,
+        buffers_before: Vec<Option<Tensor>>,
+    ) -> Self {
         let n = params.len();
         Self {
             run,
             params,
+            buffers_before,
             grads: Mutex::new(vec![None; n]),
         }
     }
@@ -50,11 +58,12 @@ impl Recompute {
         let leaves = self
             .params
             .iter()
-            .map(|(name, p)| {
-                if is_default_buffer(name, p.dtype()) {
-                    // Not a leaf, and not the buffer itself: the forward updated BatchNorm's
-                    // running statistics already (a layer handed a plain tensor keeps a copy).
-                    return Ok(p.detach());
+            .zip(&self.buffers_before)
+            .map(|((_, p), before)| {
+                if let Some(before) = before {
+                    // A fresh copy of the buffer as the forward found it: the forward updated
+                    // the live one already, and what the recomputation writes is lost.
+                    return before.copy();
                 }
                 match p.is_variable() {
                     true => Ok(p.clone()),

@@ -7,6 +7,7 @@ use crate::optim::managed;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 use candle_nn::Optimizer;
+use std::collections::HashSet;
 
 /// Options of [`GradScaler`], with `torch.amp.GradScaler`'s names and defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -47,7 +48,7 @@ enum Stage {
 /// One optimizer's iteration (torch keeps one per optimizer): known by its variables.
 #[derive(Debug)]
 struct PerOptimizer {
-    ids: Vec<TensorId>,
+    ids: HashSet<TensorId>,
     stage: Stage,
     found_inf: bool,
 }
@@ -183,20 +184,18 @@ impl GradScaler {
         if !self.config.enabled {
             return Ok(());
         }
-        if self.group.as_ref().is_some_and(|(g, _)| g.world_size() > 1)
-            && crate::util::plain_join::inside()
-        {
+        if crate::util::plain_join::inside() {
             return Err(Error::InvalidArgument {
                 what: "GradScaler::unscale",
-                detail: "a group's scaler inside DistributedDataParallel::join: a rank that \
-                         has run out of batches would not take part in the scaler's \
-                         all-reduce (the ranks would wait for each other forever); give the \
-                         step (unscale, step, update) to join_with, which runs it on the \
-                         joined ranks too"
+                detail: "inside DistributedDataParallel::join: a rank that has run out of \
+                         batches steps the gradients as they come, still scaled (and would \
+                         not take part in a group scaler's all-reduce); give the step \
+                         (unscale, step, update) to join_with, which runs it on the joined \
+                         ranks too"
                     .into(),
             });
         }
-        let ids: Vec<TensorId> = vars.iter().map(|v| v.id()).collect();
+        let ids = id_set(vars);
         if let Some(known) = self.optimizers.iter().find(|o| o.ids == ids) {
             return Err(Error::InvalidArgument {
                 what: "GradScaler::unscale",
@@ -228,7 +227,12 @@ impl GradScaler {
         // torch: the reciprocal in double, then float.
         let inv = (1.0 / f64::from(self.scale)) as f32;
         let mut found = false;
+        let mut done = HashSet::new();
         for v in vars {
+            // A variable listed twice is divided once.
+            if !done.insert(v.id()) {
+                continue;
+            }
             let Some(g) = grads.get(v.as_tensor()) else {
                 continue;
             };
@@ -281,7 +285,7 @@ impl GradScaler {
             opt.step(grads)?;
             return Ok(true);
         }
-        let ids: Vec<TensorId> = vars.iter().map(|v| v.id()).collect();
+        let ids = id_set(vars);
         let k = match self.optimizers.iter().position(|o| o.ids == ids) {
             Some(k) if self.optimizers[k].stage == Stage::Stepped => {
                 return Err(Error::InvalidArgument {
@@ -367,4 +371,10 @@ impl GradScaler {
         self.growth_tracker = growth_tracker;
         Ok(())
     }
+}
+
+/// An optimizer's variables as a set: the same optimizer, whatever order its variables are
+/// listed in.
+fn id_set(vars: &[Var]) -> HashSet<TensorId> {
+    vars.iter().map(|v| v.id()).collect()
 }

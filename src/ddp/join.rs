@@ -230,30 +230,44 @@ impl<M: ModuleT> DistributedDataParallel<M> {
                 .to_device(&Device::Cpu)?
                 .to_scalar::<f64>()?;
         }
-        let both = [sums[0], sums[1], -sums[0], -sums[1]];
-        let t = Tensor::new(&both, &Device::Cpu)?.to_device(&self.device)?;
+        // A rank whose parameters are not finite sends a flag instead of its sums, so that a
+        // run that diverged the same way everywhere (a learning rate too large) is not taken
+        // for replicas that differ.
+        let finite = sums.iter().all(|s| s.is_finite());
+        let (a, b, f) = match finite {
+            true => (sums[0], sums[1], 0.0),
+            false => (0.0, 0.0, 1.0),
+        };
+        let t = Tensor::new(&[a, b, f, -a, -b, -f], &Device::Cpu)?.to_device(&self.device)?;
         let max = self
             .group
             .all_reduce(&t, ReduceOp::Max)?
             .to_device(&Device::Cpu)?
             .to_vec1::<f64>()?;
-        // NaN never equals: a NaN parameter anywhere counts as differing, which it is worth
-        // hearing about too.
-        let agree = max[0] == -max[2] && max[1] == -max[3];
-        if agree {
+        if (0..3).all(|i| max[i] == -max[i + 3]) {
+            if !finite {
+                log::warn!(
+                    "rank {}: after join every rank's parameters hold inf or NaN: the training \
+                     diverged (a learning rate too large?)",
+                    self.group.rank()
+                );
+            }
             return Ok(());
         }
+        let mine = match finite {
+            true => format!("sum {}, sum of squares {}", sums[0], sums[1]),
+            false => "parameters with inf or NaN".into(),
+        };
+        let others = match max[2] == -max[5] {
+            true => format!("sums over the ranks from {} to {}", -max[3], max[0]),
+            false => "some ranks' parameters are finite, some not".into(),
+        };
         Err(Error::Mismatch {
             detail: format!(
-                "after join the replicas' parameters differ (rank {}: sum {}, sum of squares \
-                 {}; over the ranks from {} to {}): the training loop changed the gradients \
-                 or the parameters between backward and step in a way the joined ranks did \
-                 not mirror",
+                "after join the replicas' parameters differ (rank {}: {mine}; {others}): the \
+                 training loop changed the gradients or the parameters between backward and \
+                 step in a way the joined ranks did not mirror",
                 self.group.rank(),
-                sums[0],
-                sums[1],
-                -max[2],
-                max[0]
             ),
         })
     }

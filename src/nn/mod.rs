@@ -191,6 +191,19 @@ pub(crate) fn building<R>(
     (out, mine.map(|m| m.sync_groups).unwrap_or_default())
 }
 
+/// The group [`batch_norm`] synchronises over in the construction under way, if any: for code
+/// that builds a module again later (activation checkpointing's recomputation), to build it
+/// as it was built first ([`rebuilding`]).
+pub(crate) fn building_sync_group() -> Option<ProcessGroup> {
+    BUILDING.with(|b| b.borrow().as_ref().and_then(|c| c.sync_group.clone()))
+}
+
+/// Runs `build` as a construction with [`batch_norm`] synchronising over `sync_group`, as
+/// [`building`] does, for a module built again: the groups it notes were noted the first time.
+pub(crate) fn rebuilding<R>(sync_group: Option<ProcessGroup>, build: impl FnOnce() -> R) -> R {
+    building(sync_group, build).0
+}
+
 /// Records, for the construction under way (if any), that a SyncBatchNorm layer uses `group`.
 fn note_sync_group(group: &ProcessGroup) {
     BUILDING.with(|b| {

@@ -62,6 +62,15 @@ pub fn clip_grad_norm_over(
             detail: format!("{norm_type} (must be positive, or f64::INFINITY)"),
         });
     }
+    if crate::util::plain_join::inside() {
+        return Err(Error::InvalidArgument {
+            what: "clip_grad_norm",
+            detail: "inside DistributedDataParallel::join: a rank that has run out of batches \
+                     steps the averaged gradients as they come, unclipped; give the step \
+                     (clip, then step) to join_with, which runs it on the joined ranks too"
+                .into(),
+        });
+    }
     if max_norm.is_nan() {
         return Err(Error::InvalidArgument {
             what: "clip_grad_norm max_norm",
