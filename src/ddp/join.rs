@@ -41,7 +41,8 @@ impl<M: ModuleT> DistributedDataParallel<M> {
     /// mirrors exactly that), with the optimizer's learning rate changed the same way on every
     /// rank (a joined rank keeps the last one it set). A loop that does more between backward
     /// and step (clipping, a [`GradScaler`](crate::amp::GradScaler)) uses
-    /// [`join_with`](Self::join_with) instead. `no_sync` and SyncBatchNorm cannot be mixed with
+    /// [`join_with`](Self::join_with) instead: inside `join`, both refuse at once, naming it.
+    /// `no_sync` and SyncBatchNorm cannot be mixed with
     /// joining: they are an error. If `train` fails, the error is returned at once and the
     /// other ranks see this rank as lost at their next collective.
     ///
