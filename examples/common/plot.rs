@@ -1,7 +1,8 @@
 //! The charts the benches and examples draw with `--plot FILE.svg`: images/s against devices or
 //! processes beside the ideal linear line (`benches/dp_throughput.rs`,
-//! `benches/ddp_throughput.rs`), and loss and accuracy per epoch (`examples/cifar_dp.rs`,
-//! `examples/cifar_ddp.rs`).
+//! `benches/ddp_throughput.rs`), loss and accuracy per epoch (`examples/cifar_dp.rs`,
+//! `examples/cifar_ddp.rs`), and training losses per step of several runs on one chart
+//! (`benches/largest_model.rs`).
 //!
 //! Drawn with plotters' SVG backend, which writes text as `<text>` elements for the viewer to
 //! render: no font files or fontconfig are needed to draw. Included by `#[path]` from each
@@ -33,6 +34,19 @@ pub struct Scaling<'a> {
     pub subtitle: &'a str,
     pub x_label: &'a str,
     pub series: &'a [Series],
+}
+
+/// One training run's loss per step, for [`loss_chart`].
+#[derive(Clone, Debug)]
+pub struct LossCurve {
+    /// The legend's name, e.g. "ours, bf16 + checkpointing + fully sharded".
+    pub name: String,
+    /// The loss at each step, from step 1.
+    pub losses: Vec<f64>,
+    /// The colour's index: runs to compare take one colour, one solid and one dashed.
+    pub colour: usize,
+    /// Drawn dashed (and so in the legend): the second of a pair that shares a colour.
+    pub dashed: bool,
 }
 
 /// One epoch of a training run.
@@ -412,6 +426,70 @@ pub fn training_chart(path: &Path, title: &str, subtitle: &str, epochs: &[Epoch]
             decimals: 0,
         };
         panel(&right, x(), accuracy_axis, &accuracy, 2, epochs)?;
+        root.present()?;
+    }
+    write(path, svg)
+}
+
+/// The loss of each of `curves` against the step, on a logarithmic axis (a loss that falls from
+/// 2 to 0.001 shows its whole course), the legend below.
+pub fn loss_chart(path: &Path, title: &str, subtitle: &str, curves: &[LossCurve]) -> Result<()> {
+    let values = || curves.iter().flat_map(|c| c.losses.iter().copied());
+    ensure!(
+        values().any(|v| v.is_finite() && v > 0.0),
+        "no positive finite loss to chart in {}",
+        path.display()
+    );
+    let lo = values()
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .fold(f64::INFINITY, f64::min);
+    let hi = values().filter(|v| v.is_finite()).fold(0f64, f64::max);
+    let steps = curves.iter().map(|c| c.losses.len()).max().unwrap_or(1) as u32;
+    let mut svg = String::new();
+    {
+        let height = 560 + 26 * curves.len() as u32;
+        let root = SVGBackend::with_string(&mut svg, (1000, height)).into_drawing_area();
+        let area = heading(&root, title, subtitle)?;
+        let (plot, key) =
+            area.split_vertically(area.dim_in_pixel().1 - 30 - 26 * curves.len() as u32);
+        let mut c = ChartBuilder::on(&plot)
+            .margin(20)
+            .x_label_area_size(50)
+            .y_label_area_size(80)
+            .build_cartesian_2d(1..steps + 1, (lo / 1.5..hi * 1.5).log_scale())?;
+        c.configure_mesh()
+            .x_desc("step")
+            .y_desc("training loss (log scale)")
+            .axis_desc_style(LABELS)
+            .label_style(LABELS)
+            .y_label_formatter(&|v| format!("{v:.3}"))
+            .light_line_style(TRANSPARENT)
+            .draw()?;
+        let mut entries = Vec::new();
+        for curve in curves {
+            let colour = colour(curve.colour);
+            // A step whose loss was not finite (or 0) leaves a gap rather than a spike.
+            let points: Vec<(u32, f64)> = (1..)
+                .zip(curve.losses.iter().copied())
+                .filter(|p| p.1.is_finite() && p.1 > 0.0)
+                .collect();
+            let style = colour.stroke_width(2);
+            if curve.dashed {
+                c.draw_series(DashedLineSeries::new(points, 8, 5, style))?;
+            } else {
+                c.draw_series(LineSeries::new(points, style))?;
+            }
+            entries.push(Entry {
+                name: curve.name.clone(),
+                colour,
+                mark: if curve.dashed {
+                    Mark::Dashed
+                } else {
+                    Mark::Solid
+                },
+            });
+        }
+        legend(&key.margin(-20, 0, 100, 0), &entries)?;
         root.present()?;
     }
     write(path, svg)
