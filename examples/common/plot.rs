@@ -456,13 +456,22 @@ pub fn loss_chart(path: &Path, title: &str, subtitle: &str, curves: &[LossCurve]
             .margin(20)
             .x_label_area_size(50)
             .y_label_area_size(80)
-            .build_cartesian_2d(1..steps + 1, (lo / 1.5..hi * 1.5).log_scale())?;
+            // From a power of ten: plotters labels a log axis from the first power of ten in
+            // its range, so a range from 0.2 would show no label below 1.
+            .build_cartesian_2d(
+                1..steps + 1,
+                (floor_power_of_ten(lo / 1.5)..hi * 1.5).log_scale(),
+            )?;
         c.configure_mesh()
             .x_desc("step")
             .y_desc("training loss (log scale)")
             .axis_desc_style(LABELS)
             .label_style(LABELS)
-            .y_label_formatter(&|v| format!("{v:.3}"))
+            .y_label_formatter(&|v| {
+                // As many decimals as the value's first significant digit needs: 0.03, 0.2, 3.
+                let decimals = (-v.log10().floor()).max(0.0) as usize;
+                format!("{v:.decimals$}")
+            })
             .light_line_style(TRANSPARENT)
             .draw()?;
         let mut entries = Vec::new();
@@ -493,6 +502,11 @@ pub fn loss_chart(path: &Path, title: &str, subtitle: &str, curves: &[LossCurve]
         root.present()?;
     }
     write(path, svg)
+}
+
+/// The largest power of ten not above `v` (positive).
+fn floor_power_of_ten(v: f64) -> f64 {
+    10f64.powf(v.log10().floor())
 }
 
 /// A line of a panel of the training chart: its name and the value it takes from an epoch.
