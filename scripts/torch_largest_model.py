@@ -34,6 +34,7 @@ libraries' own). With `--budget MIB` the trial stops after the first warm-up ste
 training memory (largest over the ranks) passes the budget, and says `status=over`.
 """
 import argparse
+import gc
 import json
 import os
 import socket
@@ -186,6 +187,12 @@ def worker(rank, a, port):
                 f.writelines(f"{v!r}\n" for v in curve.tolist())
         with open(a.result, "w") as f:
             f.write("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()) + "\n")
+    # Every rank done with its collectives, and DDP's reducer (which holds gloo work) gone,
+    # before the group goes: a rank once aborted in teardown ("terminate called without an
+    # active exception") after a 100-step DDP run.
+    dist.barrier()
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
