@@ -4,8 +4,9 @@
 //! `fully_shard` with `MixedPrecisionPolicy(bf16, f32)` and non-reentrant checkpointing, gloo),
 //! every trial in processes of its own, ours and PyTorch's in turns within one run.
 //!
-//!     cargo bench --bench largest_model -- --plot docs/largest_model_loss.svg   # ~10 min
+//!     cargo bench --bench largest_model -- --plot docs/largest_model_loss.svg   # ~12 min
 //!     cargo bench --bench largest_model -- --quick             # a smoke test, ~2 min
+//!     cargo bench --bench largest_model -- --curves-only --plot FILE.svg   # no search
 //!     cargo bench --bench largest_model -- --digits 32 --steps 5 --curve-size 2 \
 //!         --curve-steps 300                  # longer sequences: not run on the 2-core machine
 //!
@@ -14,8 +15,9 @@
 //! and 2 timed steps per trial, a budget of 192 MiB of training memory per rank, and 150 steps
 //! of the smallest rung for the loss curves. That budget is the one where the two setups part:
 //! f32 DDP fits 3.2 M parameters and stops at 6.3 M (both frameworks), bf16 + checkpointing +
-//! fully sharded climbs on to 25 M (ours). The whole run takes about 10 minutes; PyTorch's bf16
-//! on this CPU is most of it. Longer sequences make the activations, which checkpointing
+//! fully sharded climbs on, to 6.3 M (PyTorch) and 25.2 M (ours; at 189-194 MiB, the budget's
+//! edge: one run of three stopped at 14.2 M). The whole run takes 11-13 minutes; PyTorch's bf16
+//! on this CPU is most of it (docs/BENCHMARKS.md has the tables). Longer sequences make the activations, which checkpointing
 //! drops, a larger share of the memory, at several times the time.
 //!
 //! The model is `examples/common/transformer.rs` (GPT-style, pre-norm), the task its digit
@@ -647,6 +649,8 @@ struct Options {
     /// The rung (from 1) the loss curves train.
     curve_size: usize,
     torch: bool,
+    /// Whether to run the search, or only the loss curves (`--curves-only`).
+    search: bool,
     plot: Option<PathBuf>,
 }
 
@@ -662,6 +666,7 @@ fn parse() -> Result<Options> {
         curve_steps: 150,
         curve_size: 1,
         torch: true,
+        search: true,
         plot: None,
     };
     let mut args = std::env::args().skip(1);
@@ -678,6 +683,7 @@ fn parse() -> Result<Options> {
             "--curve-steps" => o.curve_steps = value("--curve-steps")?.parse()?,
             "--curve-size" => o.curve_size = value("--curve-size")?.parse()?,
             "--no-torch" => o.torch = false,
+            "--curves-only" => o.search = false,
             "--quick" => {
                 // Two small rungs, one timed step, a short curve: under a minute, PyTorch's
                 // start-up most of it.
@@ -1052,8 +1058,10 @@ fn main() -> Result<()> {
     std::fs::create_dir_all(&dir)?;
     let started = Instant::now();
     let result = (|| -> Result<()> {
-        let rows = search(&o, &dir)?;
-        print_search(&o, &rows);
+        if o.search {
+            let rows = search(&o, &dir)?;
+            print_search(&o, &rows);
+        }
         let runs = curves(&o, &dir)?;
         print_curves(&o, &runs);
         if let Some(path) = &o.plot {

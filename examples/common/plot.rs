@@ -504,9 +504,10 @@ pub fn loss_chart(path: &Path, title: &str, subtitle: &str, curves: &[LossCurve]
     write(path, svg)
 }
 
-/// The largest power of ten not above `v` (positive).
+/// A hair below the largest power of ten not above `v` (positive): plotters takes the ceiling
+/// of the start's logarithm, and `log10(0.1)` may come out a hair above -1 (the ceiling: 0).
 fn floor_power_of_ten(v: f64) -> f64 {
-    10f64.powf(v.log10().floor())
+    10f64.powf(v.log10().floor()) * 0.999
 }
 
 /// A line of a panel of the training chart: its name and the value it takes from an epoch.
