@@ -426,13 +426,17 @@ fn c_join_with_0_1_3_batches_world_equals_one_process() {
 // =============================================================================================
 // D. join_with whose step fails on one rank (rank 1's second step): the error must come back
 // on every rank, promptly (bounded here), never a hang.
-#[test]
-fn d_join_with_step_error_on_one_rank_returns_everywhere() {
-    let outcome = bounded(Duration::from_secs(60), || {
-        distributed::spawn_threads(3, |pg| {
+
+/// Three ranks with 0, 1 and 3 batches inside `join_with`, whose step fails on `failing`'s
+/// `call`-th call: the error must come back on every rank, bounded, never a hang.
+fn step_error_returns_everywhere(failing: usize, call: usize) {
+    let message = format!("rank {failing}'s step {call} fails");
+    let expected = message.clone();
+    let outcome = bounded(Duration::from_secs(60), move || {
+        distributed::spawn_threads(3, move |pg| {
             let varmap = VarMap::new();
             let model = DistributedDataParallel::new(&varmap, &pg, &CPU, |vb| linear(4, 3, vb))?;
-            let opt = Sgd::new(
+            let mut opt = Sgd::new(
                 model.parameters(),
                 SgdConfig {
                     lr: 0.1,
@@ -443,15 +447,14 @@ fn d_join_with_step_error_on_one_rank_returns_everywhere() {
             let calls = std::cell::Cell::new(0);
             let step = |opt: &mut Sgd, grads: GradStore| {
                 calls.set(calls.get() + 1);
-                if rank == 1 && calls.get() == 2 {
+                if rank == failing && calls.get() == call {
                     return Err(candle_parallel::Error::InvalidArgument {
                         what: "probe",
-                        detail: "rank 1's step fails".into(),
+                        detail: message.clone(),
                     });
                 }
                 Ok(opt.step(&grads)?)
             };
-            let mut opt = opt;
             model.join_with(&mut opt, JoinDivisor::World, step, |opt| {
                 for b in 0..BATCHES[rank] {
                     let loss = model.forward_t(&batch(rank, b), true)?.sqr()?.mean_all()?;
@@ -463,9 +466,21 @@ fn d_join_with_step_error_on_one_rank_returns_everywhere() {
         .map_err(|e| e.to_string())
     });
     assert!(
-        matches!(&outcome, Err(e) if e.contains("rank 1's step fails")),
+        matches!(&outcome, Err(e) if e.contains(&expected)),
         "{outcome:?}"
     );
+}
+
+#[test]
+fn d_join_with_step_error_on_one_rank_returns_everywhere() {
+    // Rank 1's second step, while rank 2 still trains and rank 0 shadows.
+    step_error_returns_everywhere(1, 2);
+}
+
+#[test]
+fn d_join_with_step_error_on_the_joined_rank_returns_everywhere() {
+    // The rank with no batches at all fails in its first shadow step.
+    step_error_returns_everywhere(0, 1);
 }
 
 // =============================================================================================
@@ -1168,47 +1183,6 @@ fn l_in_place_buffer_updates_happen_once_under_checkpointing() {
     assert_eq!(
         ckpt, plain,
         "(counter, running mean): checkpointed vs plain"
-    );
-}
-
-// D'. The step fails on the rank with no batches at all (rank 0), inside its shadow: the
-// error must come back on every rank, bounded.
-#[test]
-fn d_join_with_step_error_on_the_joined_rank_returns_everywhere() {
-    let outcome = bounded(Duration::from_secs(60), || {
-        distributed::spawn_threads(3, |pg| {
-            let varmap = VarMap::new();
-            let model = DistributedDataParallel::new(&varmap, &pg, &CPU, |vb| linear(4, 3, vb))?;
-            let mut opt = Sgd::new(
-                model.parameters(),
-                SgdConfig {
-                    lr: 0.1,
-                    ..Default::default()
-                },
-            )?;
-            let rank = pg.rank();
-            let step = |opt: &mut Sgd, grads: GradStore| {
-                if rank == 0 {
-                    return Err(candle_parallel::Error::InvalidArgument {
-                        what: "probe",
-                        detail: "rank 0's shadow step fails".into(),
-                    });
-                }
-                Ok(opt.step(&grads)?)
-            };
-            model.join_with(&mut opt, JoinDivisor::World, step, |opt| {
-                for b in 0..BATCHES[rank] {
-                    let loss = model.forward_t(&batch(rank, b), true)?.sqr()?.mean_all()?;
-                    step(opt, model.backward(&loss)?)?;
-                }
-                Ok(())
-            })
-        })
-        .map_err(|e| e.to_string())
-    });
-    assert!(
-        matches!(&outcome, Err(e) if e.contains("rank 0's shadow step fails")),
-        "{outcome:?}"
     );
 }
 
