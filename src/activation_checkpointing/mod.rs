@@ -15,6 +15,12 @@
 //! each time for the same input (no dropout inside: backward recomputes it), and tensors that
 //! [`Checkpointed::forward_with`] captures besides the input are constants.
 //!
+//! Buffers (variables named `running_mean`, `running_var`, `num_batches_tracked`, and integer
+//! variables) are handed to the forward as they are, so BatchNorm's running statistics move
+//! once, at forward, as without checkpointing; the recomputation gets copies of them as the
+//! forward found them. Under `DdpConfig::sync_batch_norm` the block's `nn::batch_norm` layers
+//! are rebuilt as SyncBatchNorm each time.
+//!
 //! ```rust
 //! use candle_core::{DType, Device, Module, Tensor};
 //! use candle_nn::{linear, Linear, VarBuilder, VarMap};
