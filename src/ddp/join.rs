@@ -97,7 +97,7 @@ impl<M: ModuleT> DistributedDataParallel<M> {
     /// ```rust
     /// use candle_core::backprop::GradStore;
     /// use candle_core::{Device, Tensor};
-    /// use candle_nn::{linear, VarMap};
+    /// use candle_nn::{linear, Optimizer, VarMap};
     /// use candle_parallel::amp::{GradScaler, GradScalerConfig};
     /// use candle_parallel::ddp::JoinDivisor;
     /// use candle_parallel::optim::{Sgd, SgdConfig};
