@@ -183,6 +183,70 @@ pub(crate) fn read_sharded(
     Ok(whole)
 }
 
+/// `result` of this rank, agreed by every rank of `group`: a failure anywhere is an error
+/// everywhere, naming the rank that failed and `path`.
+pub(crate) fn agree_on<T>(
+    group: &ProcessGroup,
+    device: &Device,
+    result: Result<T>,
+    path: &Path,
+) -> Result<T> {
+    crate::distributed::objects::agree_on(group, device, result, |rank, e| Error::Checkpoint {
+        key: String::new(),
+        path: path.to_path_buf(),
+        detail: format!("rank {rank} failed: {e}"),
+    })
+}
+
+/// Writes `tensors` (the whole training state, the same on every rank of `group`) into one file
+/// at `path` from rank 0; every rank learns whether the write succeeded.
+pub(crate) fn write_whole(
+    group: &ProcessGroup,
+    device: &Device,
+    tensors: &HashMap<String, Tensor>,
+    path: &Path,
+) -> Result<()> {
+    let written = match group.rank() {
+        0 => super::save(tensors, path),
+        _ => Ok(()),
+    };
+    agree_on(group, device, written, path)
+}
+
+/// The tensors of the file at `path`, read on every rank of `group`: unless every rank could
+/// read it, every rank fails.
+pub(crate) fn read_whole(
+    group: &ProcessGroup,
+    device: &Device,
+    path: &Path,
+) -> Result<HashMap<String, Tensor>> {
+    agree_on(group, device, super::read(path), path)
+}
+
+/// Writes this rank's share (what `share` makes) into `dir`, created if missing, as its file of
+/// the sharded format; every rank of `group` learns whether every rank wrote its own.
+pub(crate) fn write_share(
+    group: &ProcessGroup,
+    device: &Device,
+    dir: &Path,
+    share: impl FnOnce() -> Result<HashMap<String, Tensor>>,
+) -> Result<()> {
+    let written = std::fs::create_dir_all(dir)
+        .map_err(|source| Error::File {
+            action: "creating the checkpoint folder",
+            path: dir.to_path_buf(),
+            source,
+        })
+        .and_then(|()| share())
+        .and_then(|tensors| {
+            super::save(
+                &tensors,
+                dir.join(file_name(group.rank(), group.world_size())),
+            )
+        });
+    agree_on(group, device, written, dir)
+}
+
 /// The file of rank `rank` of `world`.
 pub(crate) fn file_name(rank: usize, world: usize) -> String {
     format!("rank-{rank}-of-{world}.safetensors")

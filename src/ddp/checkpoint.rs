@@ -11,7 +11,9 @@
 //! optimizer state (frozen, or never stepped) has none in either file.
 
 use super::DistributedDataParallel;
-use crate::checkpoint::sharded::{file_name, put_part, read_sharded, whole_states, STATE};
+use crate::checkpoint::sharded::{
+    agree_on, put_part, read_sharded, read_whole, whole_states, write_share, write_whole, STATE,
+};
 use crate::checkpoint::{optimizer_state_from, optimizer_tensors, LoadOptions};
 use crate::error::{Error, Result};
 use crate::optim::{ElementwiseOptimizer, OptimizerState};
@@ -38,11 +40,7 @@ impl<M> DistributedDataParallel<M> {
         let path = path.as_ref();
         let mut tensors = self.full_state(opt)?;
         tensors.extend(self.variables());
-        let written = match self.group.rank() {
-            0 => crate::checkpoint::save(&tensors, path),
-            _ => Ok(()),
-        };
-        self.agree_on(written, path)
+        write_whole(&self.group, &self.device, &tensors, path)
     }
 
     /// Loads a file written by [`save_checkpoint`](Self::save_checkpoint) (at any world size,
@@ -68,8 +66,7 @@ impl<M> DistributedDataParallel<M> {
     ) -> Result<()> {
         self.refuse_inside_join("load_checkpoint")?;
         let path = path.as_ref();
-        let tensors = crate::checkpoint::read(path);
-        let tensors = self.agree_on(tensors, path)?;
+        let tensors = read_whole(&self.group, &self.device, path)?;
         self.apply(opt, &tensors, path, options)
     }
 
@@ -84,19 +81,9 @@ impl<M> DistributedDataParallel<M> {
         dir: impl AsRef<Path>,
     ) -> Result<()> {
         self.refuse_inside_join("save_sharded_checkpoint")?;
-        let dir = dir.as_ref();
-        let (rank, world) = (self.group.rank(), self.group.world_size());
-        let written = std::fs::create_dir_all(dir)
-            .map_err(|source| Error::File {
-                action: "creating the checkpoint folder",
-                path: dir.to_path_buf(),
-                source,
-            })
-            .and_then(|()| self.my_share(opt))
-            .and_then(|tensors| {
-                crate::checkpoint::save(&tensors, dir.join(file_name(rank, world)))
-            });
-        self.agree_on(written, dir)
+        write_share(&self.group, &self.device, dir.as_ref(), || {
+            self.my_share(opt)
+        })
     }
 
     /// Loads the files [`save_sharded_checkpoint`](Self::save_sharded_checkpoint) wrote into
@@ -324,12 +311,6 @@ impl<M> DistributedDataParallel<M> {
     /// Makes every rank return an error when one failed: this rank's own, or the failing
     /// rank's words about `path`.
     fn agree_on<T>(&self, result: Result<T>, path: &Path) -> Result<T> {
-        crate::distributed::objects::agree_on(&self.group, &self.device, result, |rank, e| {
-            Error::Checkpoint {
-                key: String::new(),
-                path: path.to_path_buf(),
-                detail: format!("rank {rank} failed: {e}"),
-            }
-        })
+        agree_on(&self.group, &self.device, result, path)
     }
 }

@@ -6,7 +6,9 @@
 //! DDP, load back.
 
 use super::FullyShardedDataParallel;
-use crate::checkpoint::sharded::{file_name, put_part, read_sharded, whole_states, STATE};
+use crate::checkpoint::sharded::{
+    agree_on, put_part, read_sharded, read_whole, whole_states, write_share, write_whole, STATE,
+};
 use crate::checkpoint::{optimizer_state_from, optimizer_tensors, LoadOptions};
 use crate::error::{Error, Result};
 use crate::optim::{ElementwiseOptimizer, OptimizerState};
@@ -51,11 +53,7 @@ impl<M> FullyShardedDataParallel<M> {
         let device = self.shared.device.clone();
         let mut tensors = whole_states(&self.shared.group, &device, &described, &state.scalars)?;
         tensors.extend(self.full_parameters()?);
-        let written = match self.shared.group.rank() {
-            0 => crate::checkpoint::save(&tensors, path),
-            _ => Ok(()),
-        };
-        self.agree_on(written, path)
+        write_whole(&self.shared.group, &device, &tensors, path)
     }
 
     /// Loads a file written by [`save_checkpoint`](Self::save_checkpoint) (at any world size, by
@@ -80,8 +78,7 @@ impl<M> FullyShardedDataParallel<M> {
         options: LoadOptions,
     ) -> Result<()> {
         let path = path.as_ref();
-        let tensors = crate::checkpoint::read(path);
-        let tensors = self.agree_on(tensors, path)?;
+        let tensors = read_whole(&self.shared.group, &self.shared.device, path)?;
         self.apply(opt, &tensors, path, options)
     }
 
@@ -95,20 +92,8 @@ impl<M> FullyShardedDataParallel<M> {
         opt: &impl ElementwiseOptimizer,
         dir: impl AsRef<Path>,
     ) -> Result<()> {
-        let dir = dir.as_ref();
-        let group = &self.shared.group;
-        let (rank, world) = (group.rank(), group.world_size());
-        let written = std::fs::create_dir_all(dir)
-            .map_err(|source| Error::File {
-                action: "creating the checkpoint folder",
-                path: dir.to_path_buf(),
-                source,
-            })
-            .and_then(|()| self.my_share(opt))
-            .and_then(|tensors| {
-                crate::checkpoint::save(&tensors, dir.join(file_name(rank, world)))
-            });
-        self.agree_on(written, dir)
+        let (group, device) = (&self.shared.group, &self.shared.device);
+        write_share(group, device, dir.as_ref(), || self.my_share(opt))
     }
 
     /// Loads the files [`save_sharded_checkpoint`](Self::save_sharded_checkpoint) (or DDP's)
@@ -292,11 +277,6 @@ impl<M> FullyShardedDataParallel<M> {
     /// Makes every rank return an error when one failed: this rank's own, or the failing
     /// rank's words about `path`.
     fn agree_on<T>(&self, result: Result<T>, path: &Path) -> Result<T> {
-        let (group, device) = (&self.shared.group, &self.shared.device);
-        crate::distributed::objects::agree_on(group, device, result, |rank, e| Error::Checkpoint {
-            key: String::new(),
-            path: path.to_path_buf(),
-            detail: format!("rank {rank} failed: {e}"),
-        })
+        agree_on(&self.shared.group, &self.shared.device, result, path)
     }
 }
