@@ -126,11 +126,11 @@ fn a_rank_sigkilled_mid_epoch_restarts_and_cifar_ddp_ends_as_if_never_stopped() 
     );
 }
 
-#[test]
-fn a_rank_sigkilled_mid_epoch_restarts_and_transformer_ddp_under_zero2_ends_as_if_never_stopped() {
-    // 2 ranks of 16 over 2048 samples: 64 steps an epoch; AdamW's sharded state and the
-    // learning-rate schedule resume with the step.
-    let args = [
+/// `transformer_ddp` on 2 ranks of 16 over 2048 samples (64 steps an epoch, a checkpoint every
+/// 4), with `layers` blocks of width 32 and `extra` options, killed after the checkpoint at
+/// step 8 and resumed: it must end as the uninterrupted run.
+fn transformer_killed_and_resumed(name: &str, layers: &str, extra: &[&str]) {
+    let base = [
         "--cpu",
         "--epochs",
         "2",
@@ -141,53 +141,32 @@ fn a_rank_sigkilled_mid_epoch_restarts_and_transformer_ddp_under_zero2_ends_as_i
         "--test-size",
         "50",
         "--layers",
-        "1",
+        layers,
         "--dim",
         "32",
-        "--sharding",
-        "zero2",
         "--checkpoint-every",
         "4",
     ];
     killed_and_resumed_equals_uninterrupted(
-        "elastic-transformer",
+        name,
         "transformer_ddp",
-        &args,
+        &[&base[..], extra].concat(),
         "[rank0]: Checkpoint at step 8 saved",
         1024,
     );
 }
 
 #[test]
+fn a_rank_sigkilled_mid_epoch_restarts_and_transformer_ddp_under_zero2_ends_as_if_never_stopped() {
+    // AdamW's sharded state and the learning-rate schedule resume with the step.
+    transformer_killed_and_resumed("elastic-transformer", "1", &["--sharding", "zero2"]);
+}
+
+#[test]
 fn a_rank_sigkilled_mid_epoch_restarts_and_transformer_ddp_fully_sharded_ends_as_if_never_stopped()
 {
     // As above, fully sharded: the pieces, AdamW's state of them and the schedule resume.
-    let args = [
-        "--cpu",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "16",
-        "--train-size",
-        "2048",
-        "--test-size",
-        "50",
-        "--layers",
-        "2",
-        "--dim",
-        "32",
-        "--sharding",
-        "full",
-        "--checkpoint-every",
-        "4",
-    ];
-    killed_and_resumed_equals_uninterrupted(
-        "elastic-transformer-full",
-        "transformer_ddp",
-        &args,
-        "[rank0]: Checkpoint at step 8 saved",
-        1024,
-    );
+    transformer_killed_and_resumed("elastic-transformer-full", "2", &["--sharding", "full"]);
 }
 
 #[test]
@@ -383,32 +362,9 @@ fn a_rank_sigkilled_mid_epoch_restarts_and_transformer_ddp_in_f16_resumes_its_lo
     // f16 with the gradient scaler, started at 2^24: the first steps overflow and the scale
     // backs off at each; a run resumed without that state would start again at 2^24 and skip
     // as many steps again.
-    let args = [
-        "--cpu",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "16",
-        "--train-size",
-        "2048",
-        "--test-size",
-        "50",
-        "--layers",
-        "1",
-        "--dim",
-        "32",
-        "--precision",
-        "f16",
-        "--init-scale",
-        "16777216",
-        "--checkpoint-every",
-        "4",
-    ];
-    killed_and_resumed_equals_uninterrupted(
+    transformer_killed_and_resumed(
         "elastic-transformer-f16",
-        "transformer_ddp",
-        &args,
-        "[rank0]: Checkpoint at step 8 saved",
-        1024,
+        "1",
+        &["--precision", "f16", "--init-scale", "16777216"],
     );
 }
