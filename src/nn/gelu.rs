@@ -39,7 +39,7 @@ fn exp(x: f32) -> f32 {
     let p = p * r + 8.333_452e-3;
     let p = p * r + 4.166_579_6e-2;
     let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 5.000_000_1e-1;
+    let p = p * r + 0.5;
     let e = p * r * r + r + 1.0;
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     let y = e * scale;
@@ -61,7 +61,7 @@ fn erfc(x: f32) -> f32 {
     let p = 0.170_872_77;
     let p = p * t - 0.822_152_23;
     let p = p * t + 1.488_515_9;
-    let p = p * t - 1.135_203_98;
+    let p = p * t - 1.135_204;
     let p = p * t + 0.278_868_07;
     let p = p * t - 0.186_288_06;
     let p = p * t + 0.096_784_18;
