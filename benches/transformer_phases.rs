@@ -106,10 +106,13 @@ fn layer(
         x.clone()
     };
     let g = layer(&x)?.rand_like(-1.0, 1.0)?;
-    let fwd = time(steps, || Ok(drop(layer(&x)?)))?;
+    let fwd = time(steps, || {
+        layer(&x)?;
+        Ok(())
+    })?;
     let bwd_and_fwd = time(steps, || {
-        let y = layer(&x)?;
-        Ok(drop((y * &g)?.sum_all()?.backward()?))
+        (layer(&x)? * &g)?.sum_all()?.backward()?;
+        Ok(())
     })?;
     Ok((fwd, (bwd_and_fwd - fwd).max(0.0)))
 }
@@ -175,12 +178,12 @@ fn main() -> Result<()> {
     )?;
     let mut opt = AdamW::new(varmap.all_vars(), AdamWConfig::default())?;
     let forward = time(o.steps, || {
-        Ok(drop(sort_loss(&model.forward(&tokens)?, &answers)?))
+        sort_loss(&model.forward(&tokens)?, &answers)?;
+        Ok(())
     })?;
     let backward = time(o.steps, || {
-        Ok(drop(
-            sort_loss(&model.forward(&tokens)?, &answers)?.backward()?,
-        ))
+        sort_loss(&model.forward(&tokens)?, &answers)?.backward()?;
+        Ok(())
     })? - forward;
     let grads = sort_loss(&model.forward(&tokens)?, &answers)?.backward()?;
     let step = time(o.steps, || Ok(opt.step(&grads)?))?;
