@@ -89,4 +89,8 @@ pub use parallel::{DataParallel, DataParallelConfig};
 pub mod guides {
     #[doc = include_str!("../docs/POINT_TO_POINT.md")]
     pub struct PointToPoint;
+    #[doc = include_str!("../docs/DEVICE_MESH.md")]
+    pub struct DeviceMesh;
+    #[doc = include_str!("../docs/MODEL_PARALLEL.md")]
+    pub struct ModelParallel;
 }
