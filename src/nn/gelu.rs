@@ -92,9 +92,27 @@ fn derivative(x: f32) -> f32 {
     cdf(x) + x * (FRAC_1_SQRT_2PI * exp(-0.5 * x * x))
 }
 
-/// `out[i] = f(a[i], b[i])` (b absent: `f(a[i], 0)`), computed in f32 and rounded to `T`
+/// What an elementwise pass computes: GELU's value (`x` alone), or its gradient (`x` and the
+/// incoming gradient). A type, not a closure, so that it inlines into the AVX2 loop.
+#[derive(Clone, Copy)]
+enum Pass {
+    Forward,
+    Backward,
+}
+
+impl Pass {
+    #[inline(always)]
+    fn at(self, x: f32, g: f32) -> f32 {
+        match self {
+            Pass::Forward => forward(x),
+            Pass::Backward => g * derivative(x),
+        }
+    }
+}
+
+/// `out[i] = pass(a[i], b[i])` (`b` only for the backward), computed in f32 and rounded to `T`
 /// once, over candle's threads for large inputs.
-fn map<T>(a: &[T], b: Option<&[T]>, f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<T>
+fn map<T>(a: &[T], b: Option<&[T]>, pass: Pass) -> Vec<T>
 where
     T: Elem + Send + Sync,
     T::Acc: From<f32> + Into<f64>,
@@ -104,9 +122,17 @@ where
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
             // SAFETY: the CPU has the instructions, just checked.
-            return unsafe { run_avx2(a, b, out, &f) };
+            return unsafe {
+                match pass {
+                    Pass::Forward => run_avx2::<T, true>(a, b, out),
+                    Pass::Backward => run_avx2::<T, false>(a, b, out),
+                }
+            };
         }
-        run_plain(a, b, out, &f)
+        match pass {
+            Pass::Forward => run_plain::<T, true>(a, b, out),
+            Pass::Backward => run_plain::<T, false>(a, b, out),
+        }
     };
     let mut out = vec![T::zero(); a.len()];
     let threads = candle_core::utils::get_num_threads().max(1);
@@ -122,23 +148,24 @@ where
     out
 }
 
-/// The elementwise loop of [`map`].
+/// The elementwise loop of [`map`]: the forward (`FORWARD`) or the backward, whose gradients
+/// `b` holds.
 #[inline(always)]
-fn run_plain<T>(a: &[T], b: Option<&[T]>, out: &mut [T], f: &impl Fn(f32, f32) -> f32)
+fn run_plain<T, const FORWARD: bool>(a: &[T], b: Option<&[T]>, out: &mut [T])
 where
     T: Elem,
     T::Acc: From<f32> + Into<f64>,
 {
     let f32_of = |v: T| -> f32 { v.up().into() as f32 };
     match b {
-        Some(b) => {
-            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
-                *o = T::down(f(f32_of(x), f32_of(y)).into());
+        Some(b) if !FORWARD => {
+            for ((o, &x), &g) in out.iter_mut().zip(a).zip(b) {
+                *o = T::down(Pass::Backward.at(f32_of(x), f32_of(g)).into());
             }
         }
-        None => {
+        _ => {
             for (o, &x) in out.iter_mut().zip(a) {
-                *o = T::down(f(f32_of(x), 0.0).into());
+                *o = T::down(Pass::Forward.at(f32_of(x), 0.0).into());
             }
         }
     }
@@ -152,12 +179,12 @@ where
 /// The CPU must have AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<T>(a: &[T], b: Option<&[T]>, out: &mut [T], f: &impl Fn(f32, f32) -> f32)
+unsafe fn run_avx2<T, const FORWARD: bool>(a: &[T], b: Option<&[T]>, out: &mut [T])
 where
     T: Elem,
     T::Acc: From<f32> + Into<f64>,
 {
-    run_plain(a, b, out, f)
+    run_plain::<T, FORWARD>(a, b, out)
 }
 
 /// The GELU of `x` with the exact (erf) form, `x · Φ(x)`, as torch's `F.gelu` (default
@@ -182,9 +209,7 @@ impl candle_core::CustomOp1 for GeluErf {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = with_float_slices!(&[s], |v: T| {
-            storage(map::<T>(values(v[0], l, "the input")?, None, |x, _| {
-                forward(x)
-            }))
+            storage(map::<T>(values(v[0], l, "the input")?, None, Pass::Forward))
         });
         Ok((out, l.shape().clone()))
     }
@@ -212,7 +237,7 @@ impl candle_core::CustomOp2 for GeluErfGrad {
         let out = with_float_slices!(&[s1, s2], |v: T| {
             let x = values(v[0], l1, "the input")?;
             let g = values(v[1], l2, "the gradient")?;
-            storage(map::<T>(x, Some(g), |x, g| g * derivative(x)))
+            storage(map::<T>(x, Some(g), Pass::Backward))
         });
         Ok((out, l1.shape().clone()))
     }
