@@ -98,6 +98,25 @@ impl<'a> Mat<&'a [f32]> {
         }
     }
 
+    /// Columns `first..first + count` of `data` (a row-major matrix of `cols` columns),
+    /// transposed: a `count x (data.len() / cols)` view where they lie.
+    pub fn columns_transposed(data: &'a [f32], cols: usize, first: usize, count: usize) -> Self {
+        assert!(
+            first + count <= cols && data.len() % cols.max(1) == 0,
+            "columns {first}..{} of a matrix of {cols} columns ({} values)",
+            first + count,
+            data.len()
+        );
+        Self {
+            // The last element read, (count - 1) + (rows - 1) * cols from `first`, lies within.
+            ptr: &data[first.min(data.len())..],
+            rows: count,
+            cols: data.len() / cols.max(1),
+            rs: 1,
+            cs: cols as isize,
+        }
+    }
+
     /// The transpose of `data` seen as a row-major matrix of `cols` columns.
     pub fn transposed(data: &'a [f32], cols: usize) -> Self {
         Self {

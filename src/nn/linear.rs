@@ -218,24 +218,20 @@ impl candle_core::CustomOp3 for LinearOp {
             None
         };
         let dw = if w.track_op() {
-            // gᵀ (o x n), so that each thread takes whole rows of the weight's gradient.
-            let mut gt = vec![0f32; o * n];
-            for (i, row) in g.chunks(o.max(1)).enumerate() {
-                for (j, &v) in row.iter().enumerate() {
-                    gt[j * n + i] = v;
-                }
-            }
+            // Each thread takes whole rows of the weight's gradient: rows of gᵀ, read as
+            // columns of g where they lie (gemm packs them; a transposed copy of g cost more
+            // than the product at the transformer's sizes).
             let mut dw = vec![0f32; o * k];
             with_f32(x, |x| {
                 if n == 0 {
                     return Ok(()); // an empty batch: a zero gradient
                 }
                 for_each_chunk(&mut dw, k, |first, rows| {
-                    let gt_rows = &gt[first * n..first * n + rows.len() / k * n];
-                    // dw_rows (r x k) = gtᵀ_rows (r x n) . x (n x k)
+                    let count = rows.len() / k;
+                    // dw_rows (r x k) = gᵀ_rows (r x n) . x (n x k)
                     matmul(
                         Mat::rows(rows, k),
-                        Mat::rows_of(gt_rows, n),
+                        Mat::columns_transposed(&g, o, first, count),
                         Mat::rows_of(x, k),
                         false,
                     );
