@@ -67,6 +67,7 @@ pub mod memory;
 pub mod nn;
 pub mod optim;
 pub mod parallel;
+pub mod pipeline;
 pub mod rng;
 pub mod sampler;
 pub mod shard;

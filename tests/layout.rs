@@ -26,7 +26,7 @@ const LAYERS: &[&[&str]] = &[
         "activation_checkpointing",
     ],
     // The wrappers.
-    &["ddp", "fsdp", "parallel"],
+    &["ddp", "fsdp", "parallel", "pipeline"],
     // Example support.
     &["cifar"],
     // Starting the ranks.

@@ -1,0 +1,3 @@
+//! Pipeline parallelism (`torch.distributed.pipelining`).
+
+pub mod schedule;
