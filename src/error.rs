@@ -173,6 +173,26 @@ pub enum Error {
         detail: String,
     },
 
+    /// A point-to-point receive expected another shape or dtype than its sender sent. The
+    /// message is consumed; nothing was reinterpreted.
+    #[error(
+        "rank {receiver} expected {expected} from rank {sender} (message #{seq} from rank \
+         {sender} to rank {receiver}), but rank {sender} sent {sent}; receives must expect what \
+         their sender sends, in the order it sends it"
+    )]
+    P2pMismatch {
+        /// The sending rank.
+        sender: usize,
+        /// The receiving rank.
+        receiver: usize,
+        /// The message's number among those from `sender` to `receiver`, from 1.
+        seq: u64,
+        /// What the receive expected ("f32 [4, 8]").
+        expected: String,
+        /// What was sent.
+        sent: String,
+    },
+
     /// A bounded wait ran out.
     #[error("timed out after {waited:?} {what}")]
     Timeout {

@@ -1,13 +1,14 @@
 //! What a backend provides: the [`Communicator`] that a [`ProcessGroup`](super::ProcessGroup)
 //! drives from its worker thread.
 
+use super::algorithms::exchange::Meta;
 use super::config::Algorithm;
 use super::rendezvous::GroupPath;
 use super::store::{Store, StoreServer};
 use super::work::Finished;
 use super::ReduceOp;
 use crate::error::Result;
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use std::sync::Arc;
 
 /// What a backend hands back when it has connected a group.
@@ -32,6 +33,23 @@ pub(crate) struct Call {
     pub mark: Option<IssueMark>,
 }
 
+/// One side of a point-to-point message as the worker hands it to the backend: the peer, and
+/// the message's number among those between this rank and the peer in its direction (from 1;
+/// messages between two ranks match in the order they were issued).
+pub(crate) enum PointOp {
+    Send {
+        peer: usize,
+        seq: u64,
+        tensor: Tensor,
+    },
+    Recv {
+        peer: usize,
+        seq: u64,
+        /// What the receive expects; `None` takes what was sent.
+        expect: Option<Meta>,
+    },
+}
+
 /// A backend's side of a process group. Each collective runs on the group's worker thread, one
 /// at a time, in issue order; every rank agrees on `call.desc` before data moves and fails on
 /// every rank when they do not.
@@ -45,6 +63,20 @@ pub(crate) trait Communicator: Send + Sync {
     fn broadcast(&self, call: Call, t: &Tensor, root: usize) -> Result<Finished<Tensor>>;
     fn all_gather(&self, call: Call, t: &Tensor) -> Result<Finished<Vec<Tensor>>>;
     fn reduce_scatter(&self, call: Call, t: &Tensor, op: ReduceOp) -> Result<Finished<Tensor>>;
+    /// Runs a batch of point-to-point messages, with one peer or several, as one unit (torch's
+    /// `batch_isend_irecv`): every send is under way before any receive waits, so ranks that
+    /// send to each other in one batch never wait for each other. Returns, in `ops`' order,
+    /// each receive's tensor on `device` (`None` for sends). `mark` is what
+    /// [`Communicator::issue`] recorded for the sends' tensors.
+    fn p2p(
+        &self,
+        ops: Vec<PointOp>,
+        device: &Device,
+        mark: Option<IssueMark>,
+    ) -> Result<Finished<Vec<Option<Tensor>>>>;
+    /// After the ranks agreed on `call.desc`, sends `inputs[p]` to every rank `p` and returns
+    /// what each rank sent to this one, in rank order, shaped as it was sent.
+    fn all_to_all(&self, call: Call, inputs: &[Tensor]) -> Result<Finished<Vec<Tensor>>>;
     /// Only the agreement on `call.desc`: a barrier.
     fn check(&self, call: &Call) -> Result<()>;
     /// After the ranks agreed on `call` (a `new_group` of `members`), connects the new group

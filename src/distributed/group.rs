@@ -16,6 +16,9 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
+mod p2p;
+pub use p2p::P2pOp;
+
 /// Where this process stands in a group.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Membership {
@@ -43,7 +46,11 @@ struct GroupState {
     comm: Arc<dyn Communicator>,
     membership: Membership,
     backend: Backend,
+    /// Where received messages land.
+    device: Device,
     path: GroupPath,
+    /// How many point-to-point messages this rank has issued to and from each rank.
+    p2p: Mutex<p2p::Counters>,
     store: Option<Arc<Store>>,
     /// Rank 0's store server lives as long as any group that needs it.
     store_server: Option<Arc<StoreServer>>,
@@ -182,6 +189,7 @@ impl ProcessGroup {
         Self::assemble(
             Membership::of(rendezvous),
             backend,
+            device,
             GroupPath::default(),
             connected,
         )
@@ -191,6 +199,7 @@ impl ProcessGroup {
     pub(crate) fn assemble(
         membership: Membership,
         backend: Backend,
+        device: &Device,
         path: GroupPath,
         connected: Connected,
     ) -> Result<Self> {
@@ -201,7 +210,9 @@ impl ProcessGroup {
                 comm: Arc::from(connected.comm),
                 membership,
                 backend,
+                device: device.clone(),
                 path,
+                p2p: Mutex::new(p2p::Counters::new(membership.world_size)),
                 store: connected.store,
                 store_server: connected.server,
                 extensions: Mutex::new(HashMap::new()),
@@ -232,6 +243,13 @@ impl ProcessGroup {
     /// The transport in use.
     pub fn backend(&self) -> Backend {
         self.state.backend
+    }
+
+    /// The device the group was made for: where [`recv`](Self::recv) puts what it receives
+    /// (the CPU for [`spawn_threads`](super::spawn_threads)'s groups). Groups made by
+    /// [`new_group`](Self::new_group) keep their parent's.
+    pub fn device(&self) -> &Device {
+        &self.state.device
     }
 
     /// How this rank reaches each rank of the group: `Some("tcp")`, `Some("unix")` (a
@@ -510,7 +528,7 @@ impl ProcessGroup {
             server: connected.server.or_else(|| self.state.store_server.clone()),
             ..connected
         };
-        Self::assemble(membership, self.backend(), path, connected).map(Some)
+        Self::assemble(membership, self.backend(), self.device(), path, connected).map(Some)
     }
 
     fn check_rank(&self, rank: usize, what: &'static str) -> Result<()> {

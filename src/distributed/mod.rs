@@ -5,6 +5,11 @@
 //!   `all_gather`, `reduce_scatter`, `barrier`, on f32, f64, f16 and bf16 tensors of any shape,
 //!   each blocking or asynchronous (`all_reduce_async` and so on, returning a [`Work`]). Results
 //!   stay on the input's device.
+//! - Point-to-point messages (`send`, `recv`, `recv_as_sent`, each with an `_async` form, and
+//!   [`ProcessGroup::batch_isend_irecv`] of [`P2pOp`]s) and `all_to_all` /
+//!   `all_to_all_single` with uneven splits, on every backend: messages between two ranks
+//!   match in the order they were issued, and a receive that expected another shape or dtype
+//!   fails naming both.
 //! - Groups are created from torchrun's or Slurm's environment ([`ProcessGroup::from_env`]),
 //!   from a `tcp://host:port` address ([`ProcessGroup::from_url`]), explicitly
 //!   ([`ProcessGroup::new`] with a [`Rendezvous`]), or as threads of one process
@@ -68,7 +73,7 @@ pub use config::{
     check_threads_var, honour_omp_num_threads, omp_threads, Algorithm, Backend, InitConfig,
     ALGORITHM_VAR, BACKEND_VAR, OMP_THREADS_VAR, RENDEZVOUS_TIMEOUT_VAR, THREADS_VAR, TOKEN_VAR,
 };
-pub use group::ProcessGroup;
+pub use group::{P2pOp, ProcessGroup};
 pub use reduce_op::ReduceOp;
 pub use rendezvous::store;
 pub use rendezvous::{Launcher, Rendezvous, MAX_WORLD_SIZE};

@@ -8,6 +8,7 @@ use super::config::{Backend, InitConfig};
 use super::group::{Membership, ProcessGroup};
 use super::rendezvous::GroupPath;
 use crate::error::{Error, Result};
+use candle_core::Device;
 use std::any::{Any, TypeId};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -114,6 +115,7 @@ where
                             let group = ProcessGroup::assemble(
                                 membership,
                                 Backend::InProcess,
+                                &Device::Cpu,
                                 GroupPath::default(),
                                 connected,
                             )

@@ -247,6 +247,25 @@ impl Worker {
         T: Send + 'static,
         F: FnOnce(u64) -> Result<Finished<T>> + Send + 'static,
     {
+        self.enqueue(what, true, job)
+    }
+
+    /// Queues `job` behind every call issued before it without numbering it: for what only
+    /// some ranks of the group take part in (point-to-point messages), which must not shift
+    /// the collectives' numbers. `job` gets the number of the last collective issued.
+    pub fn submit_unnumbered<T, F>(&self, what: String, job: F) -> Work<T>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Result<Finished<T>> + Send + 'static,
+    {
+        self.enqueue(what, false, move |_| job())
+    }
+
+    fn enqueue<T, F>(&self, what: String, numbered: bool, job: F) -> Work<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(u64) -> Result<Finished<T>> + Send + 'static,
+    {
         let slot = Arc::new(Slot {
             outcome: Mutex::new(Outcome::Pending),
             filled: Condvar::new(),
@@ -256,7 +275,9 @@ impl Worker {
             what: what.clone(),
         };
         let mut queue = lock(&self.shared.queue);
-        queue.issued += 1;
+        if numbered {
+            queue.issued += 1;
+        }
         let seq = queue.issued;
         if queue.closed {
             // Only reachable while the group is being dropped: nobody can issue then.
@@ -265,13 +286,15 @@ impl Worker {
             }));
             return work;
         }
+        let name = if numbered {
+            format!("{what} (collective #{seq})")
+        } else {
+            what
+        };
         queue.jobs.push_back(Box::new(move || {
             let result = catch_unwind(AssertUnwindSafe(|| job(seq))).unwrap_or_else(|panic| {
                 Err(Error::Aborted {
-                    reason: format!(
-                        "{what} (collective #{seq}) panicked: {}",
-                        panic_message(&*panic)
-                    ),
+                    reason: format!("{name} panicked: {}", panic_message(&*panic)),
                 })
             });
             slot.fill(result);

@@ -7,6 +7,7 @@ pub mod collectives;
 pub mod engines;
 pub mod models;
 pub mod netns;
+pub mod p2p;
 pub mod slurm;
 
 use std::io::Read;

@@ -7,6 +7,7 @@
 
 pub(crate) mod broadcast;
 pub(crate) mod consensus;
+pub(crate) mod exchange;
 pub(crate) mod hierarchical;
 pub(crate) mod ring;
 

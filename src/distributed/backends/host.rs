@@ -8,8 +8,8 @@
 //! launcher's error file ([`error_file`]).
 
 use crate::distributed::algorithms::hierarchical::{self, Topology};
-use crate::distributed::algorithms::{broadcast, consensus, ring, Links};
-use crate::distributed::communicator::{Call, Communicator, Connected};
+use crate::distributed::algorithms::{broadcast, consensus, exchange, ring, Links};
+use crate::distributed::communicator::{Call, Communicator, Connected, IssueMark, PointOp};
 use crate::distributed::config::{Algorithm, InitConfig};
 use crate::distributed::error_file;
 use crate::distributed::rendezvous::world::{join_world, MeshContext};
@@ -18,10 +18,11 @@ use crate::distributed::rendezvous::Rendezvous;
 use crate::distributed::transport::conn::host_identity;
 use crate::distributed::transport::host_buf::{with_bytes, HostBuf};
 use crate::distributed::transport::mesh::Mesh;
+use crate::distributed::transport::wire::FrameKind;
 use crate::distributed::work::Finished;
 use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
-use candle_core::{DType, Shape, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
 use std::sync::Arc;
 
 /// Joins the job described by `r` and connects its TCP group.
@@ -198,6 +199,71 @@ impl Communicator for HostComm {
 
     fn check(&self, call: &Call) -> Result<()> {
         consensus::check(&self.mesh, call.seq, &call.desc)
+    }
+
+    /// Sends go out first (the peers' reader threads take them in whatever the peers are
+    /// doing, so a send never waits for its receive), then the receives wait in order.
+    fn p2p(
+        &self,
+        ops: Vec<PointOp>,
+        device: &Device,
+        _: Option<IssueMark>,
+    ) -> Result<Finished<Vec<Option<Tensor>>>> {
+        for op in &ops {
+            if let PointOp::Send { peer, seq, tensor } = op {
+                exchange::send(&self.mesh, *peer, FrameKind::P2p, *seq, tensor)?;
+            }
+        }
+        let me = self.mesh.rank();
+        let mut refused = None;
+        let mut out = Vec::with_capacity(ops.len());
+        for op in ops {
+            let PointOp::Recv { peer, seq, expect } = op else {
+                out.push(None);
+                continue;
+            };
+            let meta = exchange::recv_meta(&self.mesh, peer, FrameKind::P2p, seq)?;
+            match exchange::check_expected(expect.as_ref(), &meta, peer, me, seq) {
+                Ok(()) => out.push(Some(exchange::recv_body(
+                    &self.mesh,
+                    peer,
+                    FrameKind::P2p,
+                    seq,
+                    &meta,
+                    device,
+                )?)),
+                Err(e) => {
+                    // Consumed all the same: the next message from `peer` must find its way.
+                    exchange::skip_body(&self.mesh, peer, FrameKind::P2p, seq, &meta)?;
+                    refused.get_or_insert(e);
+                    out.push(None);
+                }
+            }
+        }
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(Finished::ready(out)),
+        }
+    }
+
+    fn all_to_all(&self, call: Call, inputs: &[Tensor]) -> Result<Finished<Vec<Tensor>>> {
+        consensus::check(&self.mesh, call.seq, &call.desc)?;
+        let (n, me) = (self.mesh.world(), self.mesh.rank());
+        // Each rank starts with its next neighbour, so that no rank is everyone's first.
+        for p in (1..n).map(|k| (me + k) % n) {
+            exchange::send(&self.mesh, p, FrameKind::Exchange, call.seq, &inputs[p])?;
+        }
+        let device = inputs[me].device();
+        let out = (0..n)
+            .map(|p| {
+                if p == me {
+                    return Ok(inputs[me].copy()?);
+                }
+                let meta = exchange::recv_meta(&self.mesh, p, FrameKind::Exchange, call.seq)?;
+                exchange::recv_body(&self.mesh, p, FrameKind::Exchange, call.seq, &meta, device)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Finished::ready(out))
     }
 
     fn split(&self, _: &Call, members: &[usize], path: &GroupPath) -> Result<Option<Connected>> {

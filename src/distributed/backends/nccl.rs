@@ -27,25 +27,27 @@
 //! We hold the raw communicator rather than cudarc's `Comm`, which keeps it private: the
 //! watchdog needs it to call `ncclCommAbort` from its own thread.
 
-use crate::distributed::algorithms::consensus;
-use crate::distributed::algorithms::Links;
-use crate::distributed::communicator::{Call, Communicator, Connected, IssueMark};
+use crate::distributed::algorithms::exchange::{self, Meta};
+use crate::distributed::algorithms::{consensus, Links};
+use crate::distributed::communicator::{Call, Communicator, Connected, IssueMark, PointOp};
 use crate::distributed::config::InitConfig;
 use crate::distributed::error_file;
 use crate::distributed::rendezvous::world::{join_world, MeshContext};
 use crate::distributed::rendezvous::GroupPath;
 use crate::distributed::rendezvous::Rendezvous;
 use crate::distributed::transport::mesh::{Broken, Mesh};
+use crate::distributed::transport::wire::FrameKind;
 use crate::distributed::work::{DeviceCompletion, Finished};
 use crate::distributed::ReduceOp;
 use crate::error::{device_name, Error, Result};
 use crate::util::sync::lock;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DriverError,
+    CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DriverError, SyncOnDrop,
 };
 use candle_core::cuda_backend::cudarc::nccl::{result, sys};
 use candle_core::cuda_backend::CudaStorageSlice;
-use candle_core::{CudaDevice, CudaStorage, Device, Layout, Shape, Tensor};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Storage, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -343,6 +345,158 @@ impl NcclComm {
         })
     }
 
+    /// Enqueues, as one NCCL group on the communication stream once `ready` has passed, a send
+    /// of each of `sends` (contiguous tensors on this group's device) and a receive of each of
+    /// `recvs` into a fresh buffer; returns the received tensors. Both sides know every
+    /// message's size (the headers went first), so empty messages are skipped on both.
+    fn send_recv(
+        &self,
+        ready: &CudaEvent,
+        sends: &[(usize, Tensor)],
+        recvs: &[(usize, Meta)],
+    ) -> Result<Finished<Vec<Tensor>>> {
+        let guard = lock(&self.shared.comm);
+        let Some(comm) = guard.as_ref().map(|c| c.0) else {
+            self.mesh.usable()?;
+            return Err(Error::Aborted {
+                reason: "the NCCL communicator was aborted".into(),
+            });
+        };
+        let stream = &self.shared.stream;
+        stream
+            .context()
+            .bind_to_thread()
+            .and_then(|()| stream.wait(ready))
+            .map_err(driver_error("waiting for the messages' tensors"))?;
+        let st = stream.cu_stream() as sys::cudaStream_t;
+        let held: Vec<_> = sends
+            .iter()
+            .map(|(peer, t)| {
+                let (storage, layout) = t.storage_and_layout();
+                (*peer, storage, layout.clone())
+            })
+            .collect();
+        let mut bufs = recvs
+            .iter()
+            .map(|(_, meta)| alloc(stream, meta))
+            .collect::<Result<Vec<_>>>()?;
+        let mut uses = Vec::new();
+        result::group_start().map_err(|e| self.failed("ncclGroupStart", e))?;
+        let mut enqueued = Ok(());
+        for (peer, storage, layout) in &held {
+            let Storage::Cuda(cs) = &**storage else {
+                enqueued = Err(not_cuda());
+                break;
+            };
+            let Some((start, end)) = layout.contiguous_offsets() else {
+                enqueued = Err(not_cuda());
+                break;
+            };
+            let (ptr, bytes) = match slice_ptr(&cs.slice, stream, start, end, &mut uses) {
+                Ok(p) => p,
+                Err(e) => {
+                    enqueued = Err(e);
+                    break;
+                }
+            };
+            if bytes > 0 {
+                // SAFETY: `ptr` holds `bytes` bytes on the communicator's device; the storage
+                // guard and `uses` keep the buffer alive and record its use on `stream`.
+                let sent = unsafe {
+                    result::send(
+                        ptr as *const std::ffi::c_void,
+                        bytes,
+                        sys::ncclDataType_t::ncclUint8,
+                        *peer as i32,
+                        comm,
+                        st,
+                    )
+                };
+                if let Err(e) = sent {
+                    enqueued = Err(self.failed("ncclSend", e));
+                    break;
+                }
+            }
+        }
+        if enqueued.is_ok() {
+            for ((peer, meta), buf) in recvs.iter().zip(bufs.iter_mut()) {
+                let bytes = meta.bytes();
+                if bytes == 0 {
+                    continue;
+                }
+                let ptr = slice_ptr_mut(buf, stream, &mut uses);
+                // SAFETY: `ptr` is a fresh buffer of exactly `bytes` bytes on the
+                // communicator's device, kept alive by `bufs`; `uses` records the write.
+                let got = unsafe {
+                    result::recv(
+                        ptr as *mut std::ffi::c_void,
+                        bytes,
+                        sys::ncclDataType_t::ncclUint8,
+                        *peer as i32,
+                        comm,
+                        st,
+                    )
+                };
+                if let Err(e) = got {
+                    enqueued = Err(self.failed("ncclRecv", e));
+                    break;
+                }
+            }
+        }
+        let ended = result::group_end().map_err(|e| self.failed("ncclGroupEnd", e));
+        let done = stream.record_event(None);
+        drop(uses);
+        drop(held);
+        drop(guard);
+        enqueued?;
+        ended?;
+        let done = done.map_err(driver_error("recording the messages' completion"))?;
+        let outs = bufs
+            .into_iter()
+            .zip(recvs)
+            .map(|(slice, (_, meta))| {
+                let storage = CudaStorage {
+                    slice,
+                    device: self.device.clone(),
+                };
+                Tensor::from_storage(
+                    Storage::Cuda(storage),
+                    meta.dims.clone(),
+                    BackpropOp::none(),
+                    false,
+                )
+            })
+            .collect();
+        Ok(Finished {
+            value: outs,
+            device: Some(Box::new(Enqueued {
+                done,
+                device: self.device.clone(),
+            })),
+        })
+    }
+
+    /// Receives the headers of `recvs` and checks them against what each receive expects. A
+    /// receive that would not match breaks the group: its sender is about to send, and NCCL
+    /// would wait for the receive forever.
+    fn headers(&self, kind: FrameKind, recvs: &[(usize, u64, Option<Meta>)]) -> Result<Vec<Meta>> {
+        let me = self.mesh.rank();
+        recvs
+            .iter()
+            .map(|(peer, seq, expect)| {
+                let meta = exchange::recv_meta(&*self.mesh, *peer, kind, *seq)?;
+                if let Err(e) = exchange::check_expected(expect.as_ref(), &meta, *peer, me, *seq) {
+                    self.mesh.fail(Broken {
+                        lost: None,
+                        detail: e.to_string(),
+                    });
+                    return Err(e);
+                }
+                Ok(meta)
+            })
+            .collect()
+    }
+
     fn failed(&self, op: &'static str, e: result::NcclError) -> Error {
         let detail = format!("{e:?}");
         self.mesh.fail(Broken {
@@ -469,6 +623,79 @@ impl Communicator for NcclComm {
         consensus::check(&*self.mesh, call.seq, &call.desc)
     }
 
+    /// The headers travel over the mesh first (so receives are checked and sized before NCCL
+    /// is called), then every send and receive of the batch runs in one NCCL group.
+    fn p2p(
+        &self,
+        ops: Vec<PointOp>,
+        _: &Device,
+        mark: Option<IssueMark>,
+    ) -> Result<Finished<Vec<Option<Tensor>>>> {
+        let issued = mark
+            .and_then(|m| m.downcast::<Issued>().ok())
+            .expect("NcclComm::issue marked the sends");
+        let mut inputs = issued.inputs.into_iter();
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        for op in &ops {
+            match op {
+                PointOp::Send { peer, seq, .. } => {
+                    let t = inputs.next().expect("one issued input per send");
+                    exchange::send_meta(&*self.mesh, *peer, FrameKind::P2p, *seq, &Meta::of(&t))?;
+                    sends.push((*peer, t));
+                }
+                PointOp::Recv { peer, seq, expect } => recvs.push((*peer, *seq, expect.clone())),
+            }
+        }
+        let metas = self.headers(FrameKind::P2p, &recvs)?;
+        let recvs: Vec<(usize, Meta)> = recvs.iter().map(|r| r.0).zip(metas).collect();
+        let done = self.send_recv(&issued.ready, &sends, &recvs)?;
+        let mut got = done.value.into_iter();
+        let value = ops
+            .iter()
+            .map(|op| match op {
+                PointOp::Send { .. } => None,
+                PointOp::Recv { .. } => got.next(),
+            })
+            .collect();
+        Ok(Finished {
+            value,
+            device: done.device,
+        })
+    }
+
+    fn all_to_all(&self, call: Call, _: &[Tensor]) -> Result<Finished<Vec<Tensor>>> {
+        let issued = call
+            .mark
+            .and_then(|m| m.downcast::<Issued>().ok())
+            .expect("NcclComm::issue marked the call");
+        consensus::check(&*self.mesh, call.seq, &call.desc)?;
+        let (n, me) = (self.mesh.world(), self.mesh.rank());
+        let peers: Vec<usize> = (1..n).map(|k| (me + k) % n).collect();
+        for &p in &peers {
+            let meta = Meta::of(&issued.inputs[p]);
+            exchange::send_meta(&*self.mesh, p, FrameKind::Exchange, call.seq, &meta)?;
+        }
+        let from: Vec<_> = peers.iter().map(|&p| (p, call.seq, None)).collect();
+        let metas = self.headers(FrameKind::Exchange, &from)?;
+        let sends: Vec<(usize, Tensor)> = peers
+            .iter()
+            .map(|&p| (p, issued.inputs[p].clone()))
+            .collect();
+        let recvs: Vec<(usize, Meta)> = peers.iter().copied().zip(metas).collect();
+        let done = self.send_recv(&issued.ready, &sends, &recvs)?;
+        let mut out: Vec<Option<Tensor>> = vec![None; n];
+        for (&p, t) in peers.iter().zip(done.value) {
+            out[p] = Some(t);
+        }
+        // This rank's own part never leaves the device: a copy on the producing stream.
+        out[me] = Some(issued.inputs[me].copy()?);
+        Ok(Finished {
+            value: out.into_iter().flatten().collect(),
+            device: done.device,
+        })
+    }
+
     /// Every rank of this group takes part in `ncclCommSplit` (the others with no color); then
     /// the members connect the new group's mesh.
     fn split(&self, _: &Call, members: &[usize], path: &GroupPath) -> Result<Option<Connected>> {
@@ -534,6 +761,111 @@ impl Drop for NcclComm {
         // a peer is gone.
         self.shared.abort();
     }
+}
+
+fn not_cuda() -> Error {
+    Error::InvalidArgument {
+        what: "NCCL message tensor",
+        detail: "the tensor is not a contiguous CUDA tensor on the group's device".into(),
+    }
+}
+
+/// The device address and byte length of elements `start..end` of `slice`, whose use on
+/// `stream` is recorded when the guard pushed onto `uses` drops.
+fn slice_ptr<'a>(
+    slice: &'a CudaStorageSlice,
+    stream: &'a Arc<CudaStream>,
+    start: usize,
+    end: usize,
+    uses: &mut Vec<SyncOnDrop<'a>>,
+) -> Result<(u64, usize)> {
+    macro_rules! at {
+        ($x:expr, $t:ty) => {{
+            let (base, used) = $x.device_ptr(stream);
+            uses.push(used);
+            let size = std::mem::size_of::<$t>();
+            Ok((base as u64 + (start * size) as u64, (end - start) * size))
+        }};
+    }
+    match slice {
+        CudaStorageSlice::U8(x) => at!(x, u8),
+        CudaStorageSlice::U32(x) => at!(x, u32),
+        CudaStorageSlice::I16(x) => at!(x, i16),
+        CudaStorageSlice::I32(x) => at!(x, i32),
+        CudaStorageSlice::I64(x) => at!(x, i64),
+        CudaStorageSlice::BF16(x) => at!(x, half::bf16),
+        CudaStorageSlice::F16(x) => at!(x, half::f16),
+        CudaStorageSlice::F32(x) => at!(x, f32),
+        CudaStorageSlice::F64(x) => at!(x, f64),
+        _ => Err(Error::InvalidArgument {
+            what: "NCCL message tensor",
+            detail: "its dtype cannot be sent; convert it to a dtype with whole bytes".into(),
+        }),
+    }
+}
+
+/// The device address of a whole fresh buffer, for a receive to write into.
+fn slice_ptr_mut<'a>(
+    slice: &'a mut CudaStorageSlice,
+    stream: &'a Arc<CudaStream>,
+    uses: &mut Vec<SyncOnDrop<'a>>,
+) -> u64 {
+    macro_rules! at {
+        ($x:expr) => {{
+            let (base, used) = $x.device_ptr_mut(stream);
+            uses.push(used);
+            base as u64
+        }};
+    }
+    match slice {
+        CudaStorageSlice::U8(x) => at!(x),
+        CudaStorageSlice::U32(x) => at!(x),
+        CudaStorageSlice::I16(x) => at!(x),
+        CudaStorageSlice::I32(x) => at!(x),
+        CudaStorageSlice::I64(x) => at!(x),
+        CudaStorageSlice::BF16(x) => at!(x),
+        CudaStorageSlice::F16(x) => at!(x),
+        CudaStorageSlice::F32(x) => at!(x),
+        CudaStorageSlice::F64(x) => at!(x),
+        CudaStorageSlice::F8E4M3(x) => at!(x),
+        CudaStorageSlice::F6E2M3(x)
+        | CudaStorageSlice::F6E3M2(x)
+        | CudaStorageSlice::F4(x)
+        | CudaStorageSlice::F8E8M0(x) => at!(x),
+    }
+}
+
+/// A fresh buffer on `stream` for a message of `meta` (at least one element: CUDA allocates no
+/// empty buffers, and an empty message moves no bytes).
+fn alloc(stream: &Arc<CudaStream>, meta: &Meta) -> Result<CudaStorageSlice> {
+    let n = meta.dims.iter().product::<usize>().max(1);
+    macro_rules! fresh {
+        ($t:ty, $variant:ident) => {
+            // SAFETY: NCCL writes every element before anything reads them (readers wait for
+            // the messages' event); an empty message's one element is never read.
+            CudaStorageSlice::$variant(
+                unsafe { stream.alloc::<$t>(n) }
+                    .map_err(driver_error("allocating a receive buffer"))?,
+            )
+        };
+    }
+    Ok(match meta.dtype {
+        DType::U8 => fresh!(u8, U8),
+        DType::U32 => fresh!(u32, U32),
+        DType::I16 => fresh!(i16, I16),
+        DType::I32 => fresh!(i32, I32),
+        DType::I64 => fresh!(i64, I64),
+        DType::BF16 => fresh!(half::bf16, BF16),
+        DType::F16 => fresh!(half::f16, F16),
+        DType::F32 => fresh!(f32, F32),
+        DType::F64 => fresh!(f64, F64),
+        other => {
+            return Err(Error::InvalidArgument {
+                what: "NCCL message dtype",
+                detail: format!("{} tensors cannot be received", other.as_str()),
+            })
+        }
+    })
 }
 
 /// Watches the peers and NCCL's own error state; aborts the communicator when either fails.

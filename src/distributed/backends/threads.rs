@@ -8,7 +8,8 @@
 //! group; ranks waiting for it fail at once, naming it.
 
 use crate::distributed::algorithms::consensus::describe;
-use crate::distributed::communicator::{Call, Communicator, Connected};
+use crate::distributed::algorithms::exchange::{check_expected, Meta};
+use crate::distributed::communicator::{Call, Communicator, Connected, IssueMark, PointOp};
 use crate::distributed::rendezvous::GroupPath;
 use crate::distributed::transport::host_buf::{with_bytes, HostBuf};
 use crate::distributed::work::Finished;
@@ -40,6 +41,8 @@ struct NewGroup {
 
 struct State {
     rounds: HashMap<u64, Round>,
+    /// Point-to-point messages not yet received, by (sender, receiver, number).
+    mail: HashMap<(usize, usize, u64), Tensor>,
     new_groups: HashMap<u64, NewGroup>,
     /// Why each rank left, once it has.
     left: Vec<Option<String>>,
@@ -61,6 +64,7 @@ impl Shared {
             timeout,
             state: Mutex::new(State {
                 rounds: HashMap::new(),
+                mail: HashMap::new(),
                 new_groups: HashMap::new(),
                 left: vec![None; world],
             }),
@@ -172,6 +176,42 @@ impl ThreadComm {
     }
 }
 
+impl ThreadComm {
+    /// Waits for message `seq` from `peer` and takes it out of the mailbox.
+    fn take_mail(&self, peer: usize, seq: u64) -> Result<Tensor> {
+        let sh = &self.shared;
+        let deadline = Instant::now() + sh.timeout;
+        let key = (peer, self.rank, seq);
+        let mut st = lock(&sh.state);
+        loop {
+            if let Some(t) = st.mail.remove(&key) {
+                return Ok(t);
+            }
+            if let Some(why) = &st.left[peer] {
+                return Err(Error::PeerLost {
+                    rank: peer,
+                    detail: format!(
+                        "it left the group ({why}) before sending message #{seq} to rank {}",
+                        self.rank
+                    ),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: format!("waiting for message #{seq} from rank {peer}"),
+                    waited: sh.timeout,
+                });
+            }
+            st = sh
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
 /// A copy of `t` on `device` that shares no storage with `t`.
 fn fresh(t: &Tensor, device: &Device) -> Result<Tensor> {
     let moved = if t.device().same_device(device) {
@@ -238,6 +278,57 @@ impl Communicator for ThreadComm {
 
     fn check(&self, call: &Call) -> Result<()> {
         self.meet(call, vec![]).map(|_| ())
+    }
+
+    /// A send leaves a copy in the mailbox (the sender may change its variable afterwards);
+    /// a receive takes it out.
+    fn p2p(
+        &self,
+        ops: Vec<PointOp>,
+        device: &Device,
+        _: Option<IssueMark>,
+    ) -> Result<Finished<Vec<Option<Tensor>>>> {
+        for op in &ops {
+            if let PointOp::Send { peer, seq, tensor } = op {
+                let copy = tensor.copy()?.detach();
+                lock(&self.shared.state)
+                    .mail
+                    .insert((self.rank, *peer, *seq), copy);
+                self.shared.changed.notify_all();
+            }
+        }
+        let mut refused = None;
+        let mut out = Vec::with_capacity(ops.len());
+        for op in ops {
+            let PointOp::Recv { peer, seq, expect } = op else {
+                out.push(None);
+                continue;
+            };
+            let t = self.take_mail(peer, seq)?;
+            match check_expected(expect.as_ref(), &Meta::of(&t), peer, self.rank, seq) {
+                // The mailbox held a copy of its own: moved only when it lands elsewhere.
+                Ok(()) if t.device().same_device(device) => out.push(Some(t)),
+                Ok(()) => out.push(Some(fresh(&t, device)?)),
+                Err(e) => {
+                    refused.get_or_insert(e);
+                    out.push(None);
+                }
+            }
+        }
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(Finished::ready(out)),
+        }
+    }
+
+    fn all_to_all(&self, call: Call, inputs: &[Tensor]) -> Result<Finished<Vec<Tensor>>> {
+        let all = self.meet(&call, inputs.to_vec())?;
+        let device = inputs[self.rank].device();
+        let out = all
+            .iter()
+            .map(|d| fresh(&d.tensors[self.rank], device))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Finished::ready(out))
     }
 
     /// The first member to arrive makes the new group's shared state; the others take it.

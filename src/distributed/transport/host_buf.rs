@@ -100,6 +100,63 @@ fn advise_huge_pages(bytes: &[u8]) {
     let _ = (bytes, HUGE);
 }
 
+/// Whether point-to-point messages carry `dtype`: every dtype with a whole number of bytes per
+/// element (all but candle's packed sub-byte float formats).
+pub(crate) fn check_raw_dtype(dtype: DType) -> Result<()> {
+    match dtype {
+        DType::U8
+        | DType::U32
+        | DType::I16
+        | DType::I32
+        | DType::I64
+        | DType::BF16
+        | DType::F16
+        | DType::F32
+        | DType::F64 => Ok(()),
+        other => Err(crate::error::Error::InvalidArgument {
+            what: "tensor dtype",
+            detail: format!(
+                "{} tensors cannot be sent; convert to one of u8, u32, i16, i32, i64, bf16, \
+                 f16, f32, f64 first",
+                other.as_str()
+            ),
+        }),
+    }
+}
+
+/// Integers that are plain old data: every byte initialised, no padding.
+trait PlainInt: Copy + candle_core::WithDType {}
+impl PlainInt for u8 {}
+impl PlainInt for u32 {}
+impl PlainInt for i16 {}
+impl PlainInt for i32 {}
+impl PlainInt for i64 {}
+
+/// The bytes of a slice of plain integers.
+fn int_bytes<T: PlainInt>(xs: &[T]) -> &[u8] {
+    // SAFETY: `PlainInt` is only implemented for primitive integers: no padding, every byte
+    // initialised; u8 has no alignment requirement.
+    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u8>(), std::mem::size_of_val(xs)) }
+}
+
+/// Calls `f` with the bytes of `t`'s elements in row-major order, for any dtype that
+/// [`check_raw_dtype`] accepts: floats as [`with_bytes`] gives them (in place when it can),
+/// integers through a host copy.
+pub(crate) fn with_raw_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> Result<R>) -> Result<R> {
+    check_raw_dtype(t.dtype())?;
+    fn ints<T: PlainInt, R>(t: &Tensor, f: impl FnOnce(&[u8]) -> Result<R>) -> Result<R> {
+        f(int_bytes(&t.flatten_all()?.to_vec1::<T>()?))
+    }
+    match t.dtype() {
+        DType::U8 => ints::<u8, R>(t, f),
+        DType::U32 => ints::<u32, R>(t, f),
+        DType::I16 => ints::<i16, R>(t, f),
+        DType::I32 => ints::<i32, R>(t, f),
+        DType::I64 => ints::<i64, R>(t, f),
+        _ => with_bytes(t, f),
+    }
+}
+
 /// The bytes of a slice of plain floats.
 fn bytes_of<T: Element>(xs: &[T]) -> &[u8] {
     // SAFETY: `Element` is only implemented for f32, f64, f16 and bf16: plain old data without

@@ -318,6 +318,19 @@ pub(crate) enum FrameKind {
     Abort = 4,
     /// The sender is shutting down cleanly.
     Bye = 5,
+    /// A point-to-point message (`seq`: its number among those from the sender to the
+    /// receiver), outside the group's collective order.
+    P2p = 6,
+    /// An all-to-all's payload between two ranks (`seq`: the collective's).
+    Exchange = 7,
+}
+
+impl FrameKind {
+    /// Whether frames of this kind belong to the group's collective order, where a frame of an
+    /// earlier collective still unconsumed means the ranks disagree.
+    pub fn in_collective_order(self) -> bool {
+        matches!(self, FrameKind::Data | FrameKind::Desc)
+    }
 }
 
 /// Which frame this is: its kind, the collective it belongs to (`seq`), and which piece of that
@@ -370,6 +383,8 @@ pub(crate) fn read_header(r: &mut impl Read) -> std::io::Result<(Tag, usize)> {
         3 => FrameKind::Heartbeat,
         4 => FrameKind::Abort,
         5 => FrameKind::Bye,
+        6 => FrameKind::P2p,
+        7 => FrameKind::Exchange,
         k => {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,

@@ -52,12 +52,15 @@ impl MeshState {
                 }
             }
             // Frames of one link arrive in collective order: one from an earlier collective
-            // was never consumed, so the ranks disagree on what they are doing.
+            // was never consumed, so the ranks disagree on what they are doing. (Point-to-point
+            // messages and all-to-all payloads are numbered apart and wait their turn.)
+            let ordered = tag.kind.in_collective_order();
             let stale = st.inbox[peer]
                 .iter()
-                .find(|fr| fr.tag.seq < tag.seq)
+                .find(|fr| ordered && fr.tag.kind.in_collective_order() && fr.tag.seq < tag.seq)
                 .map(|fr| fr.tag);
-            let stale = stale.or_else(|| shm.and_then(|link| link.stale(tag.seq)));
+            let stale =
+                stale.or_else(|| shm.filter(|_| ordered).and_then(|link| link.stale(tag.seq)));
             if let Some(stale) = stale {
                 drop(st);
                 return Err(self.fail(Broken {

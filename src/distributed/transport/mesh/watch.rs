@@ -53,7 +53,7 @@ impl MeshState {
                     }
                     st.broken.get_or_insert(reason);
                 }
-                FrameKind::Data | FrameKind::Desc => {
+                FrameKind::Data | FrameKind::Desc | FrameKind::P2p | FrameKind::Exchange => {
                     st.inbox[peer].push_back(Frame { tag, payload })
                 }
             }
