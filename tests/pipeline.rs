@@ -305,3 +305,64 @@ fn a_rank_killed_mid_schedule_is_named_by_every_other_rank() {
         "the others took {noticed:?}"
     );
 }
+
+/// The `train loss` values of an example's output.
+fn train_losses(out: &str) -> Vec<f64> {
+    out.lines()
+        .filter_map(|l| l.split("train loss ").nth(1))
+        .map(|l| l.split(',').next().unwrap().parse().unwrap())
+        .collect()
+}
+
+/// `transformer_pp` over 2 processes under `schedule` prints the losses `transformer_ddp`
+/// prints in one process, ends with the memory line, and draws its chart.
+fn transformer_pp_matches_one_process(schedule: &str) {
+    let small = [
+        "--train-size",
+        "256",
+        "--test-size",
+        "50",
+        "--epochs",
+        "2",
+        "--layers",
+        "2",
+        "--dim",
+        "32",
+    ];
+    let mut one = std::process::Command::new(common::example("transformer_ddp"));
+    one.args(small);
+    let one = common::run_ok(one, LIMIT);
+    let chart = common::temp_dir(&format!("pp-chart-{schedule}")).join("pp.svg");
+    let mut pp = std::process::Command::new(common::example("transformer_pp"));
+    pp.args(small)
+        .args(["--pipeline", "2", "--schedule", schedule, "--plot"])
+        .arg(&chart);
+    let out = common::run_ok(pp, LIMIT);
+    let (want, got) = (train_losses(&one), train_losses(&out));
+    assert_eq!(want.len(), 2, "{one}");
+    assert_eq!(got.len(), 2, "{out}");
+    for (a, b) in got.iter().zip(&want) {
+        assert!(
+            (a - b).abs() < 1e-5,
+            "pipeline {a} against one process {b}\n{out}"
+        );
+    }
+    let last = out.lines().last().unwrap_or_default();
+    assert!(last.starts_with("memory per rank: parameters"), "{out}");
+    assert!(out.contains("bubble: measured"), "{out}");
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(
+        svg.contains("<svg") && svg.contains("backward"),
+        "{chart:?}"
+    );
+}
+
+#[test]
+fn transformer_pp_1f1b_over_2_processes_prints_the_losses_of_one_process() {
+    transformer_pp_matches_one_process("1f1b");
+}
+
+#[test]
+fn transformer_pp_gpipe_over_2_processes_prints_the_losses_of_one_process() {
+    transformer_pp_matches_one_process("gpipe");
+}

@@ -190,8 +190,7 @@ impl Schedule {
             .iter()
             .flat_map(|l| l.iter().enumerate().map(|(i, a)| (*a, i)))
             .collect();
-        // (sender, receiver) -> [(position at the sender, position at the receiver)]
-        let mut pairs: HashMap<(usize, usize), Vec<(usize, usize, Action)>> = HashMap::new();
+        let mut pairs: HashMap<(usize, usize), Vec<Message>> = HashMap::new();
         for a in lists.iter().flatten() {
             if let Some(from) = message_source(a, n_stages) {
                 let (src, dst) = (from.stage % pp, a.stage % pp);
@@ -219,6 +218,10 @@ impl Schedule {
         Ok(())
     }
 }
+
+/// A message between two ranks: its position in the sender's list, in the receiver's list,
+/// and the action that receives it.
+type Message = (usize, usize, Action);
 
 /// The action whose result `a` receives from its neighbour stage, if any: the previous stage's
 /// forward for a forward, the next stage's backward for a backward.
