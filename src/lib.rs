@@ -12,6 +12,9 @@
 //! - [`FullyShardedDataParallel`] ([`fsdp`]): each rank keeps a shard of the parameters,
 //!   gradients and optimizer state, and gathers a unit's parameters only while it computes
 //!   (torch FSDP2's `fully_shard`).
+//! - [`pipeline`]: the model cut into stages, one process each, and batches into micro-batches
+//!   that flow through them under a schedule (GPipe, 1F1B, interleaved 1F1B), as
+//!   `torch.distributed.pipelining`.
 //! - [`distributed`] (also `dist`): process groups (TCP with shared memory, in-process, NCCL),
 //!   their rendezvous and collectives, blocking and asynchronous (`torch.distributed`).
 //! - [`launch`]: start N ranks (the `candle-run` launcher and its library entry).

@@ -366,3 +366,13 @@ fn transformer_pp_1f1b_over_2_processes_prints_the_losses_of_one_process() {
 fn transformer_pp_gpipe_over_2_processes_prints_the_losses_of_one_process() {
     transformer_pp_matches_one_process("gpipe");
 }
+
+#[test]
+fn the_model_parallel_tutorial_as_a_pipeline_matches_one_process() {
+    let out = common::run_ok(
+        std::process::Command::new(common::example("pp_tutorial")),
+        LIMIT,
+    );
+    assert_eq!(out.matches("loss").count(), 10, "{out}");
+    assert_eq!(out.matches("against one process").count(), 2, "{out}");
+}

@@ -32,7 +32,7 @@
 //!     let (i, o) = [(4, 6), (6, 2)][pg.rank()];
 //!     let layer: Linear = linear(i, o, vb.pp(format!("layers.{}", pg.rank())))?;
 //!     let stage = PipelineStage::new(layer, &varmap, pg.rank(), 2, &pg)?;
-//!     let schedule = PipelineSchedule::new(Schedule::OneFOneB, 4, |out, y| loss::mse(out, y))?;
+//!     let schedule = PipelineSchedule::new(Schedule::OneFOneB, 4, loss::mse)?;
 //!     let mut opt = Sgd::new(stage.parameters(), SgdConfig { lr: 0.1, ..Default::default() })?;
 //!     let out = schedule.step(&[&stage], Some(&x), Some(&y))?; // each rank uses its part
 //!     opt.step(&out.grads)?;
