@@ -10,7 +10,9 @@ use candle_nn::{linear, loss, Linear, Optimizer, VarMap};
 use candle_parallel::distributed::{self, ProcessGroup};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::Sgd;
-use candle_parallel::pipeline::{all_reduce_gradients, PipelineSchedule, PipelineStage, Schedule};
+use candle_parallel::pipeline::{
+    all_reduce_gradients, PipelineSchedule, PipelineStage, Schedule, Zero2,
+};
 use candle_parallel::Error;
 use common::models::{batch, share, values, Values, CLASSES, IN, SGD};
 use common::{done, is_child, join_child, Ranks, DONE};
@@ -95,32 +97,68 @@ fn stages(
         .collect()
 }
 
+/// How the replicas of a stage (along "dp") combine their gradients.
+#[derive(Clone, Copy)]
+enum Dp<'a> {
+    /// One pipeline, no replicas.
+    None,
+    /// Averaged after each step (DDP's result).
+    AllReduce(&'a ProcessGroup),
+    /// Reduce-scattered, each replica stepping its pieces (ZeRO-2).
+    Zero2(&'a ProcessGroup),
+}
+
 /// Trains this rank's stages for [`STEPS`] steps of `rows` rows each (this replica's share
-/// when `dp` is given, whose gradients are then averaged over `dp`) and checks that they end
-/// as the whole model trained in one process, within 1e-5, and the losses too.
-fn train_and_compare(
-    pp: &ProcessGroup,
-    dp: Option<&ProcessGroup>,
-    schedule: Schedule,
-    n_stages: usize,
-    rows: usize,
-) {
+/// along `dp`) and checks that they end as the whole model trained in one process, within
+/// 1e-5, and the losses too.
+fn train_and_compare(pp: &ProcessGroup, dp: Dp, schedule: Schedule, n_stages: usize, rows: usize) {
     let mine = stages(pp, schedule, n_stages);
     let refs: Vec<&PipelineStage<Part>> = mine.iter().map(|(_, s)| s).collect();
     let params: Vec<_> = refs.iter().flat_map(|s| s.parameters()).collect();
-    let mut opt = Sgd::new(params.clone(), SGD).unwrap();
+    let zero = match dp {
+        Dp::Zero2(g) => Some(Zero2::new(&params, g).unwrap()),
+        _ => None,
+    };
+    let stepped = zero
+        .as_ref()
+        .map_or(params.clone(), |z| z.pieces().to_vec());
+    let mut opt = Sgd::new(stepped.clone(), SGD).unwrap();
     let pipeline = PipelineSchedule::new(schedule, 4, cross_entropy).unwrap();
-    let replicas = dp.map_or(1, |g| g.world_size());
-    let replica = dp.map_or(0, |g| g.rank());
+    let group = match dp {
+        Dp::None => None,
+        Dp::AllReduce(g) | Dp::Zero2(g) => Some(g),
+    };
+    let replicas = group.map_or(1, |g| g.world_size());
+    let replica = group.map_or(0, |g| g.rank());
     let mut losses = Vec::new();
     for step in 0..STEPS {
         let (x, y) = share(step, replicas, rows / replicas, replica);
         let mut out = pipeline.step(&refs, Some(&x), Some(&y)).unwrap();
-        if let Some(dp) = dp {
-            all_reduce_gradients(&mut out.grads, &params, dp).unwrap();
+        match (dp, &zero) {
+            (Dp::AllReduce(g), _) => {
+                all_reduce_gradients(&mut out.grads, &params, g).unwrap();
+                opt.step(&out.grads).unwrap();
+            }
+            (Dp::Zero2(_), Some(z)) => {
+                opt.step(&z.reduce_scatter(&out.grads).unwrap()).unwrap();
+                z.gather().unwrap();
+            }
+            _ => opt.step(&out.grads).unwrap(),
         }
-        opt.step(&out.grads).unwrap();
         losses.extend(out.loss());
+    }
+    if let Some(g) = group {
+        // The optimizer stepped 1/dp of each parameter under ZeRO-2, all of it otherwise.
+        let stepped: usize = stepped.iter().map(|v| v.elem_count()).sum();
+        let whole: usize = params.iter().map(|v| v.elem_count()).sum();
+        let most = match dp {
+            Dp::Zero2(_) => whole.div_ceil(g.world_size()) + params.len(),
+            _ => whole,
+        };
+        assert!(
+            stepped <= most,
+            "{stepped} of {whole} elements stepped here"
+        );
     }
     let (want, want_losses) = one_process(rows);
     for (varmap, stage) in &mine {
@@ -138,7 +176,7 @@ fn train_and_compare(
             assert!(diff < 1e-5, "stage {} {name}: {diff}", stage.stage_index());
         }
     }
-    if refs.iter().any(|s| s.is_last()) && dp.is_none() {
+    if refs.iter().any(|s| s.is_last()) && group.is_none() {
         for (step, (a, b)) in losses.iter().zip(&want_losses).enumerate() {
             assert!((a - b).abs() < 1e-5, "step {step}: loss {a} against {b}");
         }
@@ -150,7 +188,7 @@ fn train_and_compare(
 fn pipeline_child(schedule: Schedule) {
     let pg = join_child();
     let n_stages = pg.world_size() * schedule.stages_per_rank();
-    train_and_compare(&pg, None, schedule, n_stages, 16);
+    train_and_compare(&pg, Dp::None, schedule, n_stages, 16);
     done();
 }
 
@@ -190,7 +228,7 @@ fn one_f_one_b_over_4_processes_trains_as_one_process() {
 fn interleaved_1f1b_two_stages_on_each_of_2_threads_trains_as_one_process() {
     let schedule = Schedule::Interleaved1F1B { stages_per_rank: 2 };
     distributed::spawn_threads(2, |pg| {
-        train_and_compare(&pg, None, schedule, 4, 16);
+        train_and_compare(&pg, Dp::None, schedule, 4, 16);
         Ok(())
     })
     .unwrap();
@@ -200,7 +238,7 @@ fn interleaved_1f1b_two_stages_on_each_of_2_threads_trains_as_one_process() {
 fn a_pipeline_of_one_rank_holding_every_stage_trains_as_one_process() {
     let schedule = Schedule::Interleaved1F1B { stages_per_rank: 4 };
     distributed::spawn_threads(1, |pg| {
-        train_and_compare(&pg, None, schedule, 4, 16);
+        train_and_compare(&pg, Dp::None, schedule, 4, 16);
         Ok(())
     })
     .unwrap();
@@ -226,10 +264,25 @@ fn dp_2_by_pp_2_over_4_processes_trains_as_one_process() {
         let world = join_child();
         let (pp, dp) = mesh_groups(&world);
         assert_eq!((dp.rank(), pp.rank()), (world.rank() / 2, world.rank() % 2));
-        train_and_compare(&pp, Some(&dp), Schedule::OneFOneB, 2, 32);
+        train_and_compare(&pp, Dp::AllReduce(&dp), Schedule::OneFOneB, 2, 32);
         return done();
     }
     Ranks::world("dp_2_by_pp_2_over_4_processes_trains_as_one_process", 4).assert_all_pass(LIMIT);
+}
+
+#[test]
+fn dp_2_by_pp_2_with_zero2_along_dp_over_4_processes_trains_as_one_process() {
+    if is_child() {
+        let world = join_child();
+        let (pp, dp) = mesh_groups(&world);
+        train_and_compare(&pp, Dp::Zero2(&dp), Schedule::GPipe, 2, 32);
+        return done();
+    }
+    Ranks::world(
+        "dp_2_by_pp_2_with_zero2_along_dp_over_4_processes_trains_as_one_process",
+        4,
+    )
+    .assert_all_pass(LIMIT);
 }
 
 #[test]

@@ -13,7 +13,8 @@
 //!   that one step equals the step of the unsplit model on the whole batch.
 //!
 //! Along a data-parallel dimension, [`all_reduce_gradients`] averages each stage's gradients
-//! over its replicas after the step ([`data_parallel`]).
+//! over its replicas after the step, or [`Zero2`] shards them and the optimizer's state
+//! ([`data_parallel`]).
 //!
 //! ```rust
 //! use candle_core::{DType, Device, Tensor};
@@ -48,7 +49,7 @@ pub mod runtime;
 pub mod schedule;
 pub mod stage;
 
-pub use data_parallel::all_reduce_gradients;
+pub use data_parallel::{all_reduce_gradients, Zero2};
 pub use runtime::{Event, PipelineSchedule, StepOutput};
 pub use schedule::{Action, Computation, Schedule};
 pub use stage::PipelineStage;
