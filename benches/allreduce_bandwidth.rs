@@ -16,6 +16,10 @@
 //! `scripts/torch_allreduce_bench.py` (torch.distributed, the same sizes and trials), when
 //! `python3 -c "import torch"` works; else it says why it skips it.
 //!
+//! Each job (and the gloo twin) also times point-to-point messages: rank 0 sends rank 1 three
+//! 64 MiB f32 tensors, rank 1 answers with one element, 5 trials, the median's throughput
+//! (bytes sent / time) reported in the last row of the table.
+//!
 //! With `--repeat N` it does all that N times, interleaved, and the summary table gives each
 //! figure's median over the rounds. Reports; asserts nothing.
 
@@ -30,8 +34,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-/// Where rank 0 writes its figures for the launching process: one `SIZE BUSBW` line per size.
+/// Where rank 0 writes its figures for the launching process: one `SIZE BUSBW` line per size,
+/// and a `send SIZE GBPS` line.
 const OUT_VAR: &str = "ALLREDUCE_BENCH_OUT";
+
+/// The point-to-point message the bench times.
+const SEND_BYTES: usize = 64 << 20;
+/// Messages per trial.
+const SENDS: usize = 3;
 
 struct Options {
     world: usize,
@@ -211,10 +221,59 @@ fn rank_main(o: &Options) -> Result<()> {
             out.push_str(&format!("{size} {busbw}\n"));
         }
     }
+    if n >= 2 {
+        let gbps = send_throughput(&pg)?;
+        if pg.rank() == 0 {
+            println!(
+                "send {}, rank 0 to rank 1: {gbps:.3} GB/s",
+                label(SEND_BYTES)
+            );
+            out.push_str(&format!("send {SEND_BYTES} {gbps}\n"));
+        }
+    }
     if let (0, Some(path)) = (pg.rank(), std::env::var_os(OUT_VAR)) {
         std::fs::write(&path, out).with_context(|| format!("writing {path:?}"))?;
     }
     Ok(())
+}
+
+/// Rank 0 sends rank 1 [`SENDS`] messages of [`SEND_BYTES`], rank 1 answers with one element:
+/// the median trial's throughput in GB/s, as rank 0 sees it (other ranks wait).
+fn send_throughput(pg: &ProcessGroup) -> Result<f64> {
+    let x = Tensor::ones(SEND_BYTES / 4, DType::F32, &Device::Cpu)?;
+    let ack = Tensor::ones(1, DType::F32, &Device::Cpu)?;
+    let exchange = || -> Result<()> {
+        match pg.rank() {
+            0 => {
+                for _ in 0..SENDS {
+                    pg.send(&x, 1)?;
+                }
+                pg.recv(1, 1, DType::F32)?;
+            }
+            1 => {
+                for _ in 0..SENDS {
+                    let got = pg.recv(0, SEND_BYTES / 4, DType::F32)?;
+                    anyhow::ensure!(
+                        got.narrow(0, 0, 1)?.to_vec1::<f32>()?[0] == 1.0,
+                        "wrong data"
+                    );
+                }
+                pg.send(&ack, 0)?;
+            }
+            _ => {}
+        }
+        Ok(())
+    };
+    exchange()?; // warm-up
+    let mut trials = Vec::with_capacity(TRIALS);
+    for _ in 0..TRIALS {
+        pg.barrier()?;
+        let started = Instant::now();
+        exchange()?;
+        trials.push(started.elapsed().as_secs_f64());
+    }
+    trials.sort_by(f64::total_cmp);
+    Ok((SENDS * SEND_BYTES) as f64 / trials[TRIALS / 2] / 1e9)
 }
 
 /// The CPU time this process used so far (user and system, every thread), in seconds.
@@ -247,7 +306,19 @@ fn parse_figures(text: &str, prefix: Option<&str>) -> BTreeMap<usize, f64> {
         .collect()
 }
 
-/// Runs our ranks, by default (`unix` true) or over TCP only, and returns rank 0's figures.
+/// The point-to-point throughput from a `PREFIX SIZE GBPS` line, keyed as the table's last row.
+fn parse_send(text: &str, prefix: &str) -> BTreeMap<usize, f64> {
+    parse_figures(text, Some(prefix))
+        .into_values()
+        .map(|gbps| (SEND_ROW, gbps))
+        .collect()
+}
+
+/// The table's key for the point-to-point row (after every all-reduce size).
+const SEND_ROW: usize = usize::MAX;
+
+/// Runs our ranks, by default (`unix` true) or over TCP only, and returns rank 0's figures:
+/// bus bandwidth by size, and the send throughput under [`SEND_ROW`].
 fn ours(o: &Options, unix: bool, scratch: &Path) -> Result<BTreeMap<usize, f64>> {
     let file = scratch.join(if unix { "default" } else { "tcp" });
     let _ = std::fs::remove_file(&file);
@@ -265,7 +336,9 @@ fn ours(o: &Options, unix: bool, scratch: &Path) -> Result<BTreeMap<usize, f64>>
     };
     launch::spawn_with_config(&config, |_rank| rank_main(o))?;
     let text = std::fs::read_to_string(&file).with_context(|| format!("reading {file:?}"))?;
-    Ok(parse_figures(&text, None))
+    let mut figures = parse_figures(&text, None);
+    figures.extend(parse_send(&text, "send "));
+    Ok(figures)
 }
 
 /// Why gloo cannot run here, if it cannot.
@@ -304,11 +377,14 @@ fn gloo(o: &Options, script: &Path) -> Result<BTreeMap<usize, f64>> {
     print!(
         "{}",
         text.lines()
-            .filter(|l| !l.starts_with("gloo "))
+            // Not the machine-readable lines.
+            .filter(|l| !l.starts_with("gloo-send ") && parse_figures(l, Some("gloo ")).is_empty())
             .map(|l| format!("{l}\n"))
             .collect::<String>()
     );
-    Ok(parse_figures(&text, Some("gloo ")))
+    let mut figures = parse_figures(&text, Some("gloo "));
+    figures.extend(parse_send(&text, "gloo-send "));
+    Ok(figures)
 }
 
 fn median(mut xs: Vec<f64>) -> Option<f64> {
@@ -391,11 +467,11 @@ fn summary(o: &Options, figs: &Figures) {
     };
     println!(
         "\nbus bandwidth, GB/s: all_reduce(sum), f32, {} ranks{rounds}; one loopback TCP stream \
-         {stream:.2} GB/s",
+         {stream:.2} GB/s; last row: a 64 MiB send's throughput, rank 0 to rank 1",
         o.world
     );
     println!(
-        "{:>10} {:>14} {:>14} {:>8} {:>12} {:>14}",
+        "{:>14} {:>14} {:>14} {:>8} {:>12} {:>14}",
         "size", "ours default", "ours TCP", "gloo", "TCP / gloo", "TCP / stream"
     );
     let get = |m: &BTreeMap<usize, Vec<f64>>, s: usize| m.get(&s).and_then(|v| median(v.clone()));
@@ -403,15 +479,23 @@ fn summary(o: &Options, figs: &Figures) {
         Some(v) => format!("{:>w$}", format!("{v:.p$}{unit}")),
         None => format!("{:>w$}", "-"),
     };
-    for size in sizes(o) {
+    let rows = sizes(o)
+        .into_iter()
+        .chain((o.world >= 2).then_some(SEND_ROW));
+    for size in rows {
         let (d, t, g) = (
             get(&figs.default, size),
             get(&figs.tcp, size),
             get(&figs.gloo, size),
         );
+        let name = if size == SEND_ROW {
+            format!("send {}", label(SEND_BYTES))
+        } else {
+            label(size)
+        };
         println!(
-            "{:>10} {} {} {} {} {}",
-            label(size),
+            "{:>14} {} {} {} {} {}",
+            name,
             cell(d, 14, 3, ""),
             cell(t, 14, 3, ""),
             cell(g, 8, 3, ""),

@@ -8,9 +8,13 @@ reported as bus bandwidth (nccl-tests' definition: size / time x 2(n-1)/n).
 
     python3 scripts/torch_allreduce_bench.py --min-kib 1024 --max-mib 64
 
-Prints a table, then one machine-readable line per size for the Rust bench:
+Then, as the Rust bench does, rank 0 sends rank 1 three 64 MiB f32 tensors and rank 1 answers
+with one element (5 trials, the median's throughput).
+
+Prints a table, then one machine-readable line per size for the Rust bench, and the send's:
 
     gloo SIZE_BYTES BUSBW_GBPS
+    gloo-send SIZE_BYTES GBPS
 """
 import argparse
 import os
@@ -24,6 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TRIALS = 5
+SEND_BYTES = 64 << 20
+SENDS = 3
 
 
 def sizes(min_kib, max_mib):
@@ -60,6 +66,30 @@ def rank_main(rank, world, port, min_kib, max_mib, results):
         if rank == 0:
             busbw = size / secs / 1e9 * 2 * (world - 1) / world
             results.append((size, secs, iters, busbw))
+    if world >= 2:
+        x = torch.ones(SEND_BYTES // 4, dtype=torch.float32)
+        got = torch.empty_like(x)
+        ack = torch.ones(1)
+
+        def exchange():
+            if rank == 0:
+                for _ in range(SENDS):
+                    dist.send(x, 1)
+                dist.recv(ack, 1)
+            elif rank == 1:
+                for _ in range(SENDS):
+                    dist.recv(got, 0)
+                dist.send(ack, 0)
+
+        exchange()
+        trials = []
+        for _ in range(TRIALS):
+            dist.barrier()
+            start = time.perf_counter()
+            exchange()
+            trials.append(time.perf_counter() - start)
+        if rank == 0:
+            results.append(("send", statistics.median(trials), SENDS, SENDS * SEND_BYTES))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -87,11 +117,17 @@ def main():
         results = list(results)
     print(f"\ngloo all_reduce(sum), f32 CPU tensors, {a.world} ranks (torch {torch.__version__})")
     print(f"{'size':>10} {'iters':>7} {'median/op':>12} {'busbw GB/s':>12}")
+    sends = [r for r in results if r[0] == "send"]
+    results = [r for r in results if r[0] != "send"]
     for size, secs, iters, busbw in results:
         label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
         print(f"{label:>10} {iters:>7} {secs * 1e6:>10.1f}us {busbw:>12.3f}")
+    for _, secs, _, sent in sends:
+        print(f"gloo send {SEND_BYTES >> 20} MiB, rank 0 to rank 1: {sent / secs / 1e9:.3f} GB/s")
     for size, _, _, busbw in results:
         print(f"gloo {size} {busbw:.4f}")
+    for _, secs, _, sent in sends:
+        print(f"gloo-send {SEND_BYTES} {sent / secs / 1e9:.4f}")
     sys.stdout.flush()
 
 

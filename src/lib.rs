@@ -83,3 +83,10 @@ pub use error::{Error, Result};
 pub use fsdp::{FsdpConfig, FullyShardedDataParallel};
 pub use parallel::{comm, data_parallel, devices, parallel_apply, replicate};
 pub use parallel::{DataParallel, DataParallelConfig};
+
+/// The guides' complete examples, run by `cargo test --doc` so that they stay true.
+#[cfg(doctest)]
+pub mod guides {
+    #[doc = include_str!("../docs/POINT_TO_POINT.md")]
+    pub struct PointToPoint;
+}

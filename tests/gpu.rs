@@ -236,6 +236,8 @@ fn nccl_collectives_with_one_rank_return_the_input_on_its_gpu() {
 
 #[test]
 fn the_tcp_backend_carries_cuda_tensors_between_two_processes() {
+    // Collectives, messages and all-to-all. (NCCL's messages need two GPUs: NCCL refuses two
+    // ranks on one device.)
     if is_child() {
         let device = Device::new_cuda_with_stream(0).unwrap();
         let options = InitConfig {
@@ -250,6 +252,49 @@ fn the_tcp_backend_carries_cuda_tensors_between_two_processes() {
         let y = pg.all_reduce(&x, ReduceOp::Sum).unwrap();
         assert!(y.device().same_device(&device));
         assert_eq!(y.to_vec1::<f32>().unwrap(), [3.0, 20.0]);
+        // Messages of CUDA tensors, a transposed view and integers among them, land on the
+        // group's device; so do all-to-all's uneven blocks.
+        let peer = 1 - pg.rank();
+        let m = Tensor::arange(0f32, 12.0, &device)
+            .unwrap()
+            .reshape((3, 4))
+            .unwrap()
+            .affine(1.0, pg.rank() as f64)
+            .unwrap();
+        let ids = Tensor::new(&[7u32 + pg.rank() as u32, 9], &device).unwrap();
+        let got = pg
+            .batch_isend_irecv(vec![
+                distributed::P2pOp::send(&m.t().unwrap(), peer),
+                distributed::P2pOp::send(&ids, peer),
+                distributed::P2pOp::recv(peer, (4, 3), DType::F32),
+                distributed::P2pOp::recv_as_sent(peer),
+            ])
+            .unwrap()
+            .wait()
+            .unwrap();
+        let (got_m, got_ids) = (got[2].clone().unwrap(), got[3].clone().unwrap());
+        assert!(got_m.device().same_device(&device) && got_ids.device().same_device(&device));
+        let want = Tensor::arange(0f32, 12.0, &Device::Cpu)
+            .unwrap()
+            .reshape((3, 4))
+            .unwrap()
+            .affine(1.0, peer as f64)
+            .unwrap()
+            .t()
+            .unwrap();
+        assert_eq!(
+            got_m.to_vec2::<f32>().unwrap(),
+            want.to_vec2::<f32>().unwrap()
+        );
+        assert_eq!(got_ids.to_vec1::<u32>().unwrap(), [7 + peer as u32, 9]);
+        let blocks: Vec<Tensor> = (0..2)
+            .map(|p| Tensor::ones((pg.rank() + p + 1, 2), DType::F32, &device).unwrap())
+            .collect();
+        let back = pg.all_to_all(&blocks).unwrap();
+        for (r, b) in back.iter().enumerate() {
+            assert_eq!(b.dims(), [r + pg.rank() + 1, 2]);
+            assert!(b.device().same_device(&device));
+        }
         done();
         return;
     }

@@ -133,3 +133,27 @@ fn a_sender_killed_while_its_receiver_waits_is_named() {
         LIMIT,
     );
 }
+
+#[test]
+fn a_sender_that_leaves_without_sending_is_named_with_the_message_it_owes() {
+    if is_child() {
+        let pg = join_child();
+        if pg.rank() == 0 {
+            drop(pg);
+            return done();
+        }
+        let err = pg.recv(0, 4, DType::F32).unwrap_err();
+        assert!(matches!(err, Error::PeerLost { rank: 0, .. }), "{err}");
+        assert!(
+            err.to_string()
+                .contains("without sending message #1 to rank 1"),
+            "{err}"
+        );
+        return done();
+    }
+    Ranks::world(
+        "a_sender_that_leaves_without_sending_is_named_with_the_message_it_owes",
+        2,
+    )
+    .assert_all_pass(LIMIT);
+}

@@ -1,5 +1,6 @@
 //! `torch.optim.AdamW`.
 
+use super::adamw_kernel::{self, Scalars, State};
 use super::{
     check_grads, checked_state, empty_state, managed, ElementwiseOptimizer, OptimizerState,
 };
@@ -7,6 +8,7 @@ use crate::error::Error;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use candle_nn::Optimizer;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Hyper-parameters of [`AdamW`], with `torch.optim.AdamW`'s names and defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -113,6 +115,12 @@ impl AdamWConfig {
 pub struct AdamW {
     vars: Vec<Var>,
     moments: Vec<Option<Moments>>,
+    /// Set when [`ElementwiseOptimizer::state`] hands the moments out: the next step stops
+    /// writing them in place.
+    handed_out: AtomicBool,
+    /// Whether `moments[i]` are ours alone, for the CPU kernel to write in place (not handed
+    /// out, not loaded from the caller's tensors).
+    owned: Vec<bool>,
     step: u64,
     config: AdamWConfig,
     warned_shared_step: bool,
@@ -147,13 +155,19 @@ fn div_scalar(t: &Tensor, x: f64) -> candle_core::Result<Tensor> {
     t.broadcast_div(&x)
 }
 
+/// A `lerp` weight as torch computes with it for tensors of `dtype`: rounded to the dtype
+/// (through f32 for the half types).
+fn lerp_weight(weight: f64, dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => weight,
+        _ => weight as f32 as f64,
+    }
+}
+
 /// torch's `start.lerp(end, weight)` with a scalar weight, in its two branches.
 fn lerp(start: &Tensor, end: &Tensor, weight: f64) -> candle_core::Result<Tensor> {
     // torch computes in the tensor's dtype: round the weight to it first.
-    let weight = match start.dtype() {
-        DType::F64 => weight,
-        _ => weight as f32 as f64,
-    };
+    let weight = lerp_weight(weight, start.dtype());
     let diff = (end - start)?;
     if weight.abs() < 0.5 {
         start + diff.affine(weight, 0.0)?
@@ -205,9 +219,9 @@ impl AdamW {
         grad: &Tensor,
         step_size: f64,
         bias_correction2_sqrt: f64,
+        kernel: bool,
     ) -> candle_core::Result<()> {
         let c = self.config;
-        let (beta1, beta2) = c.betas;
         let var = &self.vars[i];
         let dtype = state_dtype(var);
         if var.elem_count() == 0 {
@@ -218,9 +232,81 @@ impl AdamW {
                     exp_avg_sq: empty_state(var, dtype)?,
                     max_exp_avg_sq: c.amsgrad.then(|| empty_state(var, dtype)).transpose()?,
                 });
+                self.owned[i] = true;
             }
             return Ok(());
         }
+        if kernel
+            && var.device().is_cpu()
+            && self.update_in_place(i, grad, step_size, bias_correction2_sqrt)?
+        {
+            return Ok(());
+        }
+        self.update_with_ops(i, grad, step_size, bias_correction2_sqrt)
+    }
+
+    /// The step of variable `i` by the CPU kernel, in place; `false` where it does not apply.
+    fn update_in_place(
+        &mut self,
+        i: usize,
+        grad: &Tensor,
+        step_size: f64,
+        bias_correction2_sqrt: f64,
+    ) -> candle_core::Result<bool> {
+        let (c, var) = (self.config, &self.vars[i]);
+        if state_dtype(var) != var.dtype() {
+            return Ok(false);
+        }
+        // The kernel writes the moments in place: ours alone, or copies.
+        let moments = match &self.moments[i] {
+            None => Moments {
+                exp_avg: var.zeros_like()?,
+                exp_avg_sq: var.zeros_like()?,
+                max_exp_avg_sq: c.amsgrad.then(|| var.zeros_like()).transpose()?,
+            },
+            Some(m) if self.owned[i] => m.clone(),
+            Some(m) => Moments {
+                exp_avg: m.exp_avg.copy()?,
+                exp_avg_sq: m.exp_avg_sq.copy()?,
+                max_exp_avg_sq: m.max_exp_avg_sq.as_ref().map(Tensor::copy).transpose()?,
+            },
+        };
+        let scalars = Scalars {
+            decay: (c.weight_decay != 0.0).then_some(1.0 - c.lr * c.weight_decay),
+            maximize: c.maximize,
+            lerp_weight: lerp_weight(1.0 - c.betas.0, var.dtype()),
+            beta2: c.betas.1,
+            step_size,
+            bias_correction2_sqrt,
+            eps: c.eps,
+            amsgrad: c.amsgrad,
+        };
+        let state = State {
+            exp_avg: &moments.exp_avg,
+            exp_avg_sq: &moments.exp_avg_sq,
+            max_exp_avg_sq: moments.max_exp_avg_sq.as_ref(),
+        };
+        if !adamw_kernel::step(var, grad, state, &scalars)? {
+            return Ok(false);
+        }
+        self.moments[i] = Some(moments);
+        self.owned[i] = true;
+        Ok(true)
+    }
+
+    /// The step of variable `i` with tensor ops, on any device: torch's arithmetic, as the
+    /// kernel's.
+    fn update_with_ops(
+        &mut self,
+        i: usize,
+        grad: &Tensor,
+        step_size: f64,
+        bias_correction2_sqrt: f64,
+    ) -> candle_core::Result<()> {
+        let c = self.config;
+        let (beta1, beta2) = c.betas;
+        let var = &self.vars[i];
+        let dtype = state_dtype(var);
         let mut p = var.as_tensor().to_dtype(dtype)?;
         let mut g = grad.to_dtype(dtype)?;
         if c.maximize {
@@ -259,6 +345,7 @@ impl AdamW {
             exp_avg_sq,
             max_exp_avg_sq,
         });
+        self.owned[i] = true;
         Ok(())
     }
 }
@@ -282,6 +369,8 @@ impl Optimizer for AdamW {
         managed::hold(&vars);
         Ok(Self {
             moments: vec![None; vars.len()],
+            handed_out: AtomicBool::new(false),
+            owned: vec![true; vars.len()],
             vars,
             step: 0,
             config,
@@ -307,6 +396,15 @@ impl Optimizer for AdamW {
 impl AdamW {
     /// One step of every variable that has a gradient in `grads`.
     fn step_vars(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.step_vars_with(grads, true)
+    }
+
+    /// [`step_vars`](Self::step_vars), through the CPU kernel where it applies (`kernel`) or
+    /// with tensor ops only.
+    fn step_vars_with(&mut self, grads: &GradStore, kernel: bool) -> candle_core::Result<()> {
+        if std::mem::take(self.handed_out.get_mut()) {
+            self.owned.fill(false);
+        }
         let has_grad: Vec<bool> = self.vars.iter().map(|v| grads.get(v).is_some()).collect();
         if !has_grad.contains(&true) {
             return Ok(());
@@ -321,7 +419,7 @@ impl AdamW {
         let bias_correction2_sqrt = (1.0 - beta2.powf(t)).powf(0.5);
         for i in 0..self.vars.len() {
             if let Some(grad) = grads.get(&self.vars[i]) {
-                self.update(i, grad, step_size, bias_correction2_sqrt)?;
+                self.update(i, grad, step_size, bias_correction2_sqrt, kernel)?;
             }
         }
         Ok(())
@@ -334,6 +432,7 @@ impl ElementwiseOptimizer for AdamW {
     }
 
     fn state(&self) -> OptimizerState {
+        self.handed_out.store(true, Ordering::Relaxed);
         let per_var = self
             .moments
             .iter()
@@ -395,6 +494,8 @@ impl ElementwiseOptimizer for AdamW {
             })
             .collect();
         self.step = step;
+        // `checked_state` may return the caller's own tensors.
+        self.owned.fill(false);
         Ok(())
     }
 }
@@ -467,6 +568,120 @@ mod tests {
                 ..d
             },
         ]
+    }
+
+    /// The CPU kernel against the tensor ops, bit for bit: every configuration, f32 and f64,
+    /// a parameter large enough to be split over threads and one that is not, values of both
+    /// signs and zeros, over steps whose gradients change.
+    #[test]
+    fn the_cpu_kernel_gives_the_bits_of_the_tensor_ops() -> candle_core::Result<()> {
+        let n = 3 * super::super::sgd_kernel::PARALLEL_MIN + 7;
+        let values: Vec<f64> = (0..n)
+            .map(|i| match i % 5 {
+                0 => 0.0,
+                k => ((i * 7919) % 1000) as f64 / 250.0 - 2.0 + k as f64 * 1e-3,
+            })
+            .collect();
+        for dtype in [DType::F32, DType::F64] {
+            for c in configs() {
+                let make = |len: usize| -> candle_core::Result<Vec<Var>> {
+                    [len, 5]
+                        .iter()
+                        .map(|&k| {
+                            Var::from_tensor(
+                                &Tensor::new(&values[..k], &Device::Cpu)?.to_dtype(dtype)?,
+                            )
+                        })
+                        .collect()
+                };
+                let (fast, slow) = (make(n)?, make(n)?);
+                let mut kernel = AdamW::new(fast.clone(), c)?;
+                let mut ops = AdamW::new(slow.clone(), c)?;
+                for _ in 0..4 {
+                    let total = |vs: &[Var]| -> candle_core::Result<Tensor> {
+                        let mut sum = Tensor::zeros((), dtype, &Device::Cpu)?;
+                        for v in vs {
+                            sum = (sum + loss(v)?)?;
+                        }
+                        Ok(sum)
+                    };
+                    let (gk, go) = (total(&fast)?.backward()?, total(&slow)?.backward()?);
+                    kernel.step_vars_with(&gk, true)?;
+                    ops.step_vars_with(&go, false)?;
+                    for (a, b) in fast.iter().zip(&slow) {
+                        let (a, b) = (
+                            a.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+                            b.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?,
+                        );
+                        let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+                        assert!(same, "{dtype:?} {c:?}");
+                    }
+                }
+                let (sk, so) = (kernel.state(), ops.state());
+                for (k, o) in sk.per_var.iter().zip(&so.per_var) {
+                    for (name, t) in k {
+                        let (a, b) = (
+                            t.to_vec1::<f64>()
+                                .or_else(|_| t.to_dtype(DType::F64)?.to_vec1::<f64>())?,
+                            o[name].to_dtype(DType::F64)?.to_vec1::<f64>()?,
+                        );
+                        assert_eq!(a, b, "{dtype:?} {c:?} {name}");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The kernel writes moments in place, but never ones handed out or loaded: a snapshot stays
+    /// as taken, a loaded state stays the caller's.
+    #[test]
+    fn handed_out_and_loaded_moments_are_never_written() -> candle_core::Result<()> {
+        let c = AdamWConfig {
+            lr: 0.05,
+            amsgrad: true,
+            ..Default::default()
+        };
+        let (p, mut opt) = run(c, DType::F32, 1)?;
+        let snapshot = opt.state();
+        let taken = |s: &OptimizerState| -> candle_core::Result<Vec<Vec<f32>>> {
+            [EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ]
+                .iter()
+                .map(|n| s.per_var[0][*n].to_vec1::<f32>())
+                .collect()
+        };
+        let before = taken(&snapshot)?;
+        let p_then = p.as_tensor().copy()?;
+        opt.backward_step(&loss(&p)?)?;
+        opt.backward_step(&loss(&p)?)?;
+        assert_eq!(taken(&snapshot)?, before);
+        let q = Var::from_tensor(&p_then)?;
+        let mut fresh = AdamW::new(vec![q.clone()], c)?;
+        fresh.load_state(&snapshot).map_err(Error::into_candle)?;
+        fresh.backward_step(&loss(&q)?)?;
+        fresh.backward_step(&loss(&q)?)?;
+        assert_eq!(taken(&snapshot)?, before);
+        // And the loaded run went on as the original did from the snapshot.
+        assert_eq!(q.to_vec1::<f32>()?, p.to_vec1::<f32>()?);
+        Ok(())
+    }
+
+    /// A gradient that shares the variable's storage is stepped by the tensor ops.
+    #[test]
+    fn a_gradient_in_the_variables_storage_takes_the_tensor_ops() -> candle_core::Result<()> {
+        let c = AdamWConfig {
+            lr: 0.1,
+            ..Default::default()
+        };
+        let p = Var::new(&[1f32, -2.0], &Device::Cpu)?;
+        let mut opt = AdamW::new(vec![p.clone()], c)?;
+        assert!(!opt.update_in_place(0, p.as_tensor(), 0.1, 1.0)?);
+        let q = Var::new(&[1f32, -2.0], &Device::Cpu)?;
+        let mut ops = AdamW::new(vec![q.clone()], c)?;
+        opt.update(0, p.as_tensor(), 0.1, 1.0, true)?;
+        ops.update(0, &q.as_tensor().copy()?, 0.1, 1.0, false)?;
+        assert_eq!(p.to_vec1::<f32>()?, q.to_vec1::<f32>()?);
+        Ok(())
     }
 
     #[test]

@@ -33,6 +33,7 @@
 //! ```
 
 mod adamw;
+mod adamw_kernel;
 mod clip;
 mod finite;
 pub mod managed;

@@ -25,11 +25,11 @@ use rayon::prelude::*;
 use std::cell::RefCell;
 
 /// Parameters below this many elements are stepped on one thread: splitting costs more.
-const PARALLEL_MIN: usize = 1 << 15;
+pub(super) const PARALLEL_MIN: usize = 1 << 15;
 
 /// An element type the kernel steps, the type it computes in, and how to find its values in a
 /// CPU storage.
-trait Elem: WithDType {
+pub(super) trait Elem: WithDType {
     /// f32 for f32, f16 and bf16; f64 for f64.
     type Acc: Float + Send + Sync;
     fn values(s: &mut CpuStorage) -> Option<&mut [Self]>;
@@ -169,24 +169,27 @@ impl<A: Float + Send + Sync> Coefficients<A> {
 }
 
 /// The range of a contiguous layout's values in its storage.
-fn range(layout: &Layout) -> Result<std::ops::Range<usize>> {
+pub(super) fn range(layout: &Layout) -> Result<std::ops::Range<usize>> {
     match layout.contiguous_offsets() {
         Some((start, end)) => Ok(start..end),
-        None => candle_core::bail!("sgd kernel: a non-contiguous operand"),
+        None => candle_core::bail!("optimizer kernel: a non-contiguous operand"),
     }
 }
 
 /// The contiguous values of a storage under `layout`, to write.
-fn values_mut<'a, T: Elem>(s: &'a mut CpuStorage, layout: &Layout) -> Result<&'a mut [T]> {
+pub(super) fn values_mut<'a, T: Elem>(
+    s: &'a mut CpuStorage,
+    layout: &Layout,
+) -> Result<&'a mut [T]> {
     let range = range(layout)?;
     match T::values(s) {
         Some(values) => Ok(&mut values[range]),
-        None => candle_core::bail!("sgd kernel: operands of another dtype"),
+        None => candle_core::bail!("optimizer kernel: operands of another dtype"),
     }
 }
 
 /// The contiguous values of a storage under `layout`.
-fn values<'a, T: Elem>(s: &'a CpuStorage, layout: &Layout) -> Result<&'a [T]> {
+pub(super) fn values<'a, T: Elem>(s: &'a CpuStorage, layout: &Layout) -> Result<&'a [T]> {
     Ok(&s.as_slice::<T>()?[range(layout)?])
 }
 
@@ -236,7 +239,7 @@ impl<T: Elem> InplaceOp1 for OnBuffer<'_, T> {
 
 /// The address range of a contiguous CPU tensor's values, to tell whether two overlap. (For
 /// any other tensor `with_bytes` would give a copy's: `step` asks only of contiguous CPU ones.)
-fn span(t: &Tensor) -> Result<std::ops::Range<usize>> {
+pub(super) fn span(t: &Tensor) -> Result<std::ops::Range<usize>> {
     with_bytes(
         t,
         |b| Ok(b.as_ptr() as usize..b.as_ptr() as usize + b.len()),

@@ -4,10 +4,11 @@
 //! so a receive that expected something else is an error naming both, never a reinterpretation.
 
 use super::Links;
-use crate::distributed::transport::host_buf::with_raw_bytes;
+use crate::distributed::reduce_op::check_dtype;
+use crate::distributed::transport::host_buf::{with_raw_bytes, HostBuf};
 use crate::distributed::transport::wire::{FrameKind, Tag};
 use crate::error::{Error, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
 use std::str::FromStr;
 
 /// Bytes per data frame: large enough to move at the link's speed, small enough that the
@@ -111,7 +112,8 @@ pub(crate) fn send(
 }
 
 /// Receives the elements of message `seq` from `peer`, whose header said `meta`, as a tensor on
-/// `device`.
+/// `device`. Floats land in the tensor's own buffer (one copy from the transport); integers
+/// take a second copy.
 pub(crate) fn recv_body(
     links: &impl Links,
     peer: usize,
@@ -120,14 +122,24 @@ pub(crate) fn recv_body(
     meta: &Meta,
     device: &Device,
 ) -> Result<Tensor> {
-    let mut buf = vec![0u8; meta.bytes()];
-    for (i, dst) in buf.chunks_mut(CHUNK_BYTES).enumerate() {
-        links.recv_with(peer, tag(kind, seq, i as u64 + 1), |b| {
-            super::expect_len(b, dst.len(), peer)?;
-            dst.copy_from_slice(b);
-            Ok::<(), Error>(())
-        })??;
+    let n = meta.dims.iter().product::<usize>();
+    let fill = |dst: &mut [u8]| -> Result<()> {
+        for (i, part) in dst.chunks_mut(CHUNK_BYTES).enumerate() {
+            links.recv_with(peer, tag(kind, seq, i as u64 + 1), |b| {
+                super::expect_len(b, part.len(), peer)?;
+                part.copy_from_slice(b);
+                Ok::<(), Error>(())
+            })??;
+        }
+        Ok(())
+    };
+    if check_dtype(meta.dtype).is_ok() {
+        let mut buf = HostBuf::zeros(meta.dtype, n);
+        fill(buf.bytes_mut(0..n))?;
+        return buf.into_tensor(&Shape::from(meta.dims.clone()), device);
     }
+    let mut buf = vec![0u8; meta.bytes()];
+    fill(&mut buf)?;
     Ok(Tensor::from_raw_buffer(
         &buf, meta.dtype, &meta.dims, device,
     )?)

@@ -45,12 +45,12 @@ impl MeshState {
                 }
                 if st.departed[peer] {
                     drop(st);
-                    return Err(self.departed(peer, tag.seq));
+                    return Err(self.departed(peer, tag));
                 }
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(self.timed_out(peer, tag.seq));
+                return Err(self.timed_out(peer, tag));
             }
             link.wait_send(bell, deadline - now);
         }

@@ -40,32 +40,41 @@ impl MeshState {
         first.error()
     }
 
-    /// `peer` said goodbye while this rank still waits for it in collective `seq`.
-    pub(super) fn departed(&self, peer: usize, seq: u64) -> Error {
-        self.fail(Broken {
-            lost: Some(peer),
-            detail: format!(
-                "it shut down its process group before finishing collective #{seq}: the ranks \
+    /// `peer` said goodbye while this rank still waits for its frame `tag`.
+    pub(super) fn departed(&self, peer: usize, tag: Tag) -> Error {
+        let detail = if tag.kind == FrameKind::P2p {
+            format!(
+                "it shut down its process group without sending message #{} to rank {}: every \
+                 receive needs a send from its peer",
+                tag.seq, self.rank
+            )
+        } else {
+            format!(
+                "it shut down its process group before finishing collective #{}: the ranks \
                  ran different numbers of collectives (steps). Give every rank the same number \
                  of batches (DistributedSampler does), or wrap the loop in DDP's join() for \
-                 uneven inputs"
-            ),
+                 uneven inputs",
+                tag.seq
+            )
+        };
+        self.fail(Broken {
+            lost: Some(peer),
+            detail,
         })
     }
 
-    /// A wait for `peer` in collective `seq` ran out: the mesh breaks, and every peer learns why.
-    pub(super) fn timed_out(&self, peer: usize, seq: u64) -> Error {
+    /// A wait for `peer`'s frame `tag` ran out: the mesh breaks, and every peer learns why.
+    pub(super) fn timed_out(&self, peer: usize, tag: Tag) -> Error {
         let waited = self.options.timeout;
+        let what = if tag.kind == FrameKind::P2p {
+            format!("waiting for message #{} from rank {peer}", tag.seq)
+        } else {
+            format!("waiting for rank {peer} in collective #{}", tag.seq)
+        };
         self.fail(Broken {
             lost: None,
-            detail: format!(
-                "rank {} timed out after {waited:?} waiting for rank {peer} in collective #{seq}",
-                self.rank
-            ),
+            detail: format!("rank {} timed out after {waited:?} {what}", self.rank),
         });
-        Error::Timeout {
-            what: format!("waiting for rank {peer} in collective #{seq}"),
-            waited,
-        }
+        Error::Timeout { what, waited }
     }
 }

@@ -74,12 +74,12 @@ impl MeshState {
             }
             if st.departed[peer] {
                 drop(st);
-                return Err(self.departed(peer, tag.seq));
+                return Err(self.departed(peer, tag));
             }
             let now = Instant::now();
             if now >= deadline {
                 drop(st);
-                return Err(self.timed_out(peer, tag.seq));
+                return Err(self.timed_out(peer, tag));
             }
             if let (Some(link), Some(bell)) = (shm, bell) {
                 drop(st);
