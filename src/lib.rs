@@ -89,4 +89,6 @@ pub use parallel::{DataParallel, DataParallelConfig};
 pub mod guides {
     #[doc = include_str!("../docs/POINT_TO_POINT.md")]
     pub struct PointToPoint;
+    #[doc = include_str!("../docs/PIPELINE.md")]
+    pub struct Pipeline;
 }
