@@ -10,10 +10,12 @@
 //! an error naming both ranks); it adds the stage's parameter gradients to the step's sums and
 //! sends the input's gradient to stage `s - 1`.
 //!
-//! A message to send waits to be issued with the next receive, in one `batch_isend_irecv`, as
-//! torch fuses 1F1B's forward send and backward receive: on NCCL, where a send completes with
-//! its receive, two neighbours that send to each other at once then never wait for each other.
-//! The step waits for its sends before it returns.
+//! A message to send waits to be issued with the rank's next receive, in one
+//! `batch_isend_irecv`, as torch fuses 1F1B's forward send and backward receive: on NCCL, where
+//! a send completes with its receive, two neighbours that send to each other at once then never
+//! wait for each other. When the next computation receives nothing, the messages leave before
+//! it. The step waits for its sends before it returns. A step that failed on some rank leaves
+//! messages in flight: the pipeline cannot go on after it (as torch's), only report.
 
 use super::microbatch::split_microbatches;
 use super::schedule::{Action, Computation, Schedule};
@@ -125,7 +127,7 @@ where
     /// cut into micro-batches along dimension 0. Every rank of the pipeline calls it.
     ///
     /// The first step checks that every rank runs the same schedule over the same number of
-    /// micro-batches and stages (one small all-gather); a difference is an
+    /// micro-batches and stages (two small all-reduces); a difference is an
     /// [`Error::Mismatch`] on every rank.
     pub fn step<M: ModuleT>(
         &self,
@@ -190,7 +192,7 @@ where
         for action in self.schedule.actions(pp, rank, self.n_microbatches)? {
             run.action(action, &self.loss_fn)?;
         }
-        run.finish(started)
+        run.finish()
     }
 
     /// Checks once that every rank of the pipeline runs the same schedule, micro-batch count
@@ -419,7 +421,7 @@ impl<M: ModuleT> Run<'_, M> {
         Ok(())
     }
 
-    fn finish(mut self, started: Instant) -> Result<StepOutput> {
+    fn finish(mut self) -> Result<StepOutput> {
         if let Some(stage) = self.stages.values().next().copied() {
             self.flush(stage)?;
         }
@@ -434,7 +436,7 @@ impl<M: ModuleT> Run<'_, M> {
             grads,
             losses: self.losses,
             events: self.events,
-            elapsed: started.elapsed(),
+            elapsed: self.started.elapsed(),
         })
     }
 }
