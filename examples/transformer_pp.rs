@@ -19,7 +19,8 @@
 //! the share of the step it spent waiting against the schedule's theory, (p - 1) / (m + p - 1)
 //! for GPipe and 1F1B), and with `memory per rank: parameters P MiB, gradients G MiB, optimizer
 //! O MiB, peak RSS R MiB`, each the largest over the ranks. `--plot FILE.svg` draws the last
-//! step: each rank's forwards and backwards by time.
+//! step: each rank's forwards and backwards by time. `--compare` first trains the whole model
+//! in one process, alone, with the same flags, and prints the pipeline's tokens/s beside its.
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
@@ -102,7 +103,14 @@ struct Args {
     /// Draw the last step's schedule (ranks by time) to this SVG file.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// First train the whole model in one process with the same flags, alone, and print the
+    /// pipeline's tokens/s beside its.
+    #[arg(long)]
+    compare: bool,
 }
+
+/// The one-process run's tokens/s, from the parent of the ranks (`--compare`).
+const ONE_PROCESS_VAR: &str = "CP_PP_ONE_PROCESS_TOKENS_PER_S";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ScheduleArg {
@@ -151,6 +159,11 @@ fn main() -> Result<()> {
     if let Some(path) = &args.plot {
         plot::check_path(path)?;
     }
+    if args.compare && std::env::var_os("RANK").is_none() {
+        let tokens_per_s = one_process_tokens_per_s(&args)?;
+        // The ranks inherit it.
+        std::env::set_var(ONE_PROCESS_VAR, tokens_per_s.to_string());
+    }
     let config = LaunchConfig {
         nproc_per_node: args.pipeline,
         prefix_output: false,
@@ -158,6 +171,48 @@ fn main() -> Result<()> {
     };
     launch::spawn_with_config(&config, |_rank| rank_main(&args))?;
     Ok(())
+}
+
+/// Runs this program on the whole model in one process (the same flags otherwise) and returns
+/// the tokens/s of its last epoch.
+fn one_process_tokens_per_s(args: &Args) -> Result<f64> {
+    let exe = std::env::current_exe()?;
+    let flags = [
+        ("--layers", args.layers.to_string()),
+        ("--dim", args.dim.to_string()),
+        ("--heads", args.heads.to_string()),
+        ("--digits", args.digits.to_string()),
+        ("--epochs", args.epochs.to_string()),
+        ("--batch-size", args.batch_size.to_string()),
+        ("--lr", args.lr.to_string()),
+        ("--weight-decay", args.weight_decay.to_string()),
+        ("--warmup", args.warmup.to_string()),
+        ("--train-size", args.train_size.to_string()),
+        ("--test-size", args.test_size.to_string()),
+        ("--seed", args.seed.to_string()),
+    ];
+    let mut cmd = std::process::Command::new(exe);
+    for (flag, value) in flags {
+        cmd.args([flag, value.as_str()]);
+    }
+    let out = cmd.output().context("running the one-process baseline")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "the one-process baseline failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    stdout
+        .lines()
+        .rev()
+        .find_map(|l| {
+            l.strip_suffix(" tokens/s")?
+                .rsplit(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .context("the one-process baseline printed no tokens/s")
 }
 
 /// `transformer_ddp`'s schedule: linear warm-up over `warm` steps to `peak`, then a cosine
@@ -265,6 +320,7 @@ fn rank_main(args: &Args) -> Result<()> {
     let mut step = 0;
     let mut measured = Measured::default();
     let mut last_grads = 0;
+    let mut last_tokens_per_s = 0.0;
     let started = Instant::now();
     for epoch in 1..=args.epochs {
         sampler.set_epoch(epoch as u64);
@@ -310,6 +366,7 @@ fn rank_main(args: &Args) -> Result<()> {
         }
         let seconds = epoch_started.elapsed().as_secs_f64();
         let tokens = (sampler.len() * train.context()) as f64;
+        last_tokens_per_s = tokens / seconds;
         if holds_last {
             println!(
                 "Epoch {epoch}/{}: train loss {:.6}, lr {:.2e}, {:.0} tokens/s",
@@ -319,6 +376,14 @@ fn rank_main(args: &Args) -> Result<()> {
                 tokens / seconds
             );
         }
+    }
+    if let (true, Ok(one)) = (holds_last, std::env::var(ONE_PROCESS_VAR)) {
+        let one: f64 = one.parse()?;
+        println!(
+            "tokens/s: {last_tokens_per_s:.0} in {world} processes against {one:.0} in one \
+             process ({:.2}x), the last epoch of each",
+            last_tokens_per_s / one
+        );
     }
     // Ranks print in turn, after the last loss line.
     pg.barrier()?;

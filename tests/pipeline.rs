@@ -388,7 +388,14 @@ fn transformer_pp_matches_one_process(schedule: &str) {
     let chart = common::temp_dir(&format!("pp-chart-{schedule}")).join("pp.svg");
     let mut pp = std::process::Command::new(common::example("transformer_pp"));
     pp.args(small)
-        .args(["--pipeline", "2", "--schedule", schedule, "--plot"])
+        .args([
+            "--pipeline",
+            "2",
+            "--schedule",
+            schedule,
+            "--compare",
+            "--plot",
+        ])
         .arg(&chart);
     let out = common::run_ok(pp, LIMIT);
     let (want, got) = (train_losses(&one), train_losses(&out));
@@ -403,6 +410,7 @@ fn transformer_pp_matches_one_process(schedule: &str) {
     let last = out.lines().last().unwrap_or_default();
     assert!(last.starts_with("memory per rank: parameters"), "{out}");
     assert!(out.contains("bubble: measured"), "{out}");
+    assert!(out.contains("in 2 processes against"), "{out}");
     let svg = std::fs::read_to_string(&chart).unwrap();
     assert!(
         svg.contains("<svg") && svg.contains("backward"),
