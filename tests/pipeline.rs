@@ -1,7 +1,8 @@
 //! Pipeline parallel over real processes (and threads where that is enough): 20 SGD steps of a
 //! four-layer perceptron cut into 2 or 4 stages equal 20 steps of the whole model in one
-//! process, under GPipe, 1F1B and interleaved 1F1B, alone and on a [dp 2, pp 2] layout; a rank
-//! killed in the middle of a schedule is named by every other rank.
+//! process, under GPipe, 1F1B and interleaved 1F1B, alone and on a [dp 2, pp 2] layout (the
+//! replicas' gradients averaged, or reduce-scattered under ZeRO-2); a rank killed in the middle
+//! of a schedule is named by every other rank; the examples print one process's losses.
 
 mod common;
 

@@ -46,7 +46,8 @@ impl<M> PipelineStage<M> {
     /// `varmap`'s (every float variable of it is trained). `group` is the pipeline's process
     /// group: stage `s` runs on its rank `s % group.world_size()`, so this rank must be that
     /// one, and `num_stages` a multiple of the group's size (one stage per rank, or several
-    /// for an interleaved schedule).
+    /// for an interleaved schedule). Give each stage a `VarMap` of its own: the stage trains
+    /// every variable of it.
     pub fn new(
         module: M,
         varmap: &VarMap,
