@@ -87,6 +87,24 @@ pub enum Error {
         message: String,
     },
 
+    /// A stage of a model-parallel model failed: an error or a panic in its forward, or moving
+    /// its output to the next stage's device.
+    #[error(
+        "model-parallel stage {stage} on {device} failed{}: {source}",
+        micro_batch.map(|j| format!(" on micro-batch {j}")).unwrap_or_default()
+    )]
+    Stage {
+        /// The stage's index.
+        stage: usize,
+        /// The stage's device.
+        device: String,
+        /// The micro-batch, where the forward is pipelined.
+        micro_batch: Option<usize>,
+        /// What failed (boxed: the variant stays small).
+        #[source]
+        source: Box<candle_core::Error>,
+    },
+
     /// A hyper-parameter or option is outside its valid range.
     #[error("invalid {what}: {detail}")]
     InvalidArgument {

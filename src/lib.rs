@@ -12,6 +12,9 @@
 //! - [`FullyShardedDataParallel`] ([`fsdp`]): each rank keeps a shard of the parameters,
 //!   gradients and optimizer state, and gathers a unit's parameters only while it computes
 //!   (torch FSDP2's `fully_shard`).
+//! - [`model_parallel`]: one model cut into stages on the devices of one process, optionally
+//!   pipelined over micro-batches (the tutorials' `ModelParallelResNet50` and
+//!   `PipelineParallelResNet50`).
 //! - [`pipeline`]: the model cut into stages, one process each, and batches into micro-batches
 //!   that flow through them under a schedule (GPipe, 1F1B, interleaved 1F1B), as
 //!   `torch.distributed.pipelining`.
@@ -67,6 +70,7 @@ pub mod init;
 pub mod launch;
 pub mod logging;
 pub mod memory;
+pub mod model_parallel;
 pub mod nn;
 pub mod optim;
 pub mod parallel;
@@ -89,6 +93,10 @@ pub use parallel::{DataParallel, DataParallelConfig};
 pub mod guides {
     #[doc = include_str!("../docs/POINT_TO_POINT.md")]
     pub struct PointToPoint;
+    #[doc = include_str!("../docs/DEVICE_MESH.md")]
+    pub struct DeviceMesh;
+    #[doc = include_str!("../docs/MODEL_PARALLEL.md")]
+    pub struct ModelParallel;
     #[doc = include_str!("../docs/PIPELINE.md")]
     pub struct Pipeline;
 }

@@ -481,3 +481,34 @@ fn a_scaling_chart_labels_each_point_with_its_share_of_the_ideal_line() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn the_model_parallel_tutorial_trains_as_one_device_plain_and_pipelined() {
+    let mut cmd = Command::new(common::example("model_parallel"));
+    cmd.args([
+        "--cpu",
+        "--steps",
+        "4",
+        "--hidden",
+        "32",
+        "--split-sizes",
+        "7,50",
+    ]);
+    let out = common::run_ok(cmd, Duration::from_secs(120));
+    assert!(out.contains("ToyModel: outputs [20, 5]"), "{out}");
+    for mode in [
+        "| one device |",
+        "| model parallel |",
+        "| pipelined | 7 |",
+        "| pipelined | 50 |",
+    ] {
+        assert!(out.contains(mode), "no row `{mode}` in:\n{out}");
+    }
+    let worst: f64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("max weight difference from one device: "))
+        .unwrap_or_else(|| panic!("no difference line in:\n{out}"))
+        .parse()
+        .unwrap();
+    assert!(worst <= 1e-5, "{worst} away from one device:\n{out}");
+}

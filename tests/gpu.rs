@@ -84,6 +84,80 @@ fn data_parallel_over_two_devices_on_gpu_0_matches_one_device() {
     }
 }
 
+/// Model parallel over two devices of GPU 0 (the tutorial's `seq1` on one, `seq2` on the
+/// other), plain and pipelined over micro-batches of 3 (4 of them, the last of 1): outputs,
+/// then the weights after 20 SGD steps, against the same model on one device. The first stage
+/// ends in a large matmul, so that its stream is still busy when the activations are copied.
+#[test]
+fn model_parallel_over_two_devices_of_gpu_0_matches_one_device() {
+    use candle_nn::{linear, Linear};
+    use candle_parallel::model_parallel::{ModelParallel, Stage};
+    if !have_gpu() {
+        return;
+    }
+    let d0 = Device::new_cuda_with_stream(0).unwrap();
+    let d1 = Device::new_cuda_with_stream(0).unwrap();
+    let layers = |varmap: &VarMap, a: &Device, b: &Device| -> [Linear; 3] {
+        let vb = |d: &Device| seeded_var_builder(varmap, 5, DType::F32, d);
+        [
+            linear(3 * 32 * 32, 1024, vb(a).pp("l1")).unwrap(),
+            linear(1024, 1024, vb(a).pp("l2")).unwrap(),
+            linear(1024, 10, vb(b).pp("l3")).unwrap(),
+        ]
+    };
+    let model = |varmap: &VarMap, a: &Device, b: &Device, split: Option<usize>| {
+        let [l1, l2, l3] = layers(varmap, a, b);
+        let seq1 = move |x: &Tensor| {
+            l2.forward(&l1.forward(&x.flatten_from(1)?)?.relu()?)?
+                .relu()
+        };
+        let m = ModelParallel::new(vec![Stage::new(a, seq1), Stage::new(b, l3)]).unwrap();
+        match split {
+            Some(s) => m.with_split_size(s).unwrap(),
+            None => m,
+        }
+    };
+    for split in [None, Some(3)] {
+        let (one_vars, mp_vars) = (VarMap::new(), VarMap::new());
+        let one = model(&one_vars, &d0, &d0, None);
+        let mp = model(&mp_vars, &d0, &d1, split);
+        let mut one_opt = Sgd::new(one_vars.all_vars(), SGD).unwrap();
+        let mut mp_opt = Sgd::new(mp_vars.all_vars(), SGD).unwrap();
+        for step in 0..20u32 {
+            let x = images(10, 2 + u64::from(step), &d0);
+            let labels: Vec<u32> = (0..10).map(|i| (i + step) % 10).collect();
+            let want = one.forward(&x).unwrap();
+            let got = mp.forward(&x).unwrap();
+            assert!(got.device().same_device(&d1));
+            // Through the host: a copy to the CPU waits for the source's stream.
+            let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+            let diff = max_abs_diff(&cpu(&got), &cpu(&want));
+            assert!(
+                diff <= 1e-5,
+                "split {split:?}, step {step}: outputs differ by {diff}"
+            );
+            let y0 = Tensor::from_vec(labels.clone(), 10, &d0).unwrap();
+            let y1 = Tensor::from_vec(labels, 10, &d1).unwrap();
+            one_opt
+                .backward_step(&loss::cross_entropy(&want, &y0).unwrap())
+                .unwrap();
+            mp_opt
+                .backward_step(&loss::cross_entropy(&got, &y1).unwrap())
+                .unwrap();
+        }
+        let one_data = one_vars.data().lock().unwrap().clone();
+        for (name, var) in mp_vars.data().lock().unwrap().iter() {
+            let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+            let diff = max_abs_diff(&cpu(var.as_tensor()), &cpu(one_data[name].as_tensor()));
+            // cuBLAS picks its kernels by the number of rows, so micro-batches round apart.
+            assert!(
+                diff <= 1e-4,
+                "split {split:?}: after 20 steps {name} differs by {diff}"
+            );
+        }
+    }
+}
+
 /// `t` through eight chained matmuls: slow on purpose, so that the stream computing it is still
 /// busy when a copy is enqueued on another stream. Scaled to keep the values near 1.
 fn busy(t: &Tensor) -> Tensor {

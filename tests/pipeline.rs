@@ -8,7 +8,7 @@ mod common;
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear, loss, Linear, Optimizer, VarMap};
-use candle_parallel::distributed::{self, ProcessGroup};
+use candle_parallel::distributed::{self, DeviceMesh, ProcessGroup};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::Sgd;
 use candle_parallel::pipeline::{
@@ -245,18 +245,12 @@ fn a_pipeline_of_one_rank_holding_every_stage_trains_as_one_process() {
     .unwrap();
 }
 
-/// torch's layout of a [dp 2, pp 2] mesh: ranks = arange(4).reshape(2, 2); pipelines [0, 1]
-/// and [2, 3], data-parallel replicas [0, 2] and [1, 3]. Every rank creates every group.
+/// The "pp" and "dp" groups of a [dp 2, pp 2] mesh (torch's layout: ranks =
+/// arange(4).reshape(2, 2), pipelines [0, 1] and [2, 3], replicas [0, 2] and [1, 3]).
 fn mesh_groups(world: &ProcessGroup) -> (ProcessGroup, ProcessGroup) {
-    let mut pp = None;
-    let mut dp = None;
-    for ranks in [[0, 1], [2, 3]] {
-        pp = pp.or(world.new_group(&ranks).unwrap());
-    }
-    for ranks in [[0, 2], [1, 3]] {
-        dp = dp.or(world.new_group(&ranks).unwrap());
-    }
-    (pp.unwrap(), dp.unwrap())
+    let mesh = DeviceMesh::new(world, &[("dp", 2), ("pp", 2)]).unwrap();
+    let (pp, dp) = (mesh.get_group("pp").unwrap(), mesh.get_group("dp").unwrap());
+    (pp.clone(), dp.clone())
 }
 
 #[test]

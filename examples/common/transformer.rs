@@ -5,7 +5,8 @@
 //! names, so weights and gradients compare name by name.
 //!
 //! The model is made of candle-nn's `Embedding` and `Linear` and of candle-parallel's layers
-//! with a backward (`nn::LayerNorm`, `nn::ops::softmax_last_dim`): candle-nn's own fused
+//! with a backward (`nn::LayerNorm`, `nn::ops::softmax_last_dim`, and `nn::ops::gelu_erf`, one
+//! op with a one-pass backward where candle's is nine): candle-nn's own fused
 //! layer norm and softmax have no backward in candle 0.11, and every parameter upstream of them
 //! would train as if frozen.
 
@@ -15,8 +16,8 @@ use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear, Embedding, Linear, VarBuilder};
 use candle_parallel::activation_checkpointing::{checkpoint_if, Checkpointed};
 use candle_parallel::fsdp::{self, Unit};
-use candle_parallel::nn::ops::softmax_last_dim;
-use candle_parallel::nn::{layer_norm, LayerNorm};
+use candle_parallel::nn::ops::{gelu_erf, softmax_last_dim};
+use candle_parallel::nn::{self, layer_norm, LayerNorm};
 use candle_parallel::rng::Rng;
 
 /// torch's `nn.LayerNorm` default.
@@ -88,8 +89,7 @@ impl Attention {
         let (b, t, d) = x.dims3()?;
         let hd = d / self.heads;
         // (b, t, 3, heads, hd) -> three of (b, heads, t, hd)
-        let qkv = x
-            .apply(&self.qkv)?
+        let qkv = nn::linear(x, &self.qkv)?
             .reshape((b, t, 3, self.heads, hd))?
             .permute((2, 0, 3, 1, 4))?;
         let q = qkv.get(0)?.contiguous()?;
@@ -99,7 +99,7 @@ impl Attention {
         // The mask in the scores' dtype: the model may compute in bf16 or f16.
         let att = softmax_last_dim(&scores.broadcast_add(&mask.to_dtype(scores.dtype())?)?)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
-        y.apply(&self.proj)
+        nn::linear(&y, &self.proj)
     }
 }
 
@@ -126,8 +126,8 @@ impl Block {
 
     fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let x = (x + self.attn.forward(&x.apply(&self.ln1)?, mask)?)?;
-        let h = x.apply(&self.ln2)?.apply(&self.fc1)?.gelu_erf()?;
-        x + h.apply(&self.fc2)?
+        let h = gelu_erf(&nn::linear(&x.apply(&self.ln2)?, &self.fc1)?)?;
+        x + nn::linear(&h, &self.fc2)?
     }
 }
 
@@ -206,7 +206,7 @@ impl Module for Transformer {
                 b.forward_with(x, move |b, x| b.forward(x, &mask))
             })?;
         }
-        x.apply(&self.ln_f)?.apply(&self.head)
+        nn::linear(&x.apply(&self.ln_f)?, &self.head)
     }
 }
 

@@ -14,7 +14,8 @@
 //!   from a `tcp://host:port` address ([`ProcessGroup::from_url`]), explicitly
 //!   ([`ProcessGroup::new`] with a [`Rendezvous`]), or as threads of one process
 //!   ([`spawn_threads`]); a group makes groups of some or all of its ranks with
-//!   [`ProcessGroup::new_group`].
+//!   [`ProcessGroup::new_group`]; a [`DeviceMesh`] lays the ranks out in named dimensions
+//!   with a group along each (torch's `init_device_mesh`).
 //! - Backends: TCP (host memory over sockets: ring all-reduce, pipelined), in-process (threads
 //!   sharing memory), NCCL (feature `nccl`, on a CUDA stream of its own, ordered with candle's
 //!   by events). Every backend reduces by one rule ([`reduce_op`]).
@@ -58,6 +59,7 @@ mod autograd;
 mod backends;
 mod communicator;
 mod config;
+mod device_mesh;
 pub mod error_file;
 mod group;
 pub mod objects;
@@ -73,6 +75,7 @@ pub use config::{
     check_threads_var, honour_omp_num_threads, omp_threads, Algorithm, Backend, InitConfig,
     ALGORITHM_VAR, BACKEND_VAR, OMP_THREADS_VAR, RENDEZVOUS_TIMEOUT_VAR, THREADS_VAR, TOKEN_VAR,
 };
+pub use device_mesh::{DeviceMesh, MeshLayout};
 pub use group::{P2pOp, ProcessGroup};
 pub use reduce_op::ReduceOp;
 pub use rendezvous::store;

@@ -67,6 +67,7 @@ mod conv_kernel;
 mod conv_relu_pool;
 #[cfg(feature = "cuda")]
 mod fused_cuda;
+mod gelu;
 mod kernels;
 mod layer_norm;
 mod linear;

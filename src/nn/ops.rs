@@ -1,5 +1,6 @@
 //! candle-nn's fused layers, with a backward: [`layer_norm`], [`rms_norm`] and
-//! [`softmax_last_dim`], drop-ins for `candle_nn::ops`' functions of the same names.
+//! [`softmax_last_dim`], drop-ins for `candle_nn::ops`' functions of the same names; and
+//! [`gelu_erf`], `Tensor::gelu_erf` as one op with a one-pass backward on the CPU.
 //!
 //! candle 0.11 applies its fused layers without a backward (`apply_op*_no_bwd`, candle issue
 //! [#2168](https://github.com/huggingface/candle/issues/2168)): gradients stop there without an
@@ -41,6 +42,7 @@ use super::kernels::own_cpu_kernels;
 use super::rows::{self, values, with_float_slices};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
 
+pub use super::gelu::gelu_erf;
 pub use candle_nn::ops::{
     dropout, hard_sigmoid, layer_norm_slow, leaky_relu, mish, pixel_shuffle, pixel_unshuffle,
     replication_pad2d, rms_norm_slow, selu, sigmoid, silu, swiglu, Dropout,

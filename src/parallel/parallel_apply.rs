@@ -94,7 +94,8 @@ where
         .collect()
 }
 
-fn panic_message(payload: &(dyn Any + Send)) -> String {
+/// The message of a panic's payload.
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         s.to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {
