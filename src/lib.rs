@@ -15,6 +15,9 @@
 //! - [`model_parallel`]: one model cut into stages on the devices of one process, optionally
 //!   pipelined over micro-batches (the tutorials' `ModelParallelResNet50` and
 //!   `PipelineParallelResNet50`).
+//! - [`pipeline`]: the model cut into stages, one process each, and batches into micro-batches
+//!   that flow through them under a schedule (GPipe, 1F1B, interleaved 1F1B), as
+//!   `torch.distributed.pipelining`.
 //! - [`distributed`] (also `dist`): process groups (TCP with shared memory, in-process, NCCL),
 //!   their rendezvous and collectives, blocking and asynchronous (`torch.distributed`).
 //! - [`launch`]: start N ranks (the `candle-run` launcher and its library entry).
@@ -71,6 +74,7 @@ pub mod model_parallel;
 pub mod nn;
 pub mod optim;
 pub mod parallel;
+pub mod pipeline;
 pub mod rng;
 pub mod sampler;
 pub mod shard;
@@ -93,4 +97,6 @@ pub mod guides {
     pub struct DeviceMesh;
     #[doc = include_str!("../docs/MODEL_PARALLEL.md")]
     pub struct ModelParallel;
+    #[doc = include_str!("../docs/PIPELINE.md")]
+    pub struct Pipeline;
 }

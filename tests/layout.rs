@@ -26,7 +26,7 @@ const LAYERS: &[&[&str]] = &[
         "activation_checkpointing",
     ],
     // The wrappers.
-    &["ddp", "fsdp", "parallel", "model_parallel"],
+    &["ddp", "fsdp", "parallel", "model_parallel", "pipeline"],
     // Example support.
     &["cifar"],
     // Starting the ranks.

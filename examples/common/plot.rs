@@ -1,8 +1,9 @@
 //! The charts the benches and examples draw with `--plot FILE.svg`: images/s against devices or
 //! processes beside the ideal linear line (`benches/dp_throughput.rs`,
 //! `benches/ddp_throughput.rs`), loss and accuracy per epoch (`examples/cifar_dp.rs`,
-//! `examples/cifar_ddp.rs`), and training losses per step of several runs on one chart
-//! (`benches/largest_model.rs`).
+//! `examples/cifar_ddp.rs`), training losses per step of several runs on one chart
+//! (`benches/largest_model.rs`), and a pipeline's schedule, stages by time
+//! (`examples/transformer_pp.rs`).
 //!
 //! Drawn with plotters' SVG backend, which writes text as `<text>` elements for the viewer to
 //! render: no font files or fontconfig are needed to draw. Included by `#[path]` from each
@@ -563,4 +564,81 @@ fn panel(
     }
     // The legend sits under the x axis's label, lined up with the plot.
     legend(&key.margin(-20, 0, 80, 0), &entries)
+}
+
+/// One computation of a pipeline step, for [`schedule_chart`].
+#[derive(Clone, Copy, Debug)]
+pub struct Span {
+    /// The row: the pipeline rank that ran it.
+    pub rank: usize,
+    /// A forward (drawn in the first colour) or a backward (the second).
+    pub forward: bool,
+    /// The micro-batch, written in the box.
+    pub microbatch: usize,
+    /// When it started and ended, in milliseconds from the step's start.
+    pub start_ms: f64,
+    pub end_ms: f64,
+}
+
+/// A pipeline step as a chart of ranks (rows, rank 0 at the top) by time: a box per forward
+/// and backward, with its micro-batch, and the white between them the bubble.
+pub fn schedule_chart(path: &Path, title: &str, subtitle: &str, spans: &[Span]) -> Result<()> {
+    ensure!(
+        !spans.is_empty(),
+        "no computation to chart in {}",
+        path.display()
+    );
+    let ranks = spans.iter().map(|s| s.rank).max().unwrap_or(0) + 1;
+    let end = spans.iter().map(|s| s.end_ms).fold(0f64, f64::max);
+    let mut svg = String::new();
+    {
+        let height = 260 + 70 * ranks as u32;
+        let root = SVGBackend::with_string(&mut svg, (1000, height)).into_drawing_area();
+        let area = heading(&root, title, subtitle)?;
+        let (plot, key) = area.split_vertically(area.dim_in_pixel().1 - 80);
+        let mut c = ChartBuilder::on(&plot)
+            .margin(20)
+            .x_label_area_size(50)
+            .y_label_area_size(80)
+            .build_cartesian_2d(0f64..end * 1.02, (ranks as f64 - 0.5)..-0.5f64)?;
+        c.configure_mesh()
+            .x_desc("time in the step (ms)")
+            .y_desc("pipeline rank")
+            .axis_desc_style(LABELS)
+            .label_style(LABELS)
+            .y_labels(ranks)
+            // Rows sit at whole numbers; a tick between them stays unlabelled.
+            .y_label_formatter(&|v| match (v - v.round()).abs() < 1e-9 {
+                true => format!("{}", v.round()),
+                false => String::new(),
+            })
+            .disable_x_mesh()
+            .light_line_style(TRANSPARENT)
+            .draw()?;
+        let centre = Pos::new(HPos::Center, VPos::Center);
+        for s in spans {
+            let fill = colour(usize::from(!s.forward));
+            let (top, bottom) = (s.rank as f64 - 0.4, s.rank as f64 + 0.4);
+            c.draw_series(std::iter::once(Rectangle::new(
+                [(s.start_ms, top), (s.end_ms, bottom)],
+                fill.filled(),
+            )))?;
+            c.draw_series(std::iter::once(Rectangle::new(
+                [(s.start_ms, top), (s.end_ms, bottom)],
+                WHITE.stroke_width(1),
+            )))?;
+            c.draw_series(std::iter::once(Text::new(
+                s.microbatch.to_string(),
+                ((s.start_ms + s.end_ms) / 2.0, s.rank as f64),
+                LABELS.into_font().color(&WHITE).pos(centre),
+            )))?;
+        }
+        let entries = [
+            Entry::line("forward (micro-batch in the box)", colour(0)),
+            Entry::line("backward", colour(1)),
+        ];
+        legend(&key.margin(-20, 0, 100, 0), &entries)?;
+        root.present()?;
+    }
+    write(path, svg)
 }

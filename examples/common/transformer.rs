@@ -1,5 +1,6 @@
 //! A small decoder-only transformer (GPT-style, pre-norm) and the task it learns: sorting a
-//! sequence of digits. Shared by `examples/transformer_ddp.rs` and `benches/ddp_throughput.rs`;
+//! sequence of digits. Shared by `examples/transformer_ddp.rs`, `examples/transformer_pp.rs`
+//! (which cuts it into [`TransformerStage`]s) and `benches/ddp_throughput.rs`;
 //! `scripts/torch_transformer_bench.py` is the same model in PyTorch, with the same variable
 //! names, so weights and gradients compare name by name.
 //!
@@ -206,6 +207,74 @@ impl Module for Transformer {
             })?;
         }
         nn::linear(&x.apply(&self.ln_f)?, &self.head)
+    }
+}
+
+/// The blocks stage `stage` of `num_stages` holds: an even share, in order.
+pub fn stage_blocks(layers: usize, stage: usize, num_stages: usize) -> std::ops::Range<usize> {
+    stage * layers / num_stages..(stage + 1) * layers / num_stages
+}
+
+/// A consecutive part of a [`Transformer`], for a pipeline: the first stage holds the
+/// embeddings, the last the final norm and the head, each its share of the blocks
+/// ([`stage_blocks`]), with the whole model's variable names. The first stage takes token ids
+/// (batch, time); the others the residual stream (batch, time, dim); the last gives logits.
+pub struct TransformerStage {
+    embeddings: Option<(Embedding, Embedding)>,
+    blocks: Vec<Block>,
+    head: Option<(LayerNorm, Linear)>,
+}
+
+impl TransformerStage {
+    /// Stage `stage` of `num_stages` of the transformer `config` describes, from `vb` (the
+    /// whole model's names: `h.3.attn.qkv.weight` for block 3, wherever it sits).
+    pub fn new(config: Config, stage: usize, num_stages: usize, vb: VarBuilder) -> Result<Self> {
+        config.check().map_err(candle_core::Error::msg)?;
+        let first = stage == 0;
+        let last = stage + 1 == num_stages;
+        let embeddings = match first {
+            true => Some((
+                embedding(config.vocab, config.dim, vb.pp("tok_emb"))?,
+                embedding(config.max_len, config.dim, vb.pp("pos_emb"))?,
+            )),
+            false => None,
+        };
+        let blocks = stage_blocks(config.layers, stage, num_stages)
+            .map(|i| Block::new(config.dim, config.heads, vb.pp(format!("h.{i}"))))
+            .collect::<Result<_>>()?;
+        let head = match last {
+            true => Some((
+                layer_norm(config.dim, LN_EPS, vb.pp("ln_f"))?,
+                linear(config.dim, config.vocab, vb.pp("head"))?,
+            )),
+            false => None,
+        };
+        Ok(Self {
+            embeddings,
+            blocks,
+            head,
+        })
+    }
+}
+
+impl Module for TransformerStage {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let mut x = match &self.embeddings {
+            Some((tok, pos)) => {
+                let t = xs.dim(1)?;
+                let positions = Tensor::arange(0u32, t as u32, xs.device())?;
+                xs.apply(tok)?.broadcast_add(&positions.apply(pos)?)?
+            }
+            None => xs.clone(),
+        };
+        let mask = causal_mask(x.dim(1)?, x.device())?;
+        for block in &self.blocks {
+            x = block.forward(&x, &mask)?;
+        }
+        match &self.head {
+            Some((ln_f, head)) => x.apply(ln_f)?.apply(head),
+            None => Ok(x),
+        }
     }
 }
 

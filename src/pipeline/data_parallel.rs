@@ -1,0 +1,174 @@
+//! Data parallel across pipelines: the replicas of a stage (one per pipeline, along the "dp"
+//! dimension of a `[dp, pp]` layout) average their gradients after each step.
+//!
+//! `DistributedDataParallel` and `FullyShardedDataParallel` tie one backward to each forward
+//! (or, under `no_sync`, every forward since the last backward to the next one), but a
+//! schedule runs several forwards before their backwards (1F1B's warm-up, GPipe's whole
+//! forward half) and one backward per micro-batch: neither wrapper can follow it. A
+//! schedule sums its micro-batches' gradients itself, so the data-parallel part is what those
+//! wrappers do after the last micro-batch of an accumulation: one average of the sums over the
+//! replicas. [`all_reduce_gradients`] does it, in one coalesced all-reduce, and every replica
+//! then takes the same optimizer step (torch runs `REDUCE_GRAD` after the last backward of a
+//! step in the same place).
+//!
+//! [`Zero2`] shards the optimizer's work along "dp" instead (ZeRO-2, as
+//! `Sharding::Zero2` does for DDP): one reduce-scatter hands each replica its piece of every
+//! averaged gradient ([`crate::shard`]'s layout), the optimizer steps the pieces only (so its
+//! state is 1/dp of the stage's), and one all-gather puts the stepped pieces back together
+//! into every replica's parameters.
+//!
+//! ```rust
+//! use candle_core::{Device, Tensor, Var};
+//! use candle_parallel::{distributed, pipeline::all_reduce_gradients};
+//! # fn main() -> candle_parallel::Result<()> {
+//! let got = distributed::spawn_threads(2, |dp| {
+//!     let w = Var::new(&[1f32, 2.], &Device::Cpu)?;
+//!     let mut grads = (w.as_tensor() * (dp.rank() as f64 + 1.))?.sum_all()?.backward()?;
+//!     all_reduce_gradients(&mut grads, &[w.clone()], &dp)?;
+//!     Ok(grads.get(w.as_tensor()).unwrap().to_vec1::<f32>()?)
+//! })?;
+//! assert_eq!(got, [vec![1.5, 1.5], vec![1.5, 1.5]]); // the mean of 1 and 2
+//! # Ok(()) }
+//! ```
+
+use crate::distributed::{ProcessGroup, ReduceOp};
+use crate::error::Result;
+use crate::shard::{chunk_of, FlatLayout};
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+
+/// Replaces each of `params`' gradients in `grads` with its average over `dp` (every rank of
+/// `dp` calls it with the same parameters, in the same order). A parameter without a gradient
+/// on this rank takes part with zeros; one without a gradient on every rank of `dp` is
+/// averaged to zeros too, and said through the `log` facade.
+pub fn all_reduce_gradients(
+    grads: &mut GradStore,
+    params: &[Var],
+    dp: &ProcessGroup,
+) -> Result<()> {
+    if dp.world_size() == 1 || params.is_empty() {
+        return Ok(());
+    }
+    let mut missing = Vec::new();
+    let tensors = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match grads.get(p.as_tensor()) {
+            Some(g) => Ok(g.clone()),
+            None => {
+                missing.push(i);
+                p.as_tensor().zeros_like()
+            }
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    if !missing.is_empty() {
+        log::warn!(
+            "rank {} of the data-parallel group: parameters {missing:?} (in the order given) got \
+             no gradient in this step; they take part in the average with zeros",
+            dp.rank()
+        );
+    }
+    let averaged = dp.all_reduce_many(&tensors, ReduceOp::Avg)?;
+    for (p, g) in params.iter().zip(averaged) {
+        grads.insert(p.as_tensor(), g);
+    }
+    Ok(())
+}
+
+/// ZeRO-2 along the data-parallel dimension: the optimizer steps this replica's pieces of the
+/// stage's parameters. See the [module documentation](self).
+///
+/// ```rust
+/// use candle_core::{Device, Tensor, Var};
+/// use candle_nn::Optimizer;
+/// use candle_parallel::optim::{Sgd, SgdConfig};
+/// use candle_parallel::{distributed, pipeline::Zero2};
+/// # fn main() -> candle_parallel::Result<()> {
+/// let got = distributed::spawn_threads(2, |dp| {
+///     let w = Var::new(&[1f32, 2., 3.], &Device::Cpu)?;
+///     let zero = Zero2::new(&[w.clone()], &dp)?;
+///     let mut opt = Sgd::new(zero.pieces().to_vec(), SgdConfig { lr: 1.0, ..Default::default() })?;
+///     let grads = (w.as_tensor() * (dp.rank() as f64 + 1.))?.sum_all()?.backward()?;
+///     opt.step(&zero.reduce_scatter(&grads)?)?; // each replica steps 2 of the 3 elements
+///     zero.gather()?;
+///     Ok(w.as_tensor().to_vec1::<f32>()?)
+/// })?;
+/// assert_eq!(got, [vec![-0.5, 0.5, 1.5], vec![-0.5, 0.5, 1.5]]); // each moved by the mean, 1.5
+/// # Ok(()) }
+/// ```
+pub struct Zero2 {
+    dp: ProcessGroup,
+    params: Vec<Var>,
+    layout: FlatLayout,
+    /// This replica's chunk of each parameter (flattened, padded with zeros).
+    pieces: Vec<Var>,
+}
+
+impl Zero2 {
+    /// Shards `params` (a stage's parameters, the same on every replica of `dp`, in the same
+    /// order) over `dp`. The replicas first take dp rank 0's values, as DDP does at
+    /// construction. Every rank of `dp` calls it.
+    pub fn new(params: &[Var], dp: &ProcessGroup) -> Result<Self> {
+        for p in params {
+            p.set(&dp.broadcast(p.as_tensor(), 0)?)?;
+        }
+        let numels: Vec<usize> = params.iter().map(|p| p.elem_count()).collect();
+        let (world, rank) = (dp.world_size(), dp.rank());
+        let pieces = params
+            .iter()
+            .map(|p| Ok(Var::from_tensor(&chunk_of(p.as_tensor(), world, rank)?)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            dp: dp.clone(),
+            params: params.to_vec(),
+            layout: FlatLayout::new(&numels, world),
+            pieces,
+        })
+    }
+
+    /// This replica's pieces of the parameters, in their order: give them to the optimizer.
+    pub fn pieces(&self) -> &[Var] {
+        &self.pieces
+    }
+
+    /// The gradients of the pieces: each parameter's gradient in `grads` (zeros where it has
+    /// none), averaged over `dp` by one reduce-scatter, this replica's chunk of each. Every
+    /// rank of `dp` calls it.
+    pub fn reduce_scatter(&self, grads: &GradStore) -> Result<GradStore> {
+        let full = self
+            .params
+            .iter()
+            .map(|p| match grads.get(p.as_tensor()) {
+                Some(g) => Ok(g.clone()),
+                None => p.as_tensor().zeros_like(),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let shard = self
+            .dp
+            .reduce_scatter(&self.layout.flatten(&full)?, ReduceOp::Avg)?;
+        let mut out = GradStore::default();
+        for (piece, g) in self.pieces.iter().zip(self.layout.split_shard(&shard)?) {
+            out.insert(piece.as_tensor(), g);
+        }
+        Ok(out)
+    }
+
+    /// Puts every replica's stepped pieces back together into the parameters (one
+    /// all-gather). Every rank of `dp` calls it after the optimizer's step.
+    pub fn gather(&self) -> Result<()> {
+        if self.params.is_empty() {
+            return Ok(());
+        }
+        let mine: Vec<Tensor> = self.pieces.iter().map(|p| p.as_tensor().clone()).collect();
+        let shards = self.dp.all_gather(&Tensor::cat(&mine, 0)?)?;
+        let shapes: Vec<Vec<usize>> = self.params.iter().map(|p| p.dims().to_vec()).collect();
+        for (p, t) in self
+            .params
+            .iter()
+            .zip(self.layout.from_shards(&shards, &shapes)?)
+        {
+            p.set(&t)?;
+        }
+        Ok(())
+    }
+}
