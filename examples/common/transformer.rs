@@ -272,7 +272,7 @@ impl Module for TransformerStage {
             x = block.forward(&x, &mask)?;
         }
         match &self.head {
-            Some((ln_f, head)) => x.apply(ln_f)?.apply(head),
+            Some((ln_f, head)) => nn::linear(&x.apply(ln_f)?, head),
             None => Ok(x),
         }
     }
