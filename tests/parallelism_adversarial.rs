@@ -730,3 +730,50 @@ fn all_to_all_carries_scalars_and_empty_tensors_of_any_shape() {
     assert_eq!(got[0], [(vec![], vec![5.]), (vec![2, 0, 1], vec![])]);
     assert_eq!(got[1], [(vec![0, 3], vec![]), (vec![], vec![7.])]);
 }
+
+#[test]
+fn a_mesh_over_a_subgroup_numbers_its_ranks_as_the_subgroup_does() {
+    let got = spawn(4, |pg| {
+        // The subgroup's rank i is world rank (i + 1) % 4.
+        let sub = pg.new_group(&[1, 2, 3, 0])?.expect("every rank is in it");
+        let mesh = DeviceMesh::new(&sub, &[("a", 2), ("b", 2)])?;
+        let x = Tensor::new(&[pg.rank() as f32], &Device::Cpu)?;
+        let along_b = mesh.get_group("b")?.all_reduce(&x, ReduceOp::Sum)?;
+        Ok((mesh.coordinate().to_vec(), along_b.to_vec1::<f32>()?[0]))
+    })
+    .unwrap();
+    // Sub ranks [0, 1] = world [1, 2] and [2, 3] = world [3, 0] share "b".
+    assert_eq!(
+        got,
+        [
+            (vec![1, 1], 3.),
+            (vec![0, 0], 3.),
+            (vec![0, 1], 3.),
+            (vec![1, 0], 3.)
+        ]
+    );
+}
+
+#[test]
+fn a_scalar_batch_for_a_pipelined_forward_is_said_to_have_no_rows() {
+    let varmap = VarMap::new();
+    let (a, _) = two_layers(&varmap);
+    let model = ModelParallel::new(vec![Stage::new(&Device::Cpu, a)])
+        .unwrap()
+        .with_split_size(2)
+        .unwrap();
+    let err = model
+        .forward(&Tensor::new(1f32, &Device::Cpu).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::DimOutOfRange {
+                dim: 0,
+                rank: 0,
+                ..
+            }
+        ) && err.to_string().contains("no rows"),
+        "{err}"
+    );
+}

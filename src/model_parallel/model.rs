@@ -87,7 +87,15 @@ impl ModelParallel {
 
     fn forward_pipelined(&self, xs: &Tensor, split_size: usize) -> Result<Tensor> {
         let rows = match xs.dims().first() {
-            Some(&0) | None => {
+            None => {
+                return Err(Error::DimOutOfRange {
+                    dim: 0,
+                    rank: 0,
+                    shape: vec![],
+                    what: "the batch to cut into micro-batches (a scalar has no rows)".into(),
+                })
+            }
+            Some(&0) => {
                 return Err(Error::EmptyBatch {
                     dim: 0,
                     shape: xs.dims().to_vec(),
