@@ -217,13 +217,6 @@ fn misuse_is_a_typed_error_that_says_what_to_do() {
         "{err}"
     );
     let model = model.with_split_size(5).unwrap();
-    let (x, _) = batch(0, 3);
-    let err = model.forward(&x).unwrap_err();
-    assert!(
-        matches!(err, Error::InvalidArgument { .. })
-            && err.to_string().contains("fewer than split_size 5"),
-        "{err}"
-    );
     let empty = Tensor::zeros((0, IN), DType::F32, &Device::Cpu).unwrap();
     assert!(matches!(
         model.forward(&empty),

@@ -37,7 +37,9 @@ impl ModelParallel {
     /// (`torch.split`: the last one takes the rest) and every stage runs on a thread of its own,
     /// so that stage `i` computes micro-batch `j + 1` while stage `i + 1` computes micro-batch
     /// `j`. The outputs are concatenated along dimension 0. Layers that mix rows (batch norm)
-    /// see one micro-batch at a time, as in torch's pipelined tutorial.
+    /// see one micro-batch at a time, as in torch's pipelined tutorial. A batch of at most
+    /// `split_size` rows (an epoch's short last batch) is one micro-batch, as `torch.split`
+    /// makes it: nothing overlaps, the result is the same.
     pub fn with_split_size(mut self, split_size: usize) -> Result<Self> {
         if split_size == 0 {
             return Err(Error::InvalidArgument {
@@ -85,7 +87,15 @@ impl ModelParallel {
 
     fn forward_pipelined(&self, xs: &Tensor, split_size: usize) -> Result<Tensor> {
         let rows = match xs.dims().first() {
-            Some(&0) | None => {
+            None => {
+                return Err(Error::DimOutOfRange {
+                    dim: 0,
+                    rank: 0,
+                    shape: vec![],
+                    what: "the batch to cut into micro-batches (a scalar has no rows)".into(),
+                })
+            }
+            Some(&0) => {
                 return Err(Error::EmptyBatch {
                     dim: 0,
                     shape: xs.dims().to_vec(),
@@ -93,17 +103,6 @@ impl ModelParallel {
             }
             Some(&rows) => rows,
         };
-        if rows < split_size {
-            return Err(Error::InvalidArgument {
-                what: "batch for a pipelined forward",
-                detail: format!(
-                    "the batch has {rows} rows (shape {:?}), fewer than split_size {split_size}: \
-                     one micro-batch, nothing to overlap; give batches of at least {split_size} \
-                     rows or a smaller split_size",
-                    xs.dims()
-                ),
-            });
-        }
         let first = &self.stages[0].device;
         let mut start = 0;
         let mut micro_batches = Vec::new();

@@ -50,6 +50,6 @@ pub mod schedule;
 pub mod stage;
 
 pub use data_parallel::{all_reduce_gradients, Zero2};
-pub use runtime::{Event, PipelineSchedule, StepOutput};
+pub use runtime::{EvalOutput, Event, PipelineSchedule, StepOutput};
 pub use schedule::{Action, Computation, Schedule};
 pub use stage::PipelineStage;

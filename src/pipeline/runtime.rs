@@ -75,6 +75,17 @@ impl StepOutput {
     }
 }
 
+/// What an evaluation ([`PipelineSchedule::eval`]) computed on this rank.
+#[derive(Debug)]
+pub struct EvalOutput {
+    /// On the rank holding the last stage, its outputs of the micro-batches concatenated along
+    /// dimension 0 (torch's merged output); `None` elsewhere.
+    pub output: Option<Tensor>,
+    /// On the rank holding the last stage, each micro-batch's loss where a target was given;
+    /// empty elsewhere.
+    pub losses: Vec<f32>,
+}
+
 /// One computation of a step, timed.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Event {
@@ -135,6 +146,51 @@ where
         input: Option<&Tensor>,
         target: Option<&Tensor>,
     ) -> Result<StepOutput> {
+        let (mut run, actions) = self.start(stages, input, target, true)?;
+        for action in actions {
+            run.action(action, &self.loss_fn)?;
+        }
+        run.finish()
+    }
+
+    /// Runs the forwards only, in evaluation mode (`forward_t(x, false)`), without gradients
+    /// (torch's `schedule.eval`): for a validation pass between training steps. Every rank of
+    /// the pipeline calls it, with the input on the rank holding stage 0, as for
+    /// [`PipelineSchedule::step`]; the target is optional (without it, no loss is computed).
+    /// The rank holding the last stage gets its outputs of the micro-batches, concatenated
+    /// along dimension 0, and their losses where a target was given.
+    pub fn eval<M: ModuleT>(
+        &self,
+        stages: &[&PipelineStage<M>],
+        input: Option<&Tensor>,
+        target: Option<&Tensor>,
+    ) -> Result<EvalOutput> {
+        let (mut run, actions) = self.start(stages, input, target, false)?;
+        for action in actions {
+            if action.computation == Computation::Forward {
+                run.action(action, &self.loss_fn)?;
+            }
+        }
+        let outputs = std::mem::take(&mut run.outputs);
+        let step = run.finish()?;
+        Ok(EvalOutput {
+            output: match outputs.is_empty() {
+                true => None,
+                false => Some(Tensor::cat(&outputs, 0)?),
+            },
+            losses: step.losses,
+        })
+    }
+
+    /// Checks `stages`, agrees on the schedule with the other ranks (first call only), splits
+    /// the batch: the step's state and this rank's actions.
+    fn start<'a, M: ModuleT>(
+        &self,
+        stages: &[&'a PipelineStage<M>],
+        input: Option<&Tensor>,
+        target: Option<&Tensor>,
+        train: bool,
+    ) -> Result<(Run<'a, M>, Vec<Action>)> {
         let started = Instant::now();
         let first = stages.first().ok_or_else(|| Error::InvalidArgument {
             what: "pipeline step",
@@ -171,10 +227,11 @@ where
         };
         let targets = match (holds_last, target) {
             (true, Some(y)) => split_microbatches(y, self.n_microbatches)?,
-            (true, None) => return Err(missing(rank, "target", "the last stage")),
+            (true, None) if train => return Err(missing(rank, "target", "the last stage")),
+            (true, None) => Vec::new(),
             (false, _) => Vec::new(),
         };
-        let mut run = Run {
+        let run = Run {
             stages: by_index,
             n_stages,
             scale: self.n_microbatches as f64,
@@ -188,11 +245,11 @@ where
             losses: Vec::new(),
             events: Vec::new(),
             started,
+            train,
+            outputs: Vec::new(),
         };
-        for action in self.schedule.actions(pp, rank, self.n_microbatches)? {
-            run.action(action, &self.loss_fn)?;
-        }
-        run.finish()
+        let actions = self.schedule.actions(pp, rank, self.n_microbatches)?;
+        Ok((run, actions))
     }
 
     /// Checks once that every rank of the pipeline runs the same schedule, micro-batch count
@@ -256,6 +313,10 @@ struct Run<'a, M> {
     losses: Vec<f32>,
     events: Vec<Event>,
     started: Instant,
+    /// Whether the step trains (false: an evaluation, forwards only).
+    train: bool,
+    /// The last stage's outputs, in an evaluation.
+    outputs: Vec<Tensor>,
 }
 
 impl<M: ModuleT> Run<'_, M> {
@@ -271,16 +332,36 @@ impl<M: ModuleT> Run<'_, M> {
         }
         match a.computation {
             Computation::Forward => {
-                let input = match stage.is_first() {
+                let received = match stage.is_first() {
                     true => None,
-                    false => Some(Var::from_tensor(&self.receive(stage, a, None)?)?),
+                    false => Some(self.receive(stage, a, None)?),
+                };
+                let input = match (&received, self.train) {
+                    (Some(t), true) => Some(Var::from_tensor(t)?),
+                    _ => None,
                 };
                 let start = self.started.elapsed();
-                let x = match &input {
-                    Some(v) => v.as_tensor().clone(),
-                    None => self.inputs[a.microbatch].clone(),
+                let x = match (&input, received) {
+                    (Some(v), _) => v.as_tensor().clone(),
+                    (None, Some(t)) => t,
+                    (None, None) => self.inputs[a.microbatch].clone(),
                 };
-                let out = stage.module.forward_t(&x, true)?;
+                let out = stage.module.forward_t(&x, self.train)?;
+                if !self.train {
+                    let out = out.detach();
+                    if !stage.is_last() {
+                        self.send(stage, a, out);
+                    } else {
+                        if let Some(y) = self.targets.get(a.microbatch) {
+                            let loss = loss_fn(&out, y)?;
+                            self.losses
+                                .push(loss.to_dtype(candle_core::DType::F32)?.to_scalar()?);
+                        }
+                        self.outputs.push(out);
+                    }
+                    self.timed(a, start);
+                    return Ok(());
+                }
                 let output = if stage.is_last() {
                     let loss = loss_fn(&out, &self.targets[a.microbatch])?;
                     self.losses
