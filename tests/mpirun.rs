@@ -31,8 +31,16 @@ fn two_open_mpi_jobs_at_once_train_as_candle_run_does() {
     let dir = common::temp_dir("mpirun-openmpi");
     let want = engines::mlp_reference(RUN, &dir);
     let mlp = common::example("mlp_ddp");
-    first.arg(&mlp).arg(dir.join("first.safetensors"));
-    second.arg(&mlp).arg(dir.join("second.safetensors"));
+    // Each job its own session folder: two mpiruns starting at once race to create the shared
+    // /tmp/ompi.<host>.<uid> ("mkdir ... File exists", seen once in CI), a race of Open MPI's
+    // own that users avoid the same way.
+    for (cmd, name) in [(&mut first, "first"), (&mut second, "second")] {
+        let tmp = dir.join(format!("{name}-tmp"));
+        std::fs::create_dir_all(&tmp).unwrap();
+        cmd.env("TMPDIR", &tmp)
+            .arg(&mlp)
+            .arg(dir.join(format!("{name}.safetensors")));
+    }
     let other = std::thread::spawn(move || common::run(second, LIMIT));
     let out = common::run(first, LIMIT);
     assert_trained_alike(&dir, &want, &out, "first.safetensors");
