@@ -12,9 +12,9 @@
 //! op; the torch twin compares the whole model). f16 and bf16 compute in f32 and round once;
 //! f64, and every tensor off the CPU, use candle's `gelu_erf`, whose f64 erf is exact to f64.
 
+use super::kernels::{for_each_chunk, threads};
 use super::rows::{storage, values, with_float_slices, Elem};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 /// Tensors below this many elements run on one thread: splitting costs more.
 const PARALLEL_MIN: usize = 1 << 14;
@@ -135,14 +135,12 @@ where
         }
     };
     let mut out = vec![T::zero(); a.len()];
-    let threads = candle_core::utils::get_num_threads().max(1);
-    if a.len() < PARALLEL_MIN || threads == 1 {
+    if a.len() < PARALLEL_MIN || threads() == 1 {
         run(a, b, &mut out);
         return out;
     }
-    let per = a.len().div_ceil(threads);
-    out.par_chunks_mut(per).enumerate().for_each(|(k, o)| {
-        let range = k * per..k * per + o.len();
+    for_each_chunk(&mut out, 1, |first, o| {
+        let range = first..first + o.len();
         run(&a[range.clone()], b.map(|b| &b[range]), o);
     });
     out

@@ -216,10 +216,10 @@ pub(super) fn threads() -> usize {
 
 /// Runs `f(first_item, items)` over `out`, a sequence of items of `item_len` elements, cut into
 /// one run of whole items per thread.
-pub(super) fn for_each_chunk(
-    out: &mut [f32],
+pub(super) fn for_each_chunk<T: Send>(
+    out: &mut [T],
     item_len: usize,
-    f: impl Fn(usize, &mut [f32]) + Sync,
+    f: impl Fn(usize, &mut [T]) + Sync,
 ) {
     let items = out.len() / item_len.max(1);
     if items == 0 {
