@@ -50,6 +50,43 @@ pub(crate) enum PointOp {
     },
 }
 
+/// Runs a batch of point-to-point messages the host backends' way: every send first (`send`:
+/// on these backends a send never waits for its receive), then each receive in order
+/// (`recv`). `recv`'s outer error (a lost peer, a timeout) fails the batch at once; its inner
+/// one (a message that did not match what the receive expected, consumed all the same) is
+/// returned once every receive of the batch has taken its message. The result holds each
+/// receive's tensor in `ops`' order (`None` for sends).
+pub(crate) fn run_host_batch(
+    ops: Vec<PointOp>,
+    mut send: impl FnMut(usize, u64, &Tensor) -> Result<()>,
+    mut recv: impl FnMut(usize, u64, Option<Meta>) -> Result<Result<Tensor>>,
+) -> Result<Finished<Vec<Option<Tensor>>>> {
+    for op in &ops {
+        if let PointOp::Send { peer, seq, tensor } = op {
+            send(*peer, *seq, tensor)?;
+        }
+    }
+    let mut refused = None;
+    let mut out = Vec::with_capacity(ops.len());
+    for op in ops {
+        let received = match op {
+            PointOp::Send { .. } => None,
+            PointOp::Recv { peer, seq, expect } => match recv(peer, seq, expect)? {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    refused.get_or_insert(e);
+                    None
+                }
+            },
+        };
+        out.push(received);
+    }
+    match refused {
+        Some(e) => Err(e),
+        None => Ok(Finished::ready(out)),
+    }
+}
+
 /// A backend's side of a process group. Each collective runs on the group's worker thread, one
 /// at a time, in issue order; every rank agrees on `call.desc` before data moves and fails on
 /// every rank when they do not.

@@ -9,7 +9,9 @@
 
 use crate::distributed::algorithms::hierarchical::{self, Topology};
 use crate::distributed::algorithms::{broadcast, consensus, exchange, ring, Links};
-use crate::distributed::communicator::{Call, Communicator, Connected, IssueMark, PointOp};
+use crate::distributed::communicator::{
+    run_host_batch, Call, Communicator, Connected, IssueMark, PointOp,
+};
 use crate::distributed::config::{Algorithm, InitConfig};
 use crate::distributed::error_file;
 use crate::distributed::rendezvous::world::{join_world, MeshContext};
@@ -209,41 +211,33 @@ impl Communicator for HostComm {
         device: &Device,
         _: Option<IssueMark>,
     ) -> Result<Finished<Vec<Option<Tensor>>>> {
-        for op in &ops {
-            if let PointOp::Send { peer, seq, tensor } = op {
-                exchange::send(&self.mesh, *peer, FrameKind::P2p, *seq, tensor)?;
-            }
-        }
         let me = self.mesh.rank();
-        let mut refused = None;
-        let mut out = Vec::with_capacity(ops.len());
-        for op in ops {
-            let PointOp::Recv { peer, seq, expect } = op else {
-                out.push(None);
-                continue;
-            };
-            let meta = exchange::recv_meta(&self.mesh, peer, FrameKind::P2p, seq)?;
-            match exchange::check_expected(expect.as_ref(), &meta, peer, me, seq) {
-                Ok(()) => out.push(Some(exchange::recv_body(
-                    &self.mesh,
-                    peer,
-                    FrameKind::P2p,
-                    seq,
-                    &meta,
-                    device,
-                )?)),
-                Err(e) => {
-                    // Consumed all the same: the next message from `peer` must find its way.
-                    exchange::skip_body(&self.mesh, peer, FrameKind::P2p, seq, &meta)?;
-                    refused.get_or_insert(e);
-                    out.push(None);
-                }
-            }
-        }
-        match refused {
-            Some(e) => Err(e),
-            None => Ok(Finished::ready(out)),
-        }
+        let mesh = &self.mesh;
+        run_host_batch(
+            ops,
+            |peer, seq, t| exchange::send(mesh, peer, FrameKind::P2p, seq, t),
+            |peer, seq, expect| {
+                let meta = exchange::recv_meta(mesh, peer, FrameKind::P2p, seq)?;
+                Ok(
+                    match exchange::check_expected(expect.as_ref(), &meta, peer, me, seq) {
+                        Ok(()) => Ok(exchange::recv_body(
+                            mesh,
+                            peer,
+                            FrameKind::P2p,
+                            seq,
+                            &meta,
+                            device,
+                        )?),
+                        Err(e) => {
+                            // Consumed all the same: the next message from `peer` must find
+                            // its way.
+                            exchange::skip_body(mesh, peer, FrameKind::P2p, seq, &meta)?;
+                            Err(e)
+                        }
+                    },
+                )
+            },
+        )
     }
 
     fn all_to_all(&self, call: Call, inputs: &[Tensor]) -> Result<Finished<Vec<Tensor>>> {

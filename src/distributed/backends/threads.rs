@@ -9,7 +9,9 @@
 
 use crate::distributed::algorithms::consensus::describe;
 use crate::distributed::algorithms::exchange::{check_expected, Meta};
-use crate::distributed::communicator::{Call, Communicator, Connected, IssueMark, PointOp};
+use crate::distributed::communicator::{
+    run_host_batch, Call, Communicator, Connected, IssueMark, PointOp,
+};
 use crate::distributed::rendezvous::GroupPath;
 use crate::distributed::transport::host_buf::{with_bytes, HostBuf};
 use crate::distributed::work::Finished;
@@ -288,37 +290,28 @@ impl Communicator for ThreadComm {
         device: &Device,
         _: Option<IssueMark>,
     ) -> Result<Finished<Vec<Option<Tensor>>>> {
-        for op in &ops {
-            if let PointOp::Send { peer, seq, tensor } = op {
-                let copy = tensor.copy()?.detach();
+        run_host_batch(
+            ops,
+            |peer, seq, t| {
+                let copy = t.copy()?.detach();
                 lock(&self.shared.state)
                     .mail
-                    .insert((self.rank, *peer, *seq), copy);
+                    .insert((self.rank, peer, seq), copy);
                 self.shared.changed.notify_all();
-            }
-        }
-        let mut refused = None;
-        let mut out = Vec::with_capacity(ops.len());
-        for op in ops {
-            let PointOp::Recv { peer, seq, expect } = op else {
-                out.push(None);
-                continue;
-            };
-            let t = self.take_mail(peer, seq)?;
-            match check_expected(expect.as_ref(), &Meta::of(&t), peer, self.rank, seq) {
-                // The mailbox held a copy of its own: moved only when it lands elsewhere.
-                Ok(()) if t.device().same_device(device) => out.push(Some(t)),
-                Ok(()) => out.push(Some(fresh(&t, device)?)),
-                Err(e) => {
-                    refused.get_or_insert(e);
-                    out.push(None);
-                }
-            }
-        }
-        match refused {
-            Some(e) => Err(e),
-            None => Ok(Finished::ready(out)),
-        }
+                Ok(())
+            },
+            |peer, seq, expect| {
+                let t = self.take_mail(peer, seq)?;
+                Ok(
+                    match check_expected(expect.as_ref(), &Meta::of(&t), peer, self.rank, seq) {
+                        // The mailbox held a copy of its own: moved only when it lands elsewhere.
+                        Ok(()) if t.device().same_device(device) => Ok(t),
+                        Ok(()) => Ok(fresh(&t, device)?),
+                        Err(e) => Err(e),
+                    },
+                )
+            },
+        )
     }
 
     fn all_to_all(&self, call: Call, inputs: &[Tensor]) -> Result<Finished<Vec<Tensor>>> {
