@@ -13,12 +13,11 @@
 //! f32 and f64 parameters, whose moments have their dtype; half-precision parameters (f32
 //! moments) take the tensor ops.
 
-use super::sgd_kernel::{span, values, values_mut, Elem, PARALLEL_MIN};
-use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Result, Tensor, Var};
+use super::sgd_kernel::{locked, span, values, values_mut, Elem, PARALLEL_MIN};
+use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, Var};
 use num_traits::Float;
 use rayon::prelude::*;
 use std::cell::RefCell;
-use std::marker::PhantomData;
 
 /// The step's scalars, each as the tensor op that uses it converts it.
 #[derive(Clone, Copy, Debug)]
@@ -155,32 +154,6 @@ impl<T: Elem<Acc = T> + Float> Coefficients<T> {
             None => chunks.for_each(|(((p, g), m), v)| self.run(p, g, m, v, None)),
         }
     }
-}
-
-/// Holds one state tensor's values locked while `f` runs on them.
-struct Lock<T, F> {
-    f: RefCell<Option<F>>,
-    elem: PhantomData<T>,
-}
-
-impl<T: Elem, F: FnOnce(&mut [T]) -> Result<()>> InplaceOp1 for Lock<T, F> {
-    fn name(&self) -> &'static str {
-        "adamw-state"
-    }
-
-    fn cpu_fwd(&self, s: &mut CpuStorage, layout: &Layout) -> Result<()> {
-        match self.f.borrow_mut().take() {
-            Some(f) => f(values_mut::<T>(s, layout)?),
-            None => candle_core::bail!("adamw kernel: a state locked twice"),
-        }
-    }
-}
-
-fn locked<T: Elem>(t: &Tensor, f: impl FnOnce(&mut [T]) -> Result<()>) -> Result<()> {
-    t.inplace_op1(&Lock {
-        f: RefCell::new(Some(f)),
-        elem: PhantomData,
-    })
 }
 
 /// The moments, already locked, for the parameter's step.

@@ -23,6 +23,7 @@ use half::{bf16, f16};
 use num_traits::Float;
 use rayon::prelude::*;
 use std::cell::RefCell;
+use std::marker::PhantomData;
 
 /// Parameters below this many elements are stepped on one thread: splitting costs more.
 pub(super) const PARALLEL_MIN: usize = 1 << 15;
@@ -194,7 +195,7 @@ pub(super) fn values<'a, T: Elem>(s: &'a CpuStorage, layout: &Layout) -> Result<
 }
 
 /// Writes the parameter (`dst`) from the gradient (`src`), with the momentum buffer's values,
-/// which [`OnBuffer`] holds locked for the whole step.
+/// which [`locked`] holds for the whole step.
 struct OnParameter<'a, T: Elem> {
     coefficients: Coefficients<T::Acc>,
     buf: RefCell<Option<&'a mut [T]>>,
@@ -216,25 +217,30 @@ impl<T: Elem> InplaceOp2 for OnParameter<'_, T> {
     }
 }
 
-/// Locks the momentum buffer (`dst`) and steps the parameter with it.
-struct OnBuffer<'a, T: Elem> {
-    var: &'a Var,
-    grad: &'a Tensor,
-    coefficients: Coefficients<T::Acc>,
+/// Holds a state tensor's values (a momentum buffer, a moment) locked while `f` runs on them.
+struct Lock<T, F> {
+    f: RefCell<Option<F>>,
+    elem: PhantomData<T>,
 }
 
-impl<T: Elem> InplaceOp1 for OnBuffer<'_, T> {
+impl<T: Elem, F: FnOnce(&mut [T]) -> Result<()>> InplaceOp1 for Lock<T, F> {
     fn name(&self) -> &'static str {
-        "sgd-momentum"
+        "optimizer-state"
     }
 
-    fn cpu_fwd(&self, buf: &mut CpuStorage, layout: &Layout) -> Result<()> {
-        let on_parameter = OnParameter {
-            coefficients: self.coefficients,
-            buf: RefCell::new(Some(values_mut::<T>(buf, layout)?)),
-        };
-        self.var.inplace_op2(self.grad, &on_parameter)
+    fn cpu_fwd(&self, s: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        match self.f.borrow_mut().take() {
+            Some(f) => f(values_mut::<T>(s, layout)?),
+            None => candle_core::bail!("optimizer kernel: a state locked twice"),
+        }
     }
+}
+
+pub(super) fn locked<T: Elem>(t: &Tensor, f: impl FnOnce(&mut [T]) -> Result<()>) -> Result<()> {
+    t.inplace_op1(&Lock {
+        f: RefCell::new(Some(f)),
+        elem: PhantomData,
+    })
 }
 
 /// The address range of a contiguous CPU tensor's values, to tell whether two overlap. (For
@@ -298,10 +304,14 @@ fn typed<T: Elem>(
                 buf: RefCell::new(None),
             },
         ),
-        Some((buf, first)) => buf.inplace_op1(&OnBuffer::<T> {
-            var,
-            grad,
-            coefficients: Coefficients::new::<T>(c, first),
+        Some((buf, first)) => locked::<T>(buf, |buf| {
+            var.inplace_op2(
+                grad,
+                &OnParameter::<T> {
+                    coefficients: Coefficients::new::<T>(c, first),
+                    buf: RefCell::new(Some(buf)),
+                },
+            )
         }),
     }
 }
