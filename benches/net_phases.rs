@@ -14,7 +14,9 @@
 //! convolution's input needs no gradient, as in training. The Net runs each convolution with
 //! its ReLU and max-pooling as one op (`conv1 block`, `conv2 block`; the three apart are timed
 //! too, for comparison) and each hidden linear layer with its ReLU. `scripts/torch_net_bench.py --phases`
-//! prints the same tables for PyTorch. Reports; asserts nothing.
+//! prints the same tables for PyTorch. `--candle-kernels` runs candle's ops where ours would
+//! (`nn::use_own_cpu_kernels(false)`, `nn::use_own_cuda_kernels(false)`), to compare the two.
+//! Reports; asserts nothing.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
@@ -29,6 +31,7 @@ struct Options {
     batches: Vec<usize>,
     steps: usize,
     cpu: bool,
+    candle_kernels: bool,
 }
 
 fn parse() -> Result<Options> {
@@ -36,6 +39,7 @@ fn parse() -> Result<Options> {
         batches: vec![128, 512],
         steps: 30,
         cpu: false,
+        candle_kernels: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -53,6 +57,7 @@ fn parse() -> Result<Options> {
             }
             "--steps" => o.steps = value("--steps")?.parse().context("--steps")?,
             "--cpu" => o.cpu = true,
+            "--candle-kernels" => o.candle_kernels = true,
             "--bench" => {} // passed by `cargo bench`
             other => bail!("unknown argument {other:?}"),
         }
@@ -297,6 +302,12 @@ fn layer_times(
 fn main() -> Result<()> {
     candle_parallel::memory::keep_freed_memory();
     let o = parse()?;
+    nn::use_own_cpu_kernels(!o.candle_kernels);
+    nn::use_own_cuda_kernels(!o.candle_kernels);
+    let kernels = match o.candle_kernels {
+        true => "candle's ops",
+        false => "our kernels",
+    };
     let device = if o.cpu || candle_parallel::devices::gpu_count() == 0 {
         Device::Cpu
     } else {
@@ -309,7 +320,7 @@ fn main() -> Result<()> {
     };
     for &batch in &o.batches {
         println!(
-            "\nNet training step at batch {batch} on {}: median of {} steps",
+            "\nNet training step at batch {batch} on {} with {kernels}: median of {} steps",
             if device.is_cuda() { "GPU 0" } else { "the CPU" },
             o.steps
         );

@@ -78,7 +78,10 @@ impl Conv2d {
     /// over `kernel`-sized windows with stride `kernel`, as the CIFAR Net's blocks are.
     ///
     /// For f32, f16 and bf16 tensors on the CPU (with our kernels on, and a bias) this is one op: each image
-    /// is convolved, rectified and pooled while its output is in the cache. The numbers are
+    /// is convolved, rectified and pooled while its output is in the cache. For f32 tensors on
+    /// CUDA (the `cuda` feature, one group) candle's convolution is followed by one kernel of
+    /// ours for the bias, ReLU and pooling, and the backward is ours (see
+    /// [`use_own_cuda_kernels`](super::use_own_cuda_kernels)). The numbers are
     /// those of the three ops apart (which run elsewhere: candle's convolution and ReLU,
     /// [`max_pool2d`]) up to rounding: the sums run in another order.
     ///
@@ -113,6 +116,19 @@ impl Conv2d {
                     )?
                     .to_dtype(dtype);
                 }
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(b) = &self.bias {
+            let one_group = self.config.groups == 1 && x.rank() == 4 && self.weight.rank() == 4;
+            if one_group && super::conv_cuda::takes(&[x, &self.weight, b]) {
+                return super::conv_cuda::conv2d_relu_max_pool2d(
+                    x,
+                    &self.weight,
+                    b,
+                    &self.config,
+                    kernel,
+                );
             }
         }
         super::max_pool2d(&self.forward(x)?.relu()?, kernel)

@@ -9,11 +9,11 @@
 //! compiled by NVRTC on first use. The rotary embeddings reduce nothing: candle's kernels
 //! (`candle-kernels`' reduce module), launched as candle-nn launches them.
 
+use crate::util::nvrtc::compiled;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::cudarc::nvrtc;
 use candle_core::cuda_backend::{kernel_name, kernels, CudaStorageSlice as S, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape, WithDType};
 use std::sync::OnceLock;
@@ -29,18 +29,7 @@ const ROWS_MODULE: &str = "candle_parallel_rows";
 /// The PTX of our row kernels, compiled once per process (NVRTC).
 fn rows_ptx() -> Result<&'static str> {
     static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    let ptx = PTX.get_or_init(|| {
-        nvrtc::compile_ptx(ROWS_SRC)
-            .map(|ptx| ptx.to_src())
-            .map_err(|e| e.to_string())
-    });
-    match ptx {
-        Ok(ptx) => Ok(ptx),
-        Err(e) => candle_core::bail!(
-            "compiling candle_parallel's row kernels (nn/rows.cu) with NVRTC failed: {e}; \
-             libnvrtc.so and libnvrtc-builtins.so (CUDA 12 or 13) must be on the library path"
-        ),
-    }
+    compiled(&PTX, ROWS_SRC, "row kernels (nn/rows.cu)")
 }
 
 /// The name of our row kernel `kernel` (`cp_norm`, `cp_softmax`) for element type `T`.
@@ -68,7 +57,7 @@ fn row_sizes(rows: usize, n: usize) -> Result<(i32, i32)> {
 }
 
 /// The values of a contiguous tensor.
-fn view<'a, T>(s: &'a CudaSlice<T>, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
+pub(super) fn view<'a, T>(s: &'a CudaSlice<T>, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
     match l.contiguous_offsets() {
         Some((start, end)) => Ok(s.slice(start..end)),
         None => candle_core::bail!("{what} must be contiguous here (got {l:?})"),
@@ -98,7 +87,7 @@ macro_rules! by_dtype {
     };
 }
 
-fn storage(slice: S, device: &CudaDevice) -> CudaStorage {
+pub(super) fn storage(slice: S, device: &CudaDevice) -> CudaStorage {
     CudaStorage {
         slice,
         device: device.clone(),

@@ -26,6 +26,48 @@ pub fn own_cpu_kernels() -> bool {
     !CANDLE_KERNELS.load(Ordering::Relaxed)
 }
 
+/// Whether candle's ops are wanted on CUDA instead of ours (see [`use_own_cuda_kernels`]);
+/// read from `CANDLE_PARALLEL_CUDA_KERNELS` on first use.
+static CANDLE_CUDA_KERNELS: std::sync::OnceLock<AtomicBool> = std::sync::OnceLock::new();
+
+/// The switch of [`use_own_cuda_kernels`], set from the environment on first use.
+fn candle_cuda_kernels() -> &'static AtomicBool {
+    CANDLE_CUDA_KERNELS.get_or_init(|| {
+        let value = std::env::var("CANDLE_PARALLEL_CUDA_KERNELS").unwrap_or_default();
+        let candle = match value.as_str() {
+            "" | "ours" => false,
+            "candle" => true,
+            other => {
+                log::warn!(
+                    "CANDLE_PARALLEL_CUDA_KERNELS={other:?} is neither \"ours\" nor \"candle\": \
+                     using ours"
+                );
+                false
+            }
+        };
+        AtomicBool::new(candle)
+    })
+}
+
+/// Chooses, for the whole process, between our CUDA kernels for the Net's convolution block
+/// ([`Conv2d::forward_relu_max_pool2d`]), for [`max_pool2d`] and for [`Sgd`]'s step (`true`,
+/// the default; f32 with the `cuda` feature) and candle's ops (`false`): to compare the two, or to rule ours
+/// out. The environment chooses the same before the program does:
+/// `CANDLE_PARALLEL_CUDA_KERNELS=candle` (or `ours`). Without the `cuda` feature nothing
+/// changes. Ops already recorded for a backward keep the kernels their forward used.
+///
+/// [`Conv2d::forward_relu_max_pool2d`]: super::Conv2d::forward_relu_max_pool2d
+/// [`max_pool2d`]: super::max_pool2d
+/// [`Sgd`]: crate::optim::Sgd
+pub fn use_own_cuda_kernels(on: bool) {
+    candle_cuda_kernels().store(!on, Ordering::Relaxed);
+}
+
+/// Whether our CUDA kernels are in use ([`use_own_cuda_kernels`]).
+pub fn own_cuda_kernels() -> bool {
+    !candle_cuda_kernels().load(Ordering::Relaxed)
+}
+
 /// Whether our kernels take these tensors: f32 on the CPU, and ours not switched off.
 pub(super) fn ours(ts: &[&candle_core::Tensor]) -> bool {
     own_cpu_kernels()

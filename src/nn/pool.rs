@@ -4,9 +4,10 @@
 //! candle 0.11 computes max-pool's gradient through a generic path (an upsampled mask, an
 //! average pool, another upsampling) and supports only a stride equal to the kernel. Here the
 //! forward records, for f32 tensors on the CPU, where each maximum came from (the first, on
-//! ties, as PyTorch does); the backward adds each output gradient there. Other dtypes and
-//! devices (CUDA) use candle's kernels, composed so that the gradient is right: candle's own
-//! max-pool backward scales every gradient by 1/kernel².
+//! ties, as PyTorch does); the backward adds each output gradient there. f32 tensors on CUDA
+//! (with the `cuda` feature, stride = kernel) run kernels of our own that do the same on the
+//! GPU. Other dtypes and devices use candle's kernels, composed so that the gradient is right:
+//! candle's own max-pool backward scales every gradient by 1/kernel².
 //!
 //! ```rust
 //! use candle_core::{Device, Tensor};
@@ -46,6 +47,10 @@ pub fn max_pool2d_with_stride(x: &Tensor, kernel: usize, stride: usize) -> Resul
     }
     if u32::try_from(h * w).is_err() {
         candle_core::bail!("max_pool2d: planes of {h}x{w} are too large (at most 2^32 values)")
+    }
+    #[cfg(feature = "cuda")]
+    if stride == kernel && super::conv_cuda::takes(&[x]) {
+        return super::conv_cuda::max_pool2d(x, kernel);
     }
     if !ours(&[x]) {
         return by_gather(x, kernel, stride);

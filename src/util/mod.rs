@@ -3,6 +3,8 @@
 //! variables are buffers. They sit below every other module (the process groups' threads
 //! backend uses the ordered copies too).
 
+#[cfg(feature = "cuda")]
+pub(crate) mod nvrtc;
 pub(crate) mod ordered_copy;
 pub(crate) mod pass_through;
 pub(crate) mod plain_join;
