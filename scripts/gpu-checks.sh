@@ -55,7 +55,18 @@ python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_devic
 # tests/gpu.rs: ordered copies between two devices of GPU 0; DataParallel over them against one
 # device; the fused layers' CUDA kernels against their CPU kernels (f32, f64, f16, bf16,
 # adversarial rows); NCCL with one rank; TCP with CUDA tensors across two processes.
-T=240 run gpu_tests ./gpu --test-threads=1 --nocapture
+# Our CUDA kernels for the Net's convolution blocks, max-pooling and SGD (nn/conv_cuda.rs,
+# optim/sgd_cuda.rs) run first and alone: where their checks fail, everything after runs on
+# candle's ops (CANDLE_PARALLEL_CUDA_KERNELS=candle), so that every other number still comes back.
+NEW_KERNELS=(our_cuda_conv_block_and_max_pool_equal_the_cpu_kernels_and_candles_ops
+  sgds_cuda_kernel_gives_the_bits_of_the_tensor_ops_and_the_cpu_kernel)
+T=120 run gpu_tests_new_kernels ./gpu --test-threads=1 --nocapture --exact "${NEW_KERNELS[@]}"
+if grep -q "^=== gpu_tests_new_kernels exit" "$LOG" && ! grep -Eq "^test result: ok\. 2 passed" "$LOG"; then
+  export CANDLE_PARALLEL_CUDA_KERNELS=candle
+  echo "=== our new CUDA kernels did not pass: the rest runs on candle's ops" | tee -a "$LOG"
+fi
+T=240 run gpu_tests ./gpu --test-threads=1 --nocapture --skip "${NEW_KERNELS[0]}" \
+  --skip "${NEW_KERNELS[1]}"
 # The transformer on NCCL at world size 1: DDP, ZeRO-2, fully sharded; then what large models
 # use (bf16 and f16 with the scaler, activation checkpointing, clipping) under full sharding;
 # then two processes sharing the GPU over TCP/shm with CUDA tensors. The CPU twin of each run
@@ -92,6 +103,9 @@ T=120 run torch_sharding python3 torch_sharding_bench.py --device cuda --worlds 
 # Where the Net's step time goes: phases and layers with CUDA events, ours (with and without
 # cuDNN) then PyTorch's.
 run net_phases ./net_phases --batches 128,512 --steps 30
+# The same with candle's ops where ours run (on the GPU: the convolution blocks' and the
+# max-pooling's kernels of nn/conv_cuda.rs), to see what they change.
+run net_phases_candle ./net_phases --batches 128,512 --steps 30 --candle-kernels
 run net_phases_cudnn ./net_phases_cudnn --batches 128,512 --steps 30
 run torch_net_phases python3 torch_net_bench.py --phases --batches 128,512 --steps 30
 # Images/s over 1, 2, 4 devices of GPU 0 (the README's single- against multi-device chart),

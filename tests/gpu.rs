@@ -682,6 +682,289 @@ fn the_nets_loss_and_gradients_on_the_gpu_equal_those_of_our_cpu_kernels() {
     }
 }
 
+/// Our CUDA kernels for the Net's convolution block and for max-pooling (`nn/conv_cuda.rs`)
+/// against our CPU kernels and against candle's ops composed on the GPU
+/// (`use_own_cuda_kernels(false)`): the output, and the gradient of `sum(y * g)` for the input
+/// (where it needs one), the weight and the bias. The Net's two blocks, padding, stride,
+/// dilation, outputs whose last row and column no window covers, and small integers, whose
+/// ties must go to the same (first) position.
+#[test]
+fn our_cuda_conv_block_and_max_pool_equal_the_cpu_kernels_and_candles_ops() {
+    use candle_nn::Conv2dConfig;
+    use candle_parallel::nn::{max_pool2d, use_own_cuda_kernels, Conv2d};
+    if !have_gpu() {
+        return;
+    }
+    let gpu = Device::new_cuda_with_stream(0).unwrap();
+    let mut rng = candle_parallel::rng::Rng::new(11);
+    let mut values = |shape: &[usize], integers: bool| {
+        let n = shape.iter().product::<usize>();
+        let v: Vec<f32> = (0..n)
+            .map(|_| match integers {
+                true => (rng.normal() * 2.0).round() as f32,
+                false => rng.normal() as f32,
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    };
+    let cfg = |padding, stride, dilation| Conv2dConfig {
+        padding,
+        stride,
+        dilation,
+        groups: 1,
+        cudnn_fwd_algo: None,
+    };
+    // (name, input, weight, config, pool, the input needs a gradient, integers)
+    let cases = [
+        (
+            "the Net's first block",
+            [5, 3, 32, 32],
+            [6, 3, 5, 5],
+            cfg(0, 1, 1),
+            2,
+            false,
+            false,
+        ),
+        (
+            "the Net's second block",
+            [5, 6, 14, 14],
+            [16, 6, 5, 5],
+            cfg(0, 1, 1),
+            2,
+            true,
+            false,
+        ),
+        (
+            "padding 1, stride 2",
+            [3, 2, 11, 9],
+            [4, 2, 3, 2],
+            cfg(1, 2, 1),
+            2,
+            true,
+            false,
+        ),
+        (
+            "dilation 2, pool 3",
+            [2, 3, 13, 12],
+            [5, 3, 3, 3],
+            cfg(0, 1, 2),
+            3,
+            true,
+            false,
+        ),
+        (
+            "small integers (ties)",
+            [4, 2, 9, 8],
+            [3, 2, 2, 2],
+            cfg(0, 1, 1),
+            2,
+            true,
+            true,
+        ),
+    ];
+    // Output and gradients (input's if wanted, weight's, bias's) on `device`.
+    let block = |x: &Tensor,
+                 w: &Tensor,
+                 b: &Tensor,
+                 g: &Tensor,
+                 c: &Conv2dConfig,
+                 k,
+                 dx,
+                 device: &Device| {
+        let to = |t: &Tensor| Var::from_tensor(&t.to_device(device).unwrap()).unwrap();
+        let (x, w, b) = (to(x), to(w), to(b));
+        let conv = Conv2d::new(w.as_tensor().clone(), Some(b.as_tensor().clone()), *c);
+        let input = if dx {
+            x.as_tensor().clone()
+        } else {
+            x.as_tensor().detach()
+        };
+        let y = conv.forward_relu_max_pool2d(&input, k).unwrap();
+        let loss = (&y * g.to_device(device).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let mut out = vec![y];
+        if dx {
+            out.push(grads.get(&x).expect("the input's gradient").clone());
+        }
+        out.push(grads.get(&w).expect("the weight's gradient").clone());
+        out.push(grads.get(&b).expect("the bias's gradient").clone());
+        out
+    };
+    let compare = |name: &str, what: &str, ours: &[Tensor], theirs: &[Tensor]| {
+        assert_eq!(ours.len(), theirs.len());
+        for (i, (o, t)) in ours.iter().zip(theirs).enumerate() {
+            assert_eq!(o.dims(), t.dims(), "{name}, {what}, result {i}");
+            let d = max_abs_diff(o, t);
+            let limit = 1e-4 * max_abs(t).max(1.0);
+            assert!(
+                d <= limit,
+                "{name}: result {i} is {d} off {what} (limit {limit})"
+            );
+        }
+    };
+    for (name, xs, ws, c, k, dx, integers) in cases {
+        let (x, w, b) = (
+            values(&xs, integers),
+            values(&ws, integers),
+            values(&ws[..1], integers),
+        );
+        let probe = Conv2d::new(w.clone(), Some(b.clone()), c);
+        let dims = probe
+            .forward_relu_max_pool2d(&x, k)
+            .unwrap()
+            .dims()
+            .to_vec();
+        let g = values(&dims, integers);
+        let ours = block(&x, &w, &b, &g, &c, k, dx, &gpu);
+        let cpu = block(&x, &w, &b, &g, &c, k, dx, &Device::Cpu);
+        compare(name, "our CPU kernels'", &ours, &cpu);
+        use_own_cuda_kernels(false);
+        let composed = block(&x, &w, &b, &g, &c, k, dx, &gpu);
+        use_own_cuda_kernels(true);
+        compare(name, "candle's ops on the GPU", &ours, &composed);
+        eprintln!("{name}: ours on the GPU equal the CPU kernels and candle's ops");
+    }
+    // max_pool2d alone, small integers (ties) and an odd size, with a NaN in one window.
+    let mut x = values(&[3, 4, 9, 7], true);
+    let mut v = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    v[10] = f32::NAN;
+    x = Tensor::from_vec(v, x.shape(), &Device::Cpu).unwrap();
+    let g = values(&[3, 4, 4, 3], true);
+    let pool = |device: &Device| {
+        let x = Var::from_tensor(&x.to_device(device).unwrap()).unwrap();
+        let y = max_pool2d(x.as_tensor(), 2).unwrap();
+        let loss = (&y * g.to_device(device).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let dx = loss.backward().unwrap().get(&x).unwrap().clone();
+        // NaN is not equal to itself: compare where it is, then the rest.
+        let y = y.to_device(&Device::Cpu).unwrap().flatten_all().unwrap();
+        let nan = y
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.is_nan())
+            .collect::<Vec<_>>();
+        let y = y
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| if v.is_nan() { 0. } else { *v })
+            .collect::<Vec<_>>();
+        (nan, Tensor::new(y, &Device::Cpu).unwrap(), dx)
+    };
+    let (nan_gpu, y_gpu, dx_gpu) = pool(&gpu);
+    let (nan_cpu, y_cpu, dx_cpu) = pool(&Device::Cpu);
+    assert_eq!(
+        nan_gpu, nan_cpu,
+        "max_pool2d: the NaN must win its window on both"
+    );
+    assert!(nan_gpu.iter().any(|&n| n));
+    compare(
+        "max_pool2d",
+        "our CPU kernel's",
+        &[y_gpu, dx_gpu],
+        &[y_cpu, dx_cpu],
+    );
+}
+
+/// Sgd's CUDA kernel for f32 (`optim/sgd_cuda.rs`) gives the bits of the tensor ops on the GPU
+/// (`use_own_cuda_kernels(false)`) and of the CPU kernel: three steps with and without
+/// momentum, dampening, Nesterov, weight decay and maximize, over a parameter of odd size and a
+/// matrix, each step's gradient new.
+#[test]
+fn sgds_cuda_kernel_gives_the_bits_of_the_tensor_ops_and_the_cpu_kernel() {
+    use candle_parallel::nn::use_own_cuda_kernels;
+    if !have_gpu() {
+        return;
+    }
+    let gpu = Device::new_cuda_with_stream(0).unwrap();
+    let configs = [
+        SgdConfig {
+            lr: 0.1,
+            ..SgdConfig::default()
+        },
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            ..SgdConfig::default()
+        },
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            dampening: 0.3,
+            weight_decay: 0.01,
+            ..SgdConfig::default()
+        },
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 0.1,
+            maximize: true,
+            ..SgdConfig::default()
+        },
+    ];
+    let start = [
+        Tensor::randn(0f32, 1., 1001, &Device::Cpu).unwrap(),
+        Tensor::randn(0f32, 1., (37, 61), &Device::Cpu).unwrap(),
+    ];
+    let grads: Vec<Vec<Tensor>> = (0..3)
+        .map(|_| {
+            start
+                .iter()
+                .map(|t| t.randn_like(0., 1.).unwrap())
+                .collect()
+        })
+        .collect();
+    let train = |device: &Device, c: SgdConfig| -> Vec<Vec<f32>> {
+        let vars: Vec<Var> = start
+            .iter()
+            .map(|t| Var::from_tensor(&t.to_device(device).unwrap()).unwrap())
+            .collect();
+        let mut sgd = Sgd::new(vars.clone(), c).unwrap();
+        for step in &grads {
+            let loss = vars
+                .iter()
+                .zip(step)
+                .map(|(v, g)| {
+                    (v.as_tensor() * g.to_device(device).unwrap())
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                })
+                .reduce(|a, b| (a + b).unwrap())
+                .unwrap();
+            sgd.backward_step(&loss).unwrap();
+        }
+        vars.iter()
+            .map(|v| {
+                v.as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            })
+            .collect()
+    };
+    for c in configs {
+        let kernel = train(&gpu, c);
+        use_own_cuda_kernels(false);
+        let ops = train(&gpu, c);
+        use_own_cuda_kernels(true);
+        let cpu = train(&Device::Cpu, c);
+        assert_eq!(
+            kernel, ops,
+            "{c:?}: the CUDA kernel against the tensor ops on the GPU"
+        );
+        assert_eq!(kernel, cpu, "{c:?}: the CUDA kernel against the CPU kernel");
+    }
+}
+
 /// The fused layers on the GPU (our CUDA kernels for the normalisations and softmax, candle's
 /// for rope, and the backwards of candle ops) against our CPU kernels: the output and every
 /// input's gradient of `sum(layer(x) * g)`, in f32, f64, f16 and bf16 (rope in f32 and bf16),

@@ -38,6 +38,8 @@ mod clip;
 mod finite;
 pub mod managed;
 mod sgd;
+#[cfg(feature = "cuda")]
+mod sgd_cuda;
 mod sgd_kernel;
 
 pub use adamw::{AdamW, AdamWConfig};

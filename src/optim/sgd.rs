@@ -149,13 +149,14 @@ impl Sgd {
             }
             return Ok(());
         }
-        if var.device().is_cpu() && self.update_in_place(i, grad)? {
+        if self.update_in_place(i, grad)? {
             return Ok(());
         }
         self.update_with_ops(i, grad)
     }
 
-    /// The step of variable `i` by the CPU kernel, in place; `false` where it does not apply.
+    /// The step of variable `i` by the CPU kernel (or, with the `cuda` feature, the CUDA kernel
+    /// for f32), in place; `false` where it does not apply.
     fn update_in_place(&mut self, i: usize, grad: &Tensor) -> candle_core::Result<bool> {
         let (c, var) = (self.config, &self.vars[i]);
         // The kernel writes the buffer in place: ours alone, or a copy.
@@ -165,7 +166,14 @@ impl Sgd {
             Some(b) if self.owned[i] => Some((b.clone(), false)),
             Some(b) => Some((b.copy()?, false)),
         };
-        if !sgd_kernel::step(var, grad, buf.as_ref().map(|(b, first)| (b, *first)), &c)? {
+        let buf_ref = buf.as_ref().map(|(b, first)| (b, *first));
+        let stepped = match var.device() {
+            candle_core::Device::Cpu => sgd_kernel::step(var, grad, buf_ref, &c)?,
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(_) => super::sgd_cuda::step(var, grad, buf_ref, &c)?,
+            _ => false,
+        };
+        if !stepped {
             return Ok(false);
         }
         if let Some((b, _)) = buf {
