@@ -55,11 +55,11 @@ python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_devic
 # tests/gpu.rs: ordered copies between two devices of GPU 0; DataParallel over them against one
 # device; the fused layers' CUDA kernels against their CPU kernels (f32, f64, f16, bf16,
 # adversarial rows); NCCL with one rank; TCP with CUDA tensors across two processes.
-# Our CUDA kernels for the Net's convolution blocks, max-pooling and SGD (nn/conv_cuda.rs,
-# optim/sgd_cuda.rs) run first and alone: where their checks fail, everything after runs on
+# Our CUDA kernels for the Net's convolution blocks, max-pooling, SGD and AdamW (nn/conv_cuda.rs,
+# optim/cuda.rs) run first and alone: where their checks fail, everything after runs on
 # candle's ops (CANDLE_PARALLEL_CUDA_KERNELS=candle), so that every other number still comes back.
 NEW_KERNELS=(our_cuda_conv_block_and_max_pool_equal_the_cpu_kernels_and_candles_ops
-  sgds_cuda_kernel_gives_the_bits_of_the_tensor_ops_and_the_cpu_kernel)
+  the_optimizers_cuda_kernels_give_the_tensor_ops_and_the_cpu_kernels_numbers)
 T=120 run gpu_tests_new_kernels ./gpu --test-threads=1 --nocapture --exact "${NEW_KERNELS[@]}"
 if grep -q "^=== gpu_tests_new_kernels exit" "$LOG" && ! grep -Eq "^test result: ok\. 2 passed" "$LOG"; then
   export CANDLE_PARALLEL_CUDA_KERNELS=candle

@@ -872,43 +872,20 @@ fn our_cuda_conv_block_and_max_pool_equal_the_cpu_kernels_and_candles_ops() {
     );
 }
 
-/// Sgd's CUDA kernel for f32 (`optim/sgd_cuda.rs`) gives the bits of the tensor ops on the GPU
-/// (`use_own_cuda_kernels(false)`) and of the CPU kernel: three steps with and without
-/// momentum, dampening, Nesterov, weight decay and maximize, over a parameter of odd size and a
-/// matrix, each step's gradient new.
+/// The optimizers' CUDA kernels for f32 (`optim/cuda.rs`) against the tensor ops on the GPU
+/// (`use_own_cuda_kernels(false)`) and the CPU kernels: three steps of Sgd (with and without
+/// momentum, dampening, Nesterov, weight decay, maximize) and of AdamW (weight decay, AMSGrad,
+/// maximize, both branches of its `lerp`), over a parameter of odd size and a matrix, each
+/// step's gradient new. Their arithmetic is the same op for op, so they should agree bit for
+/// bit (said per case); the test asserts 1e-6 of the largest value.
 #[test]
-fn sgds_cuda_kernel_gives_the_bits_of_the_tensor_ops_and_the_cpu_kernel() {
+fn the_optimizers_cuda_kernels_give_the_tensor_ops_and_the_cpu_kernels_numbers() {
     use candle_parallel::nn::use_own_cuda_kernels;
+    use candle_parallel::optim::{AdamW, AdamWConfig};
     if !have_gpu() {
         return;
     }
     let gpu = Device::new_cuda_with_stream(0).unwrap();
-    let configs = [
-        SgdConfig {
-            lr: 0.1,
-            ..SgdConfig::default()
-        },
-        SgdConfig {
-            lr: 0.05,
-            momentum: 0.9,
-            ..SgdConfig::default()
-        },
-        SgdConfig {
-            lr: 0.05,
-            momentum: 0.9,
-            dampening: 0.3,
-            weight_decay: 0.01,
-            ..SgdConfig::default()
-        },
-        SgdConfig {
-            lr: 0.05,
-            momentum: 0.9,
-            nesterov: true,
-            weight_decay: 0.1,
-            maximize: true,
-            ..SgdConfig::default()
-        },
-    ];
     let start = [
         Tensor::randn(0f32, 1., 1001, &Device::Cpu).unwrap(),
         Tensor::randn(0f32, 1., (37, 61), &Device::Cpu).unwrap(),
@@ -921,12 +898,68 @@ fn sgds_cuda_kernel_gives_the_bits_of_the_tensor_ops_and_the_cpu_kernel() {
                 .collect()
         })
         .collect();
-    let train = |device: &Device, c: SgdConfig| -> Vec<Vec<f32>> {
+    type Stepper = Box<dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>>;
+    type Make = Box<dyn Fn(Vec<Var>) -> Stepper>;
+    fn stepper<O: Optimizer + 'static>(mut o: O) -> Stepper {
+        Box::new(move |grads| o.step(grads))
+    }
+    let sgd = |c: SgdConfig| -> (String, Make) {
+        let make: Make = Box::new(move |vars| stepper(Sgd::new(vars, c).unwrap()));
+        (format!("{c:?}"), make)
+    };
+    let adamw = |c: AdamWConfig| -> (String, Make) {
+        let make: Make = Box::new(move |vars| stepper(AdamW::new(vars, c).unwrap()));
+        (format!("{c:?}"), make)
+    };
+    let cases = [
+        sgd(SgdConfig {
+            lr: 0.1,
+            ..SgdConfig::default()
+        }),
+        sgd(SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            ..SgdConfig::default()
+        }),
+        sgd(SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            dampening: 0.3,
+            weight_decay: 0.01,
+            ..SgdConfig::default()
+        }),
+        sgd(SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 0.1,
+            maximize: true,
+            ..SgdConfig::default()
+        }),
+        adamw(AdamWConfig {
+            lr: 0.01,
+            ..AdamWConfig::default()
+        }),
+        adamw(AdamWConfig {
+            lr: 0.01,
+            weight_decay: 0.1,
+            amsgrad: true,
+            ..AdamWConfig::default()
+        }),
+        adamw(AdamWConfig {
+            lr: 0.01,
+            betas: (0.3, 0.5),
+            maximize: true,
+            eps: 1e-3,
+            ..AdamWConfig::default()
+        }),
+    ];
+    let train = |device: &Device, make: &Make| -> Vec<Vec<f32>> {
         let vars: Vec<Var> = start
             .iter()
             .map(|t| Var::from_tensor(&t.to_device(device).unwrap()).unwrap())
             .collect();
-        let mut sgd = Sgd::new(vars.clone(), c).unwrap();
+        let mut step_with = make(vars.clone());
         for step in &grads {
             let loss = vars
                 .iter()
@@ -939,7 +972,7 @@ fn sgds_cuda_kernel_gives_the_bits_of_the_tensor_ops_and_the_cpu_kernel() {
                 })
                 .reduce(|a, b| (a + b).unwrap())
                 .unwrap();
-            sgd.backward_step(&loss).unwrap();
+            step_with(&loss.backward().unwrap()).unwrap();
         }
         vars.iter()
             .map(|v| {
@@ -951,17 +984,34 @@ fn sgds_cuda_kernel_gives_the_bits_of_the_tensor_ops_and_the_cpu_kernel() {
             })
             .collect()
     };
-    for c in configs {
-        let kernel = train(&gpu, c);
+    let off = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+        a.iter()
+            .flatten()
+            .zip(b.iter().flatten())
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    for (name, make) in &cases {
+        let kernel = train(&gpu, make);
         use_own_cuda_kernels(false);
-        let ops = train(&gpu, c);
+        let ops = train(&gpu, make);
         use_own_cuda_kernels(true);
-        let cpu = train(&Device::Cpu, c);
-        assert_eq!(
-            kernel, ops,
-            "{c:?}: the CUDA kernel against the tensor ops on the GPU"
-        );
-        assert_eq!(kernel, cpu, "{c:?}: the CUDA kernel against the CPU kernel");
+        let cpu = train(&Device::Cpu, make);
+        let scale = kernel.iter().flatten().fold(1f32, |m, x| m.max(x.abs()));
+        for (what, other) in [
+            ("the tensor ops on the GPU", &ops),
+            ("the CPU kernel", &cpu),
+        ] {
+            let d = off(&kernel, other);
+            eprintln!(
+                "{name}: the CUDA kernel is {d:e} off {what}{}",
+                if d == 0.0 { " (bit for bit)" } else { "" }
+            );
+            assert!(
+                d <= 1e-6 * scale,
+                "{name}: the CUDA kernel is {d} off {what}"
+            );
+        }
     }
 }
 

@@ -236,16 +236,14 @@ impl AdamW {
             }
             return Ok(());
         }
-        if kernel
-            && var.device().is_cpu()
-            && self.update_in_place(i, grad, step_size, bias_correction2_sqrt)?
-        {
+        if kernel && self.update_in_place(i, grad, step_size, bias_correction2_sqrt)? {
             return Ok(());
         }
         self.update_with_ops(i, grad, step_size, bias_correction2_sqrt)
     }
 
-    /// The step of variable `i` by the CPU kernel, in place; `false` where it does not apply.
+    /// The step of variable `i` by the CPU kernel (or, with the `cuda` feature, the CUDA kernel
+    /// for f32), in place; `false` where it does not apply.
     fn update_in_place(
         &mut self,
         i: usize,
@@ -286,7 +284,13 @@ impl AdamW {
             exp_avg_sq: &moments.exp_avg_sq,
             max_exp_avg_sq: moments.max_exp_avg_sq.as_ref(),
         };
-        if !adamw_kernel::step(var, grad, state, &scalars)? {
+        let stepped = match var.device() {
+            candle_core::Device::Cpu => adamw_kernel::step(var, grad, state, &scalars)?,
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(_) => super::cuda::adamw(var, grad, &state, &scalars)?,
+            _ => false,
+        };
+        if !stepped {
             return Ok(false);
         }
         self.moments[i] = Some(moments);

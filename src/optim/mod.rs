@@ -35,11 +35,11 @@
 mod adamw;
 mod adamw_kernel;
 mod clip;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod finite;
 pub mod managed;
 mod sgd;
-#[cfg(feature = "cuda")]
-mod sgd_cuda;
 mod sgd_kernel;
 
 pub use adamw::{AdamW, AdamWConfig};

@@ -170,7 +170,7 @@ impl Sgd {
         let stepped = match var.device() {
             candle_core::Device::Cpu => sgd_kernel::step(var, grad, buf_ref, &c)?,
             #[cfg(feature = "cuda")]
-            candle_core::Device::Cuda(_) => super::sgd_cuda::step(var, grad, buf_ref, &c)?,
+            candle_core::Device::Cuda(_) => super::cuda::sgd(var, grad, buf_ref, &c)?,
             _ => false,
         };
         if !stepped {
