@@ -132,9 +132,12 @@ fn model_parallel_over_two_devices_of_gpu_0_matches_one_device() {
             // Through the host: a copy to the CPU waits for the source's stream.
             let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
             let diff = max_abs_diff(&cpu(&got), &cpu(&want));
+            // Micro-batches are products of fewer rows, for which cuBLAS picks other kernels
+            // that round apart (on 2026-11-26, 1.5e-5 at step 4, outputs of order 10).
+            let limit = if split.is_some() { 1e-5 } else { 1e-6 } * max_abs(&want).max(1.0);
             assert!(
-                diff <= 1e-5,
-                "split {split:?}, step {step}: outputs differ by {diff}"
+                diff <= limit,
+                "split {split:?}, step {step}: outputs differ by {diff} (limit {limit})"
             );
             let y0 = Tensor::from_vec(labels.clone(), 10, &d0).unwrap();
             let y1 = Tensor::from_vec(labels, 10, &d1).unwrap();
@@ -770,28 +773,25 @@ fn our_cuda_conv_block_and_max_pool_equal_the_cpu_kernels_and_candles_ops() {
                  c: &Conv2dConfig,
                  k,
                  dx,
-                 device: &Device| {
-        let to = |t: &Tensor| Var::from_tensor(&t.to_device(device).unwrap()).unwrap();
-        let (x, w, b) = (to(x), to(w), to(b));
+                 device: &Device|
+     -> candle_core::Result<Vec<Tensor>> {
+        let to = |t: &Tensor| Var::from_tensor(&t.to_device(device)?);
+        let (x, w, b) = (to(x)?, to(w)?, to(b)?);
         let conv = Conv2d::new(w.as_tensor().clone(), Some(b.as_tensor().clone()), *c);
         let input = if dx {
             x.as_tensor().clone()
         } else {
             x.as_tensor().detach()
         };
-        let y = conv.forward_relu_max_pool2d(&input, k).unwrap();
-        let loss = (&y * g.to_device(device).unwrap())
-            .unwrap()
-            .sum_all()
-            .unwrap();
-        let grads = loss.backward().unwrap();
+        let y = conv.forward_relu_max_pool2d(&input, k)?;
+        let grads = (&y * g.to_device(device)?)?.sum_all()?.backward()?;
         let mut out = vec![y];
         if dx {
             out.push(grads.get(&x).expect("the input's gradient").clone());
         }
         out.push(grads.get(&w).expect("the weight's gradient").clone());
         out.push(grads.get(&b).expect("the bias's gradient").clone());
-        out
+        Ok(out)
     };
     let compare = |name: &str, what: &str, ours: &[Tensor], theirs: &[Tensor]| {
         assert_eq!(ours.len(), theirs.len());
@@ -818,14 +818,31 @@ fn our_cuda_conv_block_and_max_pool_equal_the_cpu_kernels_and_candles_ops() {
             .dims()
             .to_vec();
         let g = values(&dims, integers);
-        let ours = block(&x, &w, &b, &g, &c, k, dx, &gpu);
-        let cpu = block(&x, &w, &b, &g, &c, k, dx, &Device::Cpu);
+        let ours = block(&x, &w, &b, &g, &c, k, dx, &gpu).unwrap();
+        let cpu = block(&x, &w, &b, &g, &c, k, dx, &Device::Cpu).unwrap();
         compare(name, "our CPU kernels'", &ours, &cpu);
         use_own_cuda_kernels(false);
         let composed = block(&x, &w, &b, &g, &c, k, dx, &gpu);
         use_own_cuda_kernels(true);
-        compare(name, "candle's ops on the GPU", &ours, &composed);
-        eprintln!("{name}: ours on the GPU equal the CPU kernels and candle's ops");
+        match composed {
+            // Ties: candle's composed max-pool sends the gradient to the position its CUDA
+            // `argmax` picks, not always the first (2026-11-26: the input gradient 4 off);
+            // ours picks the first, as the CPU kernels and PyTorch, and equals them above.
+            Ok(_) if integers => {
+                eprintln!("{name}: ours on the GPU equal the CPU kernels (ties: not candle's)")
+            }
+            Ok(composed) => {
+                compare(name, "candle's ops on the GPU", &ours, &composed);
+                eprintln!("{name}: ours on the GPU equal the CPU kernels and candle's ops");
+            }
+            // candle 0.11's convolution backward pads the input gradient by what the height
+            // needs and applies it to the width too (2026-11-26: "shape mismatch in add, lhs:
+            // [3, 2, 11, 9], rhs: [3, 2, 11, 8]" for padding 1, stride 2): ours has no such
+            // limit; it must equal the CPU kernels there, which it did above.
+            Err(e) => {
+                eprintln!("{name}: ours on the GPU equal the CPU kernels; candle's ops fail: {e}")
+            }
+        }
     }
     // max_pool2d alone, small integers (ties) and an odd size, with a NaN in one window.
     let mut x = values(&[3, 4, 9, 7], true);
