@@ -12,7 +12,7 @@ use candle_parallel::distributed::{self, DeviceMesh, ProcessGroup};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::Sgd;
 use candle_parallel::pipeline::{
-    all_reduce_gradients, PipelineSchedule, PipelineStage, Schedule, Zero2,
+    all_reduce_gradients, FullyShardedStage, PipelineSchedule, PipelineStage, Schedule, Zero2,
 };
 use candle_parallel::Error;
 use common::models::{batch, share, values, Values, CLASSES, IN, SGD};
@@ -278,6 +278,142 @@ fn dp_2_by_pp_2_with_zero2_along_dp_over_4_processes_trains_as_one_process() {
         4,
     )
     .assert_all_pass(LIMIT);
+}
+
+/// [`train_and_compare`] with each stage fully sharded along `dp`: between steps a replica
+/// holds 1/dp of its stages' parameters; each step gathers the stages, runs the schedule,
+/// reduce-scatters the gradients to the pieces, steps them, and drops the gathered stages. The
+/// pipeline is evaluated between steps too. The stages end as the whole model trained in one
+/// process, within 1e-5.
+fn train_fully_sharded(pp: &ProcessGroup, dp: &ProcessGroup, schedule: Schedule, rows: usize) {
+    let n_stages = pp.world_size() * schedule.stages_per_rank();
+    let per = LAYERS / n_stages;
+    let sharded: Vec<_> = schedule
+        .stages_of(pp.world_size(), pp.rank())
+        .into_iter()
+        .map(|s| {
+            let build = move |vb: candle_nn::VarBuilder| -> candle_core::Result<Part> {
+                let width = |i: usize| match i {
+                    0 => IN,
+                    LAYERS => CLASSES,
+                    _ => 16,
+                };
+                let layers = (s * per..(s + 1) * per)
+                    .map(|i| {
+                        let l = linear(width(i), width(i + 1), vb.pp(format!("layers.{i}")))?;
+                        Ok((l, i + 1 < LAYERS))
+                    })
+                    .collect::<candle_core::Result<_>>()?;
+                Ok(Part { layers })
+            };
+            // Initialised as the one-process model is; the VarMap goes at the end of the scope.
+            let varmap = VarMap::new();
+            part(&varmap, s * per..(s + 1) * per);
+            FullyShardedStage::new(&varmap, build, s, n_stages, pp, dp).unwrap()
+        })
+        .collect();
+    let pieces: Vec<candle_core::Var> = sharded.iter().flat_map(|s| s.pieces().to_vec()).collect();
+    let held: usize = pieces.iter().map(|v| v.elem_count()).sum();
+    let whole: usize = (0..n_stages)
+        .filter(|s| s % pp.world_size() == pp.rank())
+        .map(|s| {
+            (s * per..(s + 1) * per)
+                .map(|i| {
+                    let w = |i: usize| match i {
+                        0 => IN,
+                        LAYERS => CLASSES,
+                        _ => 16,
+                    };
+                    w(i) * w(i + 1) + w(i + 1)
+                })
+                .sum::<usize>()
+        })
+        .sum();
+    assert!(
+        held <= whole.div_ceil(dp.world_size()) + 2 * per * schedule.stages_per_rank(),
+        "a replica holds {held} of its stages' {whole} elements between steps"
+    );
+    let mut opt = Sgd::new(pieces, SGD).unwrap();
+    let pipeline = PipelineSchedule::new(schedule, 4, cross_entropy).unwrap();
+    for step in 0..STEPS {
+        let (x, y) = share(step, dp.world_size(), rows / dp.world_size(), dp.rank());
+        let stages: Vec<PipelineStage<Part>> =
+            sharded.iter().map(|s| s.gather().unwrap()).collect();
+        let refs: Vec<&PipelineStage<Part>> = stages.iter().collect();
+        let out = pipeline.step(&refs, Some(&x), Some(&y)).unwrap();
+        let mut grads = candle_core::backprop::GradStore::default();
+        for (s, stage) in sharded.iter().zip(&stages) {
+            let g = s.reduce_scatter(stage, &out.grads).unwrap();
+            for piece in s.pieces() {
+                grads.insert(piece.as_tensor(), g.get(piece.as_tensor()).unwrap().clone());
+            }
+        }
+        opt.step(&grads).unwrap();
+        drop(stages);
+        if step == STEPS / 2 {
+            // An evaluation between steps: the gathered stages, forwards only.
+            let stages: Vec<_> = sharded.iter().map(|s| s.gather().unwrap()).collect();
+            let refs: Vec<&PipelineStage<Part>> = stages.iter().collect();
+            let eval = pipeline.eval(&refs, Some(&x), Some(&y)).unwrap();
+            if refs.iter().any(|s| s.is_last()) {
+                assert_eq!(eval.losses.len(), 4);
+                assert!(eval.losses.iter().all(|l| l.is_finite()));
+            }
+        }
+    }
+    let (want, _) = one_process(rows);
+    for s in &sharded {
+        let stage = s.gather().unwrap();
+        for (name, var) in stage.named_parameters() {
+            let got = var
+                .as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let (_, w) = want
+                .iter()
+                .find(|(n, _)| n == name)
+                .expect("a variable of the model");
+            let diff = got
+                .iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-5, "stage {} {name}: {diff}", s.stage_index());
+        }
+    }
+}
+
+#[test]
+fn dp_2_by_pp_2_fully_sharded_along_dp_over_4_processes_trains_as_one_process() {
+    if is_child() {
+        let world = join_child();
+        let (pp, dp) = mesh_groups(&world);
+        train_fully_sharded(&pp, &dp, Schedule::OneFOneB, 32);
+        return done();
+    }
+    Ranks::world(
+        "dp_2_by_pp_2_fully_sharded_along_dp_over_4_processes_trains_as_one_process",
+        4,
+    )
+    .assert_all_pass(LIMIT);
+}
+
+#[test]
+fn interleaved_stages_fully_sharded_over_2_replicas_of_threads_train_as_one_process() {
+    // [dp 2, pp 2] in threads, two stages per rank: four sharded stages per pipeline.
+    distributed::spawn_threads(4, |world| {
+        let (pp, dp) = mesh_groups(&world);
+        train_fully_sharded(
+            &pp,
+            &dp,
+            Schedule::Interleaved1F1B { stages_per_rank: 2 },
+            32,
+        );
+        Ok(())
+    })
+    .unwrap();
 }
 
 #[test]

@@ -135,40 +135,59 @@ impl Zero2 {
     /// none), averaged over `dp` by one reduce-scatter, this replica's chunk of each. Every
     /// rank of `dp` calls it.
     pub fn reduce_scatter(&self, grads: &GradStore) -> Result<GradStore> {
-        let full = self
-            .params
-            .iter()
-            .map(|p| match grads.get(p.as_tensor()) {
-                Some(g) => Ok(g.clone()),
-                None => p.as_tensor().zeros_like(),
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let shard = self
-            .dp
-            .reduce_scatter(&self.layout.flatten(&full)?, ReduceOp::Avg)?;
-        let mut out = GradStore::default();
-        for (piece, g) in self.pieces.iter().zip(self.layout.split_shard(&shard)?) {
-            out.insert(piece.as_tensor(), g);
-        }
-        Ok(out)
+        reduce_scatter_to_pieces(&self.dp, &self.layout, &self.params, &self.pieces, grads)
     }
 
     /// Puts every replica's stepped pieces back together into the parameters (one
     /// all-gather). Every rank of `dp` calls it after the optimizer's step.
     pub fn gather(&self) -> Result<()> {
-        if self.params.is_empty() {
-            return Ok(());
-        }
-        let mine: Vec<Tensor> = self.pieces.iter().map(|p| p.as_tensor().clone()).collect();
-        let shards = self.dp.all_gather(&Tensor::cat(&mine, 0)?)?;
         let shapes: Vec<Vec<usize>> = self.params.iter().map(|p| p.dims().to_vec()).collect();
-        for (p, t) in self
-            .params
-            .iter()
-            .zip(self.layout.from_shards(&shards, &shapes)?)
-        {
+        let whole = gather_pieces(&self.dp, &self.layout, &self.pieces, &shapes)?;
+        for (p, t) in self.params.iter().zip(whole) {
             p.set(&t)?;
         }
         Ok(())
     }
+}
+
+/// The gradients of `pieces` (this replica's chunks of `params`, in `layout`): each parameter's
+/// gradient in `grads` (zeros where it has none), averaged over `dp` by one reduce-scatter.
+pub(super) fn reduce_scatter_to_pieces(
+    dp: &ProcessGroup,
+    layout: &FlatLayout,
+    params: &[Var],
+    pieces: &[Var],
+    grads: &GradStore,
+) -> Result<GradStore> {
+    let full = params
+        .iter()
+        .map(|p| match grads.get(p.as_tensor()) {
+            Some(g) => Ok(g.clone()),
+            None => p.as_tensor().zeros_like(),
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let mut out = GradStore::default();
+    if full.is_empty() {
+        return Ok(out);
+    }
+    let shard = dp.reduce_scatter(&layout.flatten(&full)?, ReduceOp::Avg)?;
+    for (piece, g) in pieces.iter().zip(layout.split_shard(&shard)?) {
+        out.insert(piece.as_tensor(), g);
+    }
+    Ok(out)
+}
+
+/// The whole parameters, of `shapes`, from every replica's `pieces` (one all-gather over `dp`).
+pub(super) fn gather_pieces(
+    dp: &ProcessGroup,
+    layout: &FlatLayout,
+    pieces: &[Var],
+    shapes: &[Vec<usize>],
+) -> Result<Vec<Tensor>> {
+    if pieces.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mine: Vec<Tensor> = pieces.iter().map(|p| p.as_tensor().clone()).collect();
+    let shards = dp.all_gather(&Tensor::cat(&mine, 0)?)?;
+    layout.from_shards(&shards, shapes)
 }

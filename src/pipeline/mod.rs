@@ -14,7 +14,8 @@
 //!
 //! Along a data-parallel dimension, [`all_reduce_gradients`] averages each stage's gradients
 //! over its replicas after the step, or [`Zero2`] shards them and the optimizer's state
-//! ([`data_parallel`]).
+//! ([`data_parallel`]), or [`FullyShardedStage`] shards the parameters too, gathering the
+//! stage for each step only ([`fully_shard`]).
 //!
 //! ```rust
 //! use candle_core::{DType, Device, Tensor};
@@ -44,12 +45,14 @@
 //! ```
 
 pub mod data_parallel;
+pub mod fully_shard;
 pub mod microbatch;
 pub mod runtime;
 pub mod schedule;
 pub mod stage;
 
 pub use data_parallel::{all_reduce_gradients, Zero2};
+pub use fully_shard::FullyShardedStage;
 pub use runtime::{EvalOutput, Event, PipelineSchedule, StepOutput};
 pub use schedule::{Action, Computation, Schedule};
 pub use stage::PipelineStage;

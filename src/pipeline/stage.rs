@@ -55,26 +55,7 @@ impl<M> PipelineStage<M> {
         num_stages: usize,
         group: &ProcessGroup,
     ) -> Result<Self> {
-        let pp = group.world_size();
-        let bad = |detail: String| {
-            Err(Error::InvalidArgument {
-                what: "pipeline stage",
-                detail,
-            })
-        };
-        if num_stages == 0 || num_stages % pp != 0 {
-            return bad(format!(
-                "{num_stages} stages over a pipeline group of {pp} ranks; the number of stages \
-                 must be a positive multiple of the group's size"
-            ));
-        }
-        if stage_index >= num_stages || stage_index % pp != group.rank() {
-            return bad(format!(
-                "stage {stage_index} of {num_stages} on rank {} of {pp}; stage s runs on rank \
-                 s % {pp} and must be below {num_stages}",
-                group.rank()
-            ));
-        }
+        check_placement(stage_index, num_stages, group)?;
         let mut params: Vec<(String, Var)> = crate::util::sync::lock(varmap.data())
             .iter()
             .filter(|(_, v)| v.dtype().is_float())
@@ -145,4 +126,34 @@ impl<M> PipelineStage<M> {
     pub fn module(&self) -> &M {
         &self.module
     }
+}
+
+/// Checks that stage `stage_index` of `num_stages` runs on this rank of the pipeline `group`
+/// (stage `s` on rank `s % group.world_size()`).
+pub(super) fn check_placement(
+    stage_index: usize,
+    num_stages: usize,
+    group: &ProcessGroup,
+) -> Result<()> {
+    let pp = group.world_size();
+    let bad = |detail: String| {
+        Err(Error::InvalidArgument {
+            what: "pipeline stage",
+            detail,
+        })
+    };
+    if num_stages == 0 || num_stages % pp != 0 {
+        return bad(format!(
+            "{num_stages} stages over a pipeline group of {pp} ranks; the number of stages \
+             must be a positive multiple of the group's size"
+        ));
+    }
+    if stage_index >= num_stages || stage_index % pp != group.rank() {
+        return bad(format!(
+            "stage {stage_index} of {num_stages} on rank {} of {pp}; stage s runs on rank \
+             s % {pp} and must be below {num_stages}",
+            group.rank()
+        ));
+    }
+    Ok(())
 }
