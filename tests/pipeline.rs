@@ -438,6 +438,32 @@ fn ranks_that_run_different_schedules_fail_with_a_mismatch_not_a_hang() {
     }
 }
 
+/// A rank that evaluates while the others take a training step (after steps that agreed)
+/// would leave gradients unread for its next step: every rank fails with a mismatch instead.
+#[test]
+fn a_rank_evaluating_while_the_others_train_fails_with_a_mismatch_on_every_rank() {
+    let errors = distributed::spawn_threads_with_error(2, |pg| {
+        let mine = stages(&pg, Schedule::OneFOneB, 2);
+        let stage = &mine[0].1;
+        let pipeline = PipelineSchedule::new(Schedule::OneFOneB, 4, cross_entropy).unwrap();
+        let (x, y) = batch(0, 16);
+        pipeline.step(&[stage], Some(&x), Some(&y)).unwrap();
+        let second = match pg.rank() {
+            0 => pipeline.eval(&[stage], Some(&x), Some(&y)).err(),
+            _ => pipeline.step(&[stage], Some(&x), Some(&y)).err(),
+        };
+        Ok::<_, Error>(second.map(|e| e.to_string()))
+    })
+    .unwrap();
+    for e in errors {
+        let e = e.expect("a mismatch");
+        assert!(
+            e.contains("different calls") && e.contains("an evaluation"),
+            "{e}"
+        );
+    }
+}
+
 #[test]
 fn a_rank_killed_mid_schedule_is_named_by_every_other_rank() {
     if is_child() {

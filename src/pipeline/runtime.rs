@@ -26,7 +26,6 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, TensorId, Var};
 use candle_nn::ModuleT;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// A schedule with its micro-batch count and loss, ready to run steps (torch's
@@ -35,8 +34,6 @@ pub struct PipelineSchedule<L> {
     schedule: Schedule,
     n_microbatches: usize,
     loss_fn: L,
-    /// Whether the pipeline's ranks agreed on the schedule (checked on the first step).
-    agreed: AtomicBool,
 }
 
 /// What a step computed on this rank.
@@ -118,7 +115,6 @@ where
             schedule,
             n_microbatches,
             loss_fn,
-            agreed: AtomicBool::new(false),
         })
     }
 
@@ -137,9 +133,9 @@ where
     /// stage 0, the `target` to the rank holding the last stage (others pass `None`); both are
     /// cut into micro-batches along dimension 0. Every rank of the pipeline calls it.
     ///
-    /// The first step checks that every rank runs the same schedule over the same number of
-    /// micro-batches and stages (two small all-reduces); a difference is an
-    /// [`Error::Mismatch`] on every rank.
+    /// Each call checks that every rank runs the same schedule over the same number of
+    /// micro-batches and stages, and a step (not an evaluation) too (one small all-reduce); a
+    /// difference is an [`Error::Mismatch`] on every rank.
     pub fn step<M: ModuleT>(
         &self,
         stages: &[&PipelineStage<M>],
@@ -212,10 +208,7 @@ where
                 ),
             });
         }
-        if !self.agreed.load(Ordering::SeqCst) {
-            self.agree(first)?;
-            self.agreed.store(true, Ordering::SeqCst);
-        }
+        self.agree(first, train)?;
         let by_index: HashMap<usize, &PipelineStage<M>> =
             stages.iter().map(|s| (s.stage_index(), *s)).collect();
         let holds_first = by_index.contains_key(&0);
@@ -254,7 +247,12 @@ where
 
     /// Checks once that every rank of the pipeline runs the same schedule, micro-batch count
     /// and number of stages.
-    fn agree<M>(&self, stage: &PipelineStage<M>) -> Result<()> {
+    /// Checks that every rank of the pipeline runs the same schedule, over the same
+    /// micro-batches and stages, and the same kind of call (a training step or an evaluation:
+    /// a rank evaluating while the others train would leave their gradients unread, to be taken
+    /// by its next step). One small all-reduce of the values and their negations (`Max` gives
+    /// both ends).
+    fn agree<M>(&self, stage: &PipelineStage<M>, train: bool) -> Result<()> {
         let group = stage.group();
         let (code, per_rank) = match self.schedule {
             Schedule::GPipe => (0.0, 1),
@@ -266,21 +264,51 @@ where
             per_rank as f64,
             self.n_microbatches as f64,
             stage.num_stages() as f64,
+            f64::from(u8::from(train)),
         ];
-        let t = Tensor::new(&mine, &Device::Cpu)?.to_device(stage.device())?;
-        let lo = group.all_reduce(&t, ReduceOp::Min)?.to_vec1::<f64>()?;
-        let hi = group.all_reduce(&t, ReduceOp::Max)?.to_vec1::<f64>()?;
+        let both: Vec<f64> = mine
+            .iter()
+            .copied()
+            .chain(mine.iter().map(|v| -v))
+            .collect();
+        let t = Tensor::new(both.as_slice(), &Device::Cpu)?.to_device(stage.device())?;
+        let ends = group.all_reduce(&t, ReduceOp::Max)?.to_vec1::<f64>()?;
+        let (hi, lo): (Vec<f64>, Vec<f64>) = (
+            ends[..mine.len()].to_vec(),
+            ends[mine.len()..].iter().map(|v| -v).collect(),
+        );
+        if lo[4] != hi[4] {
+            return Err(Error::Mismatch {
+                detail: format!(
+                    "the pipeline's ranks run different calls: rank {} runs {} while another \
+                     runs {}; every rank must call step together, or eval together",
+                    group.rank(),
+                    if train {
+                        "a training step"
+                    } else {
+                        "an evaluation"
+                    },
+                    if train {
+                        "an evaluation"
+                    } else {
+                        "a training step"
+                    },
+                ),
+            });
+        }
         if lo != hi {
             return Err(Error::Mismatch {
                 detail: format!(
                     "the pipeline's ranks run different schedules: rank {} runs {:?} over {} \
                      micro-batches and {} stages, and the ranks' (schedule, stages per rank, \
-                     micro-batches, stages) range from {lo:?} to {hi:?}; every rank must build \
+                     micro-batches, stages) range from {:?} to {:?}; every rank must build \
                      the same PipelineSchedule",
                     group.rank(),
                     self.schedule,
                     self.n_microbatches,
-                    stage.num_stages()
+                    stage.num_stages(),
+                    &lo[..4],
+                    &hi[..4]
                 ),
             });
         }
