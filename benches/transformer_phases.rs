@@ -8,9 +8,9 @@
 //! The model and batch are the example's (`--layers 2 --dim 64 --heads 4 --digits 8 --batch
 //! 32`: sequences of 16 tokens). Each layer is timed alone as `net_phases` times the Net's:
 //! its forward, and the backward of `sum(layer(x) * g)` for a fixed random `g`; the attention
-//! core is the part between the qkv and output projections (the model's layers: `nn::linear`,
-//! `nn::ops::gelu_erf`, `nn::LayerNorm`, as `examples/common/transformer.rs` uses them) (scores, mask, softmax, the
-//! weighted sum). Medians over `--steps` repetitions after 3 warm-up ones.
+//! core is the part between the qkv and output projections (`nn::attention::causal_attention`,
+//! and beside it the candle ops it replaced); the other layers are the model's (`nn::linear`,
+//! `nn::ops::gelu_erf`, `nn::LayerNorm`, as `examples/common/transformer.rs` uses them). Medians over `--steps` repetitions after 3 warm-up ones.
 //! `scripts/torch_transformer_phases.py` times the same in PyTorch with the same threads; this
 //! bench runs it when `python3 -c "import torch"` works and prints the ratios. Reports; asserts
 //! nothing.
@@ -22,7 +22,8 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{embedding, linear, Optimizer, VarBuilder, VarMap};
 use candle_parallel::init::seeded_var_builder;
-use candle_parallel::nn::ops::{gelu_erf, softmax_last_dim};
+use candle_parallel::nn::attention::{self, causal_attention};
+use candle_parallel::nn::ops::gelu_erf;
 use candle_parallel::nn::{self, layer_norm};
 use candle_parallel::optim::{AdamW, AdamWConfig};
 use std::collections::BTreeMap;
@@ -117,35 +118,6 @@ fn layer(
     Ok((fwd, (bwd_and_fwd - fwd).max(0.0)))
 }
 
-fn causal_mask(t: usize) -> Result<Tensor> {
-    let v: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Ok(Tensor::from_vec(v, (t, t), &Device::Cpu)?)
-}
-
-/// The attention core of `examples/common/transformer.rs`: from the qkv projection's output
-/// (b, t, 3d) to the heads' weighted sums (b, t, d).
-fn attention_core(qkv: &Tensor, heads: usize, mask: &Tensor) -> candle_core::Result<Tensor> {
-    let (b, t, d3) = qkv.dims3()?;
-    let (d, hd) = (d3 / 3, d3 / 3 / heads);
-    let qkv = qkv
-        .reshape((b, t, 3, heads, hd))?
-        .permute((2, 0, 3, 1, 4))?;
-    let q = qkv.get(0)?.contiguous()?;
-    let k = qkv.get(1)?.contiguous()?;
-    let v = qkv.get(2)?.contiguous()?;
-    let scores = (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
-    let att = softmax_last_dim(&scores.broadcast_add(mask)?)?;
-    att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))
-}
-
 fn main() -> Result<()> {
     let o = parse()?;
     if let Some(n) = o.threads {
@@ -212,11 +184,16 @@ fn main() -> Result<()> {
         "qkv linear",
         layer(o.steps, &x, true, |x| nn::linear(x, &qkv))?,
     );
-    let mask = causal_mask(t)?;
     let q = Tensor::randn(0f32, 1.0, (b, t, 3 * d), &Device::Cpu)?;
     ours.insert(
         "attention core",
-        layer(o.steps, &q, true, |q| attention_core(q, o.heads, &mask))?,
+        layer(o.steps, &q, true, |q| causal_attention(q, o.heads))?,
+    );
+    // The candle ops it replaced (reshape, permute, three copies, scores, mask, our softmax,
+    // weighted sum, transpose): PyTorch's twin has no such row.
+    ours.insert(
+        "attention, composed",
+        layer(o.steps, &q, true, |q| attention::composed(q, o.heads))?,
     );
     let proj = linear(d, d, vb.pp("proj"))?;
     ours.insert(

@@ -748,3 +748,93 @@ fn bad_arguments_are_errors_that_name_the_shapes() -> Result<()> {
     assert!(err.contains("must be even"), "{err}");
     Ok(())
 }
+
+/// Causal attention from elementary ops in f64: per head, `softmax(q kᵀ / sqrt(d) + mask) v`.
+fn ref_attention(qkv: &Tensor, heads: usize) -> Result<Tensor> {
+    let (b, t, width) = qkv.dims3()?;
+    let dim = width / 3;
+    let hd = dim / heads;
+    let part = |p: usize| -> Result<Tensor> {
+        qkv.narrow(2, p * dim, dim)?
+            .reshape((b, t, heads, hd))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+    let scores = (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
+    let mask: Vec<f64> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f64::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
+    let scores = scores.broadcast_add(&mask)?;
+    let att = ref_softmax(&scores.broadcast_sub(&scores.max_keepdim(D::Minus1)?)?)?;
+    att.matmul(&v)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((b, t, dim))
+}
+
+/// `nn::attention::causal_attention` (our kernel in f32 on the CPU, the composed ops in the
+/// other dtypes) against the elementary ops: sequences of one position, of 70 and 130 (two
+/// and three blocks of query rows), one to four heads, head sizes 1 to 12, and `qkv` given as a
+/// non-contiguous view.
+#[test]
+fn causal_attention_values_and_gradients_match_the_elementary_ops() -> Result<()> {
+    use candle_parallel::nn::attention::causal_attention;
+    // (batch, time, heads, head size, given transposed)
+    let cases = [
+        (2, 5, 2, 4, false),
+        (1, 1, 1, 3, false),
+        (3, 70, 3, 12, false),
+        (2, 130, 4, 2, false),
+        (2, 9, 1, 1, false),
+        (2, 7, 2, 3, true),
+    ];
+    for (b, t, heads, hd, transposed) in cases {
+        let width = 3 * heads * hd;
+        let case = format!("causal_attention ({b}, {t}, {width}), {heads} heads");
+        let (shape, view): (Vec<usize>, &View) = match transposed {
+            true => (vec![b, width, t], &transpose_first),
+            false => (vec![b, t, width], &as_is),
+        };
+        check(
+            &case,
+            &[randn(&shape, 0.0)?],
+            view,
+            &|t: &[Tensor]| causal_attention(&t[0], heads),
+            &|t: &[Tensor]| ref_attention(&t[0], heads),
+        )?;
+    }
+    Ok(())
+}
+
+/// The kernel (f32, CPU) against the composed ops it replaces, which `use_own_cpu_kernels(false)`
+/// selects: the same values and gradients within f32 rounding.
+#[test]
+fn causal_attention_equals_the_composed_ops_it_replaces() -> Result<()> {
+    use candle_parallel::nn::attention::{causal_attention, composed};
+    for (b, t, heads, hd) in [(4, 16, 4, 16), (1, 65, 2, 8)] {
+        let qkv = Var::from_tensor(&randn(&[b, t, 3 * heads * hd], 0.0)?.to_dtype(DType::F32)?)?;
+        let g = randn(&[b, t, heads * hd], 0.0)?.to_dtype(DType::F32)?;
+        let run = |f: &dyn Fn(&Tensor) -> Result<Tensor>| -> Result<(Tensor, Tensor)> {
+            let y = f(qkv.as_tensor())?;
+            let grads = (&y * &g)?.sum_all()?.backward()?;
+            Ok((y, grads.get(&qkv).expect("a gradient").clone()))
+        };
+        let (y, dy) = run(&|x| causal_attention(x, heads))?;
+        let (y_ref, dy_ref) = run(&|x| composed(x, heads))?;
+        assert!(max_abs_diff(&y, &y_ref) <= 1e-5 * max_abs(&y_ref).max(1.0));
+        let d = max_abs_diff(&dy, &dy_ref);
+        assert!(
+            d <= 1e-5 * max_abs(&dy_ref).max(1.0),
+            "({b}, {t}): gradients {d} apart"
+        );
+    }
+    Ok(())
+}

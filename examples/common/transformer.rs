@@ -5,8 +5,9 @@
 //! names, so weights and gradients compare name by name.
 //!
 //! The model is made of candle-nn's `Embedding` and `Linear` and of candle-parallel's layers
-//! with a backward (`nn::LayerNorm`, `nn::ops::softmax_last_dim`, and `nn::ops::gelu_erf`, one
-//! op with a one-pass backward where candle's is nine): candle-nn's own fused
+//! with a backward (`nn::LayerNorm`, `nn::attention::causal_attention`, one op from the packed
+//! projection to the heads' outputs, and `nn::ops::gelu_erf`, one op with a one-pass backward
+//! where candle's is nine): candle-nn's own fused
 //! layer norm and softmax have no backward in candle 0.11, and every parameter upstream of them
 //! would train as if frozen.
 
@@ -16,7 +17,8 @@ use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear, Embedding, Linear, VarBuilder};
 use candle_parallel::activation_checkpointing::{checkpoint_if, Checkpointed};
 use candle_parallel::fsdp::{self, Unit};
-use candle_parallel::nn::ops::{gelu_erf, softmax_last_dim};
+use candle_parallel::nn::attention::causal_attention;
+use candle_parallel::nn::ops::gelu_erf;
 use candle_parallel::nn::{self, layer_norm, LayerNorm};
 use candle_parallel::rng::Rng;
 
@@ -83,22 +85,9 @@ impl Attention {
         })
     }
 
-    /// `x` is (batch, time, dim); `mask` (time, time) holds 0 where a position may look and
-    /// -inf where it may not (the future).
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let (b, t, d) = x.dims3()?;
-        let hd = d / self.heads;
-        // (b, t, 3, heads, hd) -> three of (b, heads, t, hd)
-        let qkv = nn::linear(x, &self.qkv)?
-            .reshape((b, t, 3, self.heads, hd))?
-            .permute((2, 0, 3, 1, 4))?;
-        let q = qkv.get(0)?.contiguous()?;
-        let k = qkv.get(1)?.contiguous()?;
-        let v = qkv.get(2)?.contiguous()?;
-        let scores = (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
-        // The mask in the scores' dtype: the model may compute in bf16 or f16.
-        let att = softmax_last_dim(&scores.broadcast_add(&mask.to_dtype(scores.dtype())?)?)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+    /// `x` is (batch, time, dim); position `i` attends to positions `0..=i`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = causal_attention(&nn::linear(x, &self.qkv)?, self.heads)?;
         nn::linear(&y, &self.proj)
     }
 }
@@ -124,8 +113,8 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let x = (x + self.attn.forward(&x.apply(&self.ln1)?, mask)?)?;
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = (x + self.attn.forward(&x.apply(&self.ln1)?)?)?;
         let h = gelu_erf(&nn::linear(&x.apply(&self.ln2)?, &self.fc1)?)?;
         x + nn::linear(&h, &self.fc2)?
     }
@@ -171,20 +160,6 @@ impl Transformer {
     }
 }
 
-/// (t, t): 0 on and below the diagonal, -inf above.
-fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
-    let mask: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Tensor::from_vec(mask, (t, t), device)
-}
-
 impl Module for Transformer {
     fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
         let (_, t) = tokens.dims2()?;
@@ -198,13 +173,8 @@ impl Module for Transformer {
         let mut x = tokens
             .apply(&self.tok_emb)?
             .broadcast_add(&positions.apply(&self.pos_emb)?)?;
-        let mask = causal_mask(t, tokens.device())?;
         for block in &self.blocks {
-            let mask = mask.clone();
-            x = block.forward_with(&x, move |b, x| {
-                let mask = mask.clone();
-                b.forward_with(x, move |b, x| b.forward(x, &mask))
-            })?;
+            x = block.forward_with(&x, |b, x| b.forward_with(x, |b, x| b.forward(x)))?;
         }
         nn::linear(&x.apply(&self.ln_f)?, &self.head)
     }
@@ -267,9 +237,8 @@ impl Module for TransformerStage {
             }
             None => xs.clone(),
         };
-        let mask = causal_mask(x.dim(1)?, x.device())?;
         for block in &self.blocks {
-            x = block.forward(&x, &mask)?;
+            x = block.forward(&x)?;
         }
         match &self.head {
             Some((ln_f, head)) => nn::linear(&x.apply(ln_f)?, head),

@@ -171,7 +171,43 @@ impl<'a> Mat<&'a [f32]> {
     }
 }
 
+impl<'a> Mat<&'a [f32]> {
+    /// `rows x cols` of `data` from its start, element `(i, j)` at `i * rs + j * cs` (columns
+    /// of a wider matrix, or its transpose). Panics where the last element lies outside.
+    pub fn strided(data: &'a [f32], rows: usize, cols: usize, rs: usize, cs: usize) -> Self {
+        assert!(
+            rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < data.len(),
+            "a {rows}x{cols} view with strides ({rs}, {cs}) over {} values",
+            data.len()
+        );
+        Self {
+            ptr: data,
+            rows,
+            cols,
+            rs: rs as isize,
+            cs: cs as isize,
+        }
+    }
+}
+
 impl<'a> Mat<&'a mut [f32]> {
+    /// `rows x cols` of `data` from its start with rows `rs` apart, to write (columns of a
+    /// wider row-major matrix). Panics where the last element lies outside.
+    pub fn strided_rows(data: &'a mut [f32], rows: usize, cols: usize, rs: usize) -> Self {
+        assert!(
+            rows == 0 || cols == 0 || (rows - 1) * rs + cols <= data.len(),
+            "a {rows}x{cols} view with row stride {rs} over {} values",
+            data.len()
+        );
+        Self {
+            ptr: data,
+            rows,
+            cols,
+            rs: rs as isize,
+            cs: 1,
+        }
+    }
+
     /// `data` as a row-major matrix of `cols` columns, to write.
     pub fn rows(data: &'a mut [f32], cols: usize) -> Self {
         let rows = data.len() / cols;
@@ -219,7 +255,11 @@ pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accum
     }
     if a.cols == 0 {
         if !accumulate {
-            dst.ptr.fill(0.0);
+            for i in 0..dst.rows {
+                for j in 0..dst.cols {
+                    dst.ptr[i * dst.rs as usize + j * dst.cs as usize] = 0.0;
+                }
+            }
         }
         return;
     }

@@ -62,6 +62,7 @@
 //! ```
 
 mod accumulate;
+pub mod attention;
 mod conv;
 #[cfg(feature = "cuda")]
 mod conv_cuda;
