@@ -112,18 +112,24 @@ struct Issued {
 }
 
 /// A collective enqueued on the communication stream.
+///
+/// It holds the tensors NCCL reads (the issued inputs, the messages sent) until the consumer's
+/// stream has waited for the collective, as torch's `recordStream` does: their memory goes back
+/// to candle's stream only behind that wait. cudarc alone does not guarantee it: it keeps one
+/// read event per buffer, which the next read on candle's stream overwrites, and the free then
+/// waits for that read only, not for NCCL's. A `Work` dropped without `wait` makes the
+/// consumer's stream wait all the same, before the tensors go.
 struct Enqueued {
     done: CudaEvent,
     device: CudaDevice,
+    /// What NCCL reads, released once the consumer's stream is ordered after `done`.
+    held: Vec<Tensor>,
 }
 
-impl DeviceCompletion for Enqueued {
-    fn is_complete(&self) -> bool {
-        self.done.is_complete()
-    }
-
-    fn order_consumer(self: Box<Self>) -> Result<()> {
-        // The device's stream as seen from the waiting thread: where its next kernels go.
+impl Enqueued {
+    /// Makes the consumer's stream (the device's, as seen from this thread: where its next
+    /// kernels go) wait for the collective.
+    fn order(&self) -> Result<()> {
         let consumer = self.device.cuda_stream();
         consumer
             .context()
@@ -132,6 +138,39 @@ impl DeviceCompletion for Enqueued {
             .map_err(driver_error(
                 "ordering the consumer's stream after the collective",
             ))
+    }
+}
+
+impl DeviceCompletion for Enqueued {
+    fn is_complete(&self) -> bool {
+        self.done.is_complete()
+    }
+
+    fn order_consumer(mut self: Box<Self>) -> Result<()> {
+        let ordered = self.order();
+        if ordered.is_ok() {
+            // Freed behind the wait: Drop has nothing left to order.
+            std::mem::take(&mut self.held);
+        }
+        ordered
+    }
+}
+
+impl Drop for Enqueued {
+    /// A collective nobody waited for: its inputs are freed on candle's stream only behind it.
+    fn drop(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        if let Err(e) = self.order() {
+            // Freeing under NCCL could corrupt whatever reuses the memory: leak it instead.
+            log::error!(
+                "NCCL: {e}; the collective's {} input tensor(s) are kept (leaked) rather than \
+                 freed while NCCL may still read them",
+                self.held.len()
+            );
+            std::mem::forget(std::mem::take(&mut self.held));
+        }
     }
 }
 
@@ -341,6 +380,7 @@ impl NcclComm {
             device: Some(Box::new(Enqueued {
                 done,
                 device: self.device.clone(),
+                held: issued.inputs,
             })),
         })
     }
@@ -472,6 +512,7 @@ impl NcclComm {
             device: Some(Box::new(Enqueued {
                 done,
                 device: self.device.clone(),
+                held: sends.iter().map(|(_, t)| t.clone()).collect(),
             })),
         })
     }
