@@ -174,6 +174,22 @@ impl Drop for Enqueued {
     }
 }
 
+/// Whether every collective runs alone (`CANDLE_PARALLEL_NCCL_SYNC=1`): the producer's stream
+/// finished before it is issued and the communication stream after, so that nothing overlaps
+/// across the two streams. A diagnostic: if results that vary from run to run repeat under it,
+/// an ordering between the streams is missing; if they still vary, the cause is elsewhere
+/// (cuBLAS, for one, promises repeatable results only with one stream active).
+fn serialised() -> bool {
+    static SERIALISED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SERIALISED.get_or_init(|| {
+        let on = std::env::var("CANDLE_PARALLEL_NCCL_SYNC").is_ok_and(|v| v == "1");
+        if on {
+            log::warn!("CANDLE_PARALLEL_NCCL_SYNC=1: every NCCL collective runs alone (slow)");
+        }
+        on
+    })
+}
+
 fn driver_error(op: &'static str) -> impl FnOnce(DriverError) -> Error {
     move |e| Error::Nccl {
         op,
@@ -366,6 +382,11 @@ impl NcclComm {
             result::group_end().map_err(|e| self.failed("ncclGroupEnd", e))?;
         }
         let done = stream.record_event(None);
+        if serialised() {
+            stream.synchronize().map_err(driver_error(
+                "finishing the collective (CANDLE_PARALLEL_NCCL_SYNC)",
+            ))?;
+        }
         drop(guard);
         let outs = outs.map_err(|e| {
             self.mesh.fail(Broken {
@@ -623,6 +644,11 @@ impl Communicator for NcclComm {
             .bind_to_thread()
             .and_then(|()| producer.record_event(None))
             .map_err(driver_error("marking the collective's inputs"))?;
+        if serialised() {
+            producer.synchronize().map_err(driver_error(
+                "finishing the producer's work (CANDLE_PARALLEL_NCCL_SYNC)",
+            ))?;
+        }
         Ok(Some(Box::new(Issued { inputs, ready })))
     }
 
