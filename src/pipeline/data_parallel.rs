@@ -132,10 +132,18 @@ impl Zero2 {
     }
 
     /// The gradients of the pieces: each parameter's gradient in `grads` (zeros where it has
-    /// none), averaged over `dp` by one reduce-scatter, this replica's chunk of each. Every
-    /// rank of `dp` calls it.
+    /// none), averaged over `dp` by one reduce-scatter, this replica's chunk of each; a
+    /// parameter without a gradient on every replica is left out (the optimizer skips it).
+    /// Every rank of `dp` calls it.
     pub fn reduce_scatter(&self, grads: &GradStore) -> Result<GradStore> {
-        reduce_scatter_to_pieces(&self.dp, &self.layout, &self.params, &self.pieces, grads)
+        reduce_scatter_to_pieces(
+            &self.dp,
+            &self.layout,
+            &self.params,
+            &self.pieces,
+            grads,
+            None,
+        )
     }
 
     /// Puts every replica's stepped pieces back together into the parameters (one
@@ -151,14 +159,30 @@ impl Zero2 {
 }
 
 /// The gradients of `pieces` (this replica's chunks of `params`, in `layout`): each parameter's
-/// gradient in `grads` (zeros where it has none), averaged over `dp` by one reduce-scatter.
+/// gradient in `grads`, averaged over `dp` by one reduce-scatter. A parameter without a
+/// gradient on this replica takes part with zeros; one without a gradient on every replica is
+/// left out of the result (so the optimizer skips it, as in one process: no weight decay, no
+/// momentum) and said through the `log` facade, by name where `names` gives them.
 pub(super) fn reduce_scatter_to_pieces(
     dp: &ProcessGroup,
     layout: &FlatLayout,
     params: &[Var],
     pieces: &[Var],
     grads: &GradStore,
+    names: Option<&[String]>,
 ) -> Result<GradStore> {
+    let mut out = GradStore::default();
+    let Some(first) = params.first() else {
+        return Ok(out);
+    };
+    // Which parameters have a gradient on some replica (one small all-reduce).
+    let here: Vec<f32> = params
+        .iter()
+        .map(|p| f32::from(u8::from(grads.get(p.as_tensor()).is_some())))
+        .collect();
+    let here =
+        Tensor::new(here.as_slice(), &candle_core::Device::Cpu)?.to_device(first.device())?;
+    let anywhere = dp.all_reduce(&here, ReduceOp::Max)?.to_vec1::<f32>()?;
     let full = params
         .iter()
         .map(|p| match grads.get(p.as_tensor()) {
@@ -166,13 +190,22 @@ pub(super) fn reduce_scatter_to_pieces(
             None => p.as_tensor().zeros_like(),
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let mut out = GradStore::default();
-    if full.is_empty() {
-        return Ok(out);
-    }
     let shard = dp.reduce_scatter(&layout.flatten(&full)?, ReduceOp::Avg)?;
-    for (piece, g) in pieces.iter().zip(layout.split_shard(&shard)?) {
-        out.insert(piece.as_tensor(), g);
+    let mut unused = Vec::new();
+    for (i, (piece, g)) in pieces.iter().zip(layout.split_shard(&shard)?).enumerate() {
+        if anywhere[i] > 0.0 {
+            out.insert(piece.as_tensor(), g);
+        } else {
+            unused.push(names.map_or_else(|| format!("#{i}"), |n| format!("`{}`", n[i])));
+        }
+    }
+    if !unused.is_empty() {
+        log::warn!(
+            "rank {} of the data-parallel group: parameters {} got no gradient on any replica in \
+             this step; the optimizer leaves them out, as in one process",
+            dp.rank(),
+            unused.join(", ")
+        );
     }
     Ok(out)
 }

@@ -53,9 +53,12 @@ use crate::error::{Error, Result};
 use crate::shard::{chunk_of, FlatLayout};
 use crate::util::sync::lock;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Var};
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{VarBuilder, VarMap};
+use std::collections::{BTreeSet, HashMap};
 use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
 
 /// One pipeline stage, fully sharded over its replicas along "dp". See the
 /// [module documentation](self).
@@ -73,6 +76,8 @@ pub struct FullyShardedStage<M, B> {
     layout: FlatLayout,
     /// This replica's chunk of each parameter (flattened, padded with zeros).
     pieces: Vec<Var>,
+    /// The variables of the stage the latest [`gather`](Self::gather) made.
+    latest: Mutex<Vec<candle_core::TensorId>>,
     module: PhantomData<fn() -> M>,
 }
 
@@ -98,7 +103,6 @@ where
         check_placement(stage_index, num_stages, pp)?;
         let mut params: Vec<(String, Var)> = lock(varmap.data())
             .iter()
-            .filter(|(_, v)| v.dtype().is_float())
             .map(|(n, v)| (n.clone(), v.clone()))
             .collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
@@ -106,6 +110,13 @@ where
             what: "fully sharded pipeline stage",
             detail,
         };
+        if let Some((name, v)) = params.iter().find(|(_, v)| !v.dtype().is_float()) {
+            return Err(invalid(format!(
+                "stage {stage_index}: variable `{name}` is {:?}; a fully sharded stage shards \
+                 and trains float variables only: keep integer state outside the stage's VarMap",
+                v.dtype()
+            )));
+        }
         let Some((_, first)) = params.first() else {
             return Err(invalid(format!(
                 "stage {stage_index}: its VarMap holds no float variable; build the stage's \
@@ -140,6 +151,7 @@ where
             device,
             layout: FlatLayout::new(&numels, world),
             pieces,
+            latest: Mutex::new(Vec::new()),
             module: PhantomData,
         })
     }
@@ -159,52 +171,118 @@ where
     /// them. Drop it after the step to free them. Every rank of `dp` calls it.
     pub fn gather(&self) -> Result<PipelineStage<M>> {
         let whole = gather_pieces(&self.dp, &self.layout, &self.pieces, &self.shapes)?;
-        let varmap = VarMap::new();
-        {
-            let mut data = lock(varmap.data());
-            for (name, t) in self.names.iter().zip(whole) {
-                data.insert(name.clone(), Var::from_tensor(&t)?);
-            }
-        }
-        let module = (self.build)(VarBuilder::from_varmap(&varmap, self.dtype, &self.device))?;
-        let mut made: Vec<String> = lock(varmap.data()).keys().cloned().collect();
-        made.sort();
-        if made != self.names {
-            let extra: Vec<&String> = made.iter().filter(|n| !self.names.contains(n)).collect();
+        let vars = whole
+            .iter()
+            .map(Var::from_tensor)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let asked = Arc::new(Mutex::new(BTreeSet::new()));
+        let served = Served {
+            vars: self
+                .names
+                .iter()
+                .cloned()
+                .zip(vars.iter().cloned())
+                .collect(),
+            asked: asked.clone(),
+            stage: self.stage_index,
+        };
+        let vb = VarBuilder::from_backend(Box::new(served), self.dtype, self.device.clone());
+        let module = (self.build)(vb)?;
+        let asked = lock(&asked).clone();
+        let missing: Vec<&String> = self.names.iter().filter(|n| !asked.contains(*n)).collect();
+        if !missing.is_empty() {
             return Err(Error::InvalidArgument {
                 what: "fully sharded pipeline stage",
                 detail: format!(
-                    "stage {}: its builder asked for variables {extra:?} that the stage was not \
-                     sharded with; it must build the model it built over the VarMap given to \
-                     FullyShardedStage::new",
+                    "stage {}: its builder did not ask for variables {missing:?}, which the stage \
+                     was sharded with (they would never get a gradient); it must build the model \
+                     it built over the VarMap given to FullyShardedStage::new",
                     self.stage_index
                 ),
             });
         }
+        let varmap = VarMap::new();
+        lock(varmap.data()).extend(self.names.iter().cloned().zip(vars.iter().cloned()));
+        *lock(&self.latest) = vars.iter().map(|v| v.id()).collect();
         PipelineStage::new(module, &varmap, self.stage_index, self.num_stages, &self.pp)
     }
 
     /// The gradients of the pieces, for the optimizer: the step's gradients of `stage` (the one
-    /// [`gather`](Self::gather) gave) in `grads`, averaged over `dp` by one reduce-scatter
-    /// (zeros for a parameter without one), this replica's chunk of each. Every rank of `dp`
-    /// calls it.
+    /// the latest [`gather`](Self::gather) gave) in `grads`, averaged over `dp` by one
+    /// reduce-scatter (zeros for a parameter without one on this replica), this replica's chunk
+    /// of each. A parameter without a gradient on every replica is left out, so the optimizer
+    /// skips it as in one process, and said through the `log` facade. Every rank of `dp` calls
+    /// it.
     pub fn reduce_scatter(&self, stage: &PipelineStage<M>, grads: &GradStore) -> Result<GradStore> {
         let params = stage.named_parameters();
-        let same = stage.stage_index() == self.stage_index
-            && params.len() == self.names.len()
-            && params.iter().zip(&self.names).all(|((n, _), m)| n == m);
-        if !same {
+        let ids: Vec<candle_core::TensorId> = params.iter().map(|(_, v)| v.id()).collect();
+        if ids != *lock(&self.latest) {
             return Err(Error::InvalidArgument {
                 what: "fully sharded pipeline stage",
                 detail: format!(
-                    "reduce_scatter of stage {} was given stage {}, not the one its gather() \
-                     made",
+                    "reduce_scatter of stage {} was given a stage (index {}) that is not the one \
+                     its latest gather() made; pass the stage this step ran on",
                     self.stage_index,
                     stage.stage_index()
                 ),
             });
         }
         let vars: Vec<Var> = params.iter().map(|(_, v)| v.clone()).collect();
-        reduce_scatter_to_pieces(&self.dp, &self.layout, &vars, &self.pieces, grads)
+        let names = Some(self.names.as_slice());
+        reduce_scatter_to_pieces(&self.dp, &self.layout, &vars, &self.pieces, grads, names)
+    }
+}
+
+/// Serves a gathered stage's variables to its builder by name, noting which it asked for.
+struct Served {
+    vars: HashMap<String, Var>,
+    asked: Arc<Mutex<BTreeSet<String>>>,
+    stage: usize,
+}
+
+impl Served {
+    fn var(&self, name: &str) -> candle_core::Result<&Var> {
+        match self.vars.get(name) {
+            Some(v) => {
+                lock(&self.asked).insert(name.to_string());
+                Ok(v)
+            }
+            None => candle_core::bail!(
+                "fully sharded pipeline stage {}: its builder asked for variable `{name}`, which \
+                 the stage was not sharded with; it must build the model it built over the \
+                 VarMap given to FullyShardedStage::new",
+                self.stage
+            ),
+        }
+    }
+}
+
+impl SimpleBackend for Served {
+    fn get(
+        &self,
+        shape: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        _: DType,
+        _: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let v = self.var(name)?;
+        if v.shape() != &shape {
+            candle_core::bail!(
+                "fully sharded pipeline stage {}: its builder asked for `{name}` as {shape:?}, \
+                 but it was sharded as {:?}",
+                self.stage,
+                v.shape()
+            )
+        }
+        Ok(v.as_tensor().clone())
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        Ok(self.var(name)?.as_tensor().clone())
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.vars.contains_key(name)
     }
 }
