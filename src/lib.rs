@@ -78,6 +78,7 @@ pub mod pipeline;
 pub mod rng;
 pub mod sampler;
 pub mod shard;
+pub mod tensor_parallel;
 mod util;
 
 pub use ddp::{vars_without_gradient, DdpConfig, DistributedDataParallel};
@@ -99,4 +100,6 @@ pub mod guides {
     pub struct ModelParallel;
     #[doc = include_str!("../docs/PIPELINE.md")]
     pub struct Pipeline;
+    #[doc = include_str!("../docs/TENSOR_PARALLEL.md")]
+    pub struct TensorParallel;
 }

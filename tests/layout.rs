@@ -26,7 +26,14 @@ const LAYERS: &[&[&str]] = &[
         "activation_checkpointing",
     ],
     // The wrappers.
-    &["ddp", "fsdp", "parallel", "model_parallel", "pipeline"],
+    &[
+        "ddp",
+        "fsdp",
+        "parallel",
+        "model_parallel",
+        "pipeline",
+        "tensor_parallel",
+    ],
     // Example support.
     &["cifar"],
     // Starting the ranks.

@@ -1,0 +1,157 @@
+//! Megatron's column- and row-parallel linear layers (torch's `ColwiseParallel` and
+//! `RowwiseParallel`), trained with the conjugate collectives of [`comm`](super::comm).
+
+use super::comm::{copy_to, reduce_from};
+use crate::distributed::ProcessGroup;
+use crate::error::{Error, Result};
+use candle_core::{Module, Tensor};
+use candle_nn::{Linear, VarBuilder};
+
+/// `n` split evenly over `tp`, or an error naming both.
+fn split(n: usize, tp: &ProcessGroup, what: &str) -> Result<usize> {
+    let ranks = tp.world_size();
+    if n % ranks != 0 {
+        return Err(Error::InvalidArgument {
+            what: "tensor-parallel split",
+            detail: format!(
+                "{what} is {n}, which {ranks} tensor-parallel ranks cannot share evenly; make \
+                 it a multiple of {ranks}"
+            ),
+        });
+    }
+    Ok(n / ranks)
+}
+
+/// This rank's part of a full layer's `weight` (`out x in`) and `bias` (`out`), as
+/// [`ColumnParallelLinear`] (`column`: rows of the weight, the same slice of the bias) or
+/// [`RowParallelLinear`] (columns of the weight, the whole bias) holds it: to start a
+/// tensor-parallel model from a one-process one (insert them into the rank's `VarMap` under
+/// the same names before building the layers).
+pub fn shard_linear(
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    tp: &ProcessGroup,
+    column: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (out, inp) = weight.dims2()?;
+    let r = tp.rank();
+    if column {
+        let rows = split(out, tp, "the layer's output size")?;
+        let bias = bias
+            .map(|b| b.narrow(0, r * rows, rows)?.contiguous())
+            .transpose()?;
+        Ok((weight.narrow(0, r * rows, rows)?.contiguous()?, bias))
+    } else {
+        let cols = split(inp, tp, "the layer's input size")?;
+        Ok((
+            weight.narrow(1, r * cols, cols)?.contiguous()?,
+            bias.cloned(),
+        ))
+    }
+}
+
+/// A linear layer whose output features are split over the tensor-parallel group: rank `r`
+/// holds rows `r * out / tp..` of the weight and that slice of the bias, takes the whole input
+/// and gives its slice of the output features. Its forward begins with [`copy_to`], so the
+/// input's gradient is summed over the group.
+#[derive(Clone, Debug)]
+pub struct ColumnParallelLinear {
+    layer: Linear,
+    tp: ProcessGroup,
+}
+
+/// A linear layer whose input features are split over the tensor-parallel group: rank `r`
+/// holds columns `r * in / tp..` of the weight and the whole bias, takes its slice of the
+/// input features (a column-parallel layer's output) and gives the whole output: the partial
+/// products summed by [`reduce_from`], then the bias.
+#[derive(Clone, Debug)]
+pub struct RowParallelLinear {
+    layer: Linear,
+    bias: Option<Tensor>,
+    tp: ProcessGroup,
+}
+
+impl ColumnParallelLinear {
+    /// `in_dim -> out_dim / tp` on this rank, variables `weight` `(out_dim / tp, in_dim)` and
+    /// `bias` `(out_dim / tp)` from `vb` (initialised as candle-nn's `linear` where new).
+    pub fn new(in_dim: usize, out_dim: usize, vb: VarBuilder, tp: &ProcessGroup) -> Result<Self> {
+        let rows = split(out_dim, tp, "the layer's output size")?;
+        let weight = vb.get_with_hints(
+            (rows, in_dim),
+            "weight",
+            candle_nn::init::DEFAULT_KAIMING_NORMAL,
+        )?;
+        let bound = 1. / (in_dim as f64).sqrt();
+        let init = candle_nn::Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        let bias = vb.get_with_hints(rows, "bias", init)?;
+        Ok(Self {
+            layer: Linear::new(weight, Some(bias)),
+            tp: tp.clone(),
+        })
+    }
+
+    /// This rank's slice of the output features of `x`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(crate::nn::linear(&copy_to(x, &self.tp)?, &self.layer)?)
+    }
+
+    /// The weight this rank holds.
+    pub fn weight(&self) -> &Tensor {
+        self.layer.weight()
+    }
+}
+
+impl RowParallelLinear {
+    /// `in_dim / tp -> out_dim` on this rank, variables `weight` `(out_dim, in_dim / tp)` and
+    /// `bias` `(out_dim)` from `vb` (initialised as candle-nn's `linear` of the whole layer
+    /// where new).
+    pub fn new(in_dim: usize, out_dim: usize, vb: VarBuilder, tp: &ProcessGroup) -> Result<Self> {
+        let cols = split(in_dim, tp, "the layer's input size")?;
+        let weight = vb.get_with_hints(
+            (out_dim, cols),
+            "weight",
+            candle_nn::init::DEFAULT_KAIMING_NORMAL,
+        )?;
+        let bound = 1. / (in_dim as f64).sqrt();
+        let init = candle_nn::Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        let bias = vb.get_with_hints(out_dim, "bias", init)?;
+        Ok(Self {
+            layer: Linear::new(weight, None),
+            bias: Some(bias),
+            tp: tp.clone(),
+        })
+    }
+
+    /// The whole output, from this rank's slice `x` of the input features.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let partial = crate::nn::linear(x, &self.layer)?;
+        let y = reduce_from(&partial, &self.tp)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+
+    /// The weight this rank holds.
+    pub fn weight(&self) -> &Tensor {
+        self.layer.weight()
+    }
+}
+
+impl Module for ColumnParallelLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        ColumnParallelLinear::forward(self, x).map_err(Error::into_candle)
+    }
+}
+
+impl Module for RowParallelLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        RowParallelLinear::forward(self, x).map_err(Error::into_candle)
+    }
+}

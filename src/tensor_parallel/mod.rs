@@ -1,0 +1,35 @@
+//! Tensor parallelism (Megatron-LM; torch's `torch.distributed.tensor.parallel`): a layer too
+//! large for one device is cut inside, its weight split over the ranks of a tensor-parallel
+//! group, each rank computing its part of every batch.
+//!
+//! - [`ColumnParallelLinear`] splits the output features (torch's `ColwiseParallel`),
+//!   [`RowParallelLinear`] the input features (`RowwiseParallel`); a column layer feeding a row
+//!   layer (an MLP, attention's projections) needs one all-reduce forward and one backward.
+//! - [`comm`]: the conjugate collectives under them ([`copy_to`], [`reduce_from`]).
+//! - [`shard_linear`] cuts a one-process layer's weights into a rank's part.
+//!
+//! ```rust
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use candle_parallel::distributed;
+//! use candle_parallel::tensor_parallel::{ColumnParallelLinear, RowParallelLinear};
+//! # fn main() -> candle_parallel::Result<()> {
+//! let x = Tensor::randn(0f32, 1., (3, 8), &Device::Cpu)?;
+//! let outs = distributed::spawn_threads(2, |tp| {
+//!     let varmap = VarMap::new();
+//!     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+//!     let fc1 = ColumnParallelLinear::new(8, 32, vb.pp("fc1"), &tp)?; // 16 features each
+//!     let fc2 = RowParallelLinear::new(32, 8, vb.pp("fc2"), &tp)?;
+//!     let h = fc1.forward(&x)?.relu()?;
+//!     assert_eq!(h.dims(), [3, 16]);
+//!     Ok(fc2.forward(&h)?.dims().to_vec()) // the whole output on every rank
+//! })?;
+//! assert_eq!(outs, [vec![3, 8], vec![3, 8]]);
+//! # Ok(()) }
+//! ```
+
+pub mod comm;
+pub mod linear;
+
+pub use comm::{copy_to, reduce_from};
+pub use linear::{shard_linear, ColumnParallelLinear, RowParallelLinear};
