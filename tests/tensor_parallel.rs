@@ -185,3 +185,138 @@ fn sizes_the_group_cannot_share_are_errors_naming_both_numbers() {
         );
     }
 }
+
+const DIM: usize = 16;
+const HEADS: usize = 4;
+const TIME: usize = 5;
+
+/// Step `step`'s sequences: 3 of [`TIME`] positions, [`DIM`] wide, and their targets.
+fn sequences(step: usize) -> (Tensor, Tensor) {
+    let (x, y) = (batch(1000 + step).0, batch(2000 + step).0);
+    let take = |t: Tensor| {
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        let mut v = v.repeat(6);
+        v.truncate(3 * TIME * DIM);
+        Tensor::from_vec(v, (3, TIME, DIM), &Device::Cpu).unwrap()
+    };
+    (take(x), take(y))
+}
+
+/// The uncut attention block's layers: the packed projection and the output projection.
+fn full_attention(varmap: &VarMap) -> (Linear, Linear) {
+    let vb = seeded_var_builder(varmap, SEED + 1, DType::F32, &Device::Cpu);
+    (
+        linear(DIM, 3 * DIM, vb.pp("attn.qkv")).unwrap(),
+        linear(DIM, DIM, vb.pp("attn.proj")).unwrap(),
+    )
+}
+
+/// `x + attention(x)`, uncut, trained for [`STEPS`] steps: the final layers and the losses.
+fn attention_one_process() -> ((Linear, Linear), Vec<f32>) {
+    use candle_parallel::nn::attention::causal_attention;
+    let varmap = VarMap::new();
+    let (qkv, proj) = full_attention(&varmap);
+    let mut opt = Sgd::new(varmap.all_vars(), SGD).unwrap();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = sequences(step);
+        let a = causal_attention(&qkv.forward(&x).unwrap(), HEADS).unwrap();
+        let out = (&x + proj.forward(&a).unwrap()).unwrap();
+        let loss = mse(&out, &y);
+        losses.push(loss.to_scalar::<f32>().unwrap());
+        opt.backward_step(&loss).unwrap();
+    }
+    ((qkv, proj), losses)
+}
+
+/// `x + attention(x)` with the heads split over `tp`, from the uncut block's weights, against
+/// one process.
+fn attention_against_one_process(tp: &ProcessGroup) {
+    use candle_parallel::tensor_parallel::{shard_qkv, ParallelAttention};
+    let full = VarMap::new();
+    let (qkv, proj) = full_attention(&full);
+    let varmap = VarMap::new();
+    let cut = |qkv: &Linear, proj: &Linear| {
+        let (w, b) = shard_qkv(qkv.weight(), qkv.bias(), HEADS, tp).unwrap();
+        let (pw, pb) = shard_linear(proj.weight(), proj.bias(), tp, false).unwrap();
+        [
+            ("attn.qkv.weight", w),
+            ("attn.qkv.bias", b.unwrap()),
+            ("attn.proj.weight", pw),
+            ("attn.proj.bias", pb.unwrap()),
+        ]
+    };
+    for (name, t) in cut(&qkv, &proj) {
+        let var = Var::from_tensor(&t).unwrap();
+        varmap.data().lock().unwrap().insert(name.into(), var);
+    }
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let attn = ParallelAttention::new(DIM, HEADS, vb.pp("attn"), tp).unwrap();
+    assert_eq!(attn.local_heads(), HEADS / tp.world_size());
+    let mut opt = Sgd::new(varmap.all_vars(), SGD).unwrap();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = sequences(step);
+        let out = (&x + attn.forward(&x).unwrap()).unwrap();
+        let loss = mse(&out, &y);
+        losses.push(loss.to_scalar::<f32>().unwrap());
+        opt.backward_step(&loss).unwrap();
+    }
+    let ((qkv, proj), want) = attention_one_process();
+    for (step, (a, b)) in losses.iter().zip(&want).enumerate() {
+        assert!((a - b).abs() < 1e-5, "step {step}: loss {a} against {b}");
+    }
+    let data = varmap.data().lock().unwrap();
+    for (name, want) in cut(&qkv, &proj) {
+        let d = max_diff(data[name].as_tensor(), &want);
+        assert!(
+            d < 1e-5,
+            "rank {}: {name} is {d} off one process",
+            tp.rank()
+        );
+    }
+}
+
+#[test]
+fn attention_with_its_heads_over_2_and_4_threads_trains_as_one_process() {
+    for ranks in [2, 4] {
+        distributed::spawn_threads(ranks, |tp| {
+            attention_against_one_process(&tp);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn attention_with_its_heads_over_2_processes_trains_as_one_process() {
+    if is_child() {
+        let tp = join_child();
+        attention_against_one_process(&tp);
+        return done();
+    }
+    Ranks::world(
+        "attention_with_its_heads_over_2_processes_trains_as_one_process",
+        2,
+    )
+    .assert_all_pass(Duration::from_secs(120));
+}
+
+#[test]
+fn heads_the_group_cannot_share_are_an_error_naming_both_numbers() {
+    use candle_parallel::tensor_parallel::ParallelAttention;
+    let errors = distributed::spawn_threads(3, |tp| {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        Ok(ParallelAttention::new(12, 4, vb, &tp)
+            .unwrap_err()
+            .to_string())
+    })
+    .unwrap();
+    for e in errors {
+        assert!(
+            e.contains("4 heads") && e.contains("3 tensor-parallel ranks"),
+            "{e}"
+        );
+    }
+}

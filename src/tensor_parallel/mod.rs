@@ -5,8 +5,10 @@
 //! - [`ColumnParallelLinear`] splits the output features (torch's `ColwiseParallel`),
 //!   [`RowParallelLinear`] the input features (`RowwiseParallel`); a column layer feeding a row
 //!   layer (an MLP, attention's projections) needs one all-reduce forward and one backward.
+//! - [`ParallelAttention`]: causal self-attention with its heads split over the ranks (the
+//!   packed projection column-parallel, the output projection row-parallel).
 //! - [`comm`]: the conjugate collectives under them ([`copy_to`], [`reduce_from`]).
-//! - [`shard_linear`] cuts a one-process layer's weights into a rank's part.
+//! - [`shard_linear`] and [`shard_qkv`] cut a one-process layer's weights into a rank's part.
 //!
 //! ```rust
 //! use candle_core::{DType, Device, Tensor};
@@ -28,8 +30,10 @@
 //! # Ok(()) }
 //! ```
 
+pub mod attention;
 pub mod comm;
 pub mod linear;
 
+pub use attention::{shard_qkv, ParallelAttention};
 pub use comm::{copy_to, reduce_from};
 pub use linear::{shard_linear, ColumnParallelLinear, RowParallelLinear};
