@@ -320,3 +320,116 @@ fn heads_the_group_cannot_share_are_an_error_naming_both_numbers() {
         );
     }
 }
+
+const VOCAB: usize = 12;
+
+/// Step `step`'s 10 token ids and their targets, over the whole vocabulary.
+fn tokens(step: usize) -> (Tensor, Tensor) {
+    let mut rng = candle_parallel::rng::Rng::new(300 + step as u64);
+    let mut ids = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| (rng.normal().abs() * 1e6) as u32 % VOCAB as u32)
+            .collect()
+    };
+    let x = Tensor::from_vec(ids(10), 10, &Device::Cpu).unwrap();
+    let y = Tensor::from_vec(ids(10), 10, &Device::Cpu).unwrap();
+    (x, y)
+}
+
+/// The uncut embedding and output layer.
+fn full_vocab_layers(varmap: &VarMap) -> (candle_nn::Embedding, Linear) {
+    let vb = seeded_var_builder(varmap, SEED + 2, DType::F32, &Device::Cpu);
+    (
+        candle_nn::embedding(VOCAB, IN, vb.pp("emb")).unwrap(),
+        linear(IN, VOCAB, vb.pp("head")).unwrap(),
+    )
+}
+
+fn vocab_one_process() -> ((candle_nn::Embedding, Linear), Vec<f32>) {
+    let varmap = VarMap::new();
+    let (emb, head) = full_vocab_layers(&varmap);
+    let mut opt = Sgd::new(varmap.all_vars(), SGD).unwrap();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = tokens(step);
+        let logits = head.forward(&emb.forward(&x).unwrap()).unwrap();
+        let loss = candle_nn::loss::cross_entropy(&logits, &y).unwrap();
+        losses.push(loss.to_scalar::<f32>().unwrap());
+        opt.backward_step(&loss).unwrap();
+    }
+    ((emb, head), losses)
+}
+
+/// A vocabulary-parallel embedding, a column-parallel output layer (its logits never
+/// gathered) and the vocabulary-parallel cross-entropy, against one process.
+fn vocab_against_one_process(tp: &ProcessGroup) {
+    use candle_parallel::tensor_parallel::{vocab_parallel_cross_entropy, VocabParallelEmbedding};
+    let full = VarMap::new();
+    let (emb, head) = full_vocab_layers(&full);
+    let per = VOCAB / tp.world_size();
+    let cut = |emb: &candle_nn::Embedding, head: &Linear| {
+        let rows = emb.embeddings().narrow(0, tp.rank() * per, per).unwrap();
+        let (w, b) = shard_linear(head.weight(), head.bias(), tp, true).unwrap();
+        [
+            ("emb.weight", rows.contiguous().unwrap()),
+            ("head.weight", w),
+            ("head.bias", b.unwrap()),
+        ]
+    };
+    let varmap = VarMap::new();
+    for (name, t) in cut(&emb, &head) {
+        let var = Var::from_tensor(&t).unwrap();
+        varmap.data().lock().unwrap().insert(name.into(), var);
+    }
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let emb_tp = VocabParallelEmbedding::new(VOCAB, IN, vb.pp("emb"), tp).unwrap();
+    let head_tp = ColumnParallelLinear::new(IN, VOCAB, vb.pp("head"), tp).unwrap();
+    let mut opt = Sgd::new(varmap.all_vars(), SGD).unwrap();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = tokens(step);
+        let logits = head_tp.forward(&emb_tp.forward(&x).unwrap()).unwrap();
+        assert_eq!(logits.dims(), [10, per]);
+        let loss = vocab_parallel_cross_entropy(&logits, &y, tp).unwrap();
+        losses.push(loss.to_scalar::<f32>().unwrap());
+        opt.backward_step(&loss).unwrap();
+    }
+    let ((emb, head), want) = vocab_one_process();
+    for (step, (a, b)) in losses.iter().zip(&want).enumerate() {
+        assert!((a - b).abs() < 1e-5, "step {step}: loss {a} against {b}");
+    }
+    let data = varmap.data().lock().unwrap();
+    for (name, want) in cut(&emb, &head) {
+        let d = max_diff(data[name].as_tensor(), &want);
+        assert!(
+            d < 1e-5,
+            "rank {}: {name} is {d} off one process",
+            tp.rank()
+        );
+    }
+}
+
+#[test]
+fn a_vocabulary_split_over_2_and_4_threads_trains_as_one_process() {
+    for ranks in [2, 4] {
+        distributed::spawn_threads(ranks, |tp| {
+            vocab_against_one_process(&tp);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn a_vocabulary_split_over_2_processes_trains_as_one_process() {
+    if is_child() {
+        let tp = join_child();
+        vocab_against_one_process(&tp);
+        return done();
+    }
+    Ranks::world(
+        "a_vocabulary_split_over_2_processes_trains_as_one_process",
+        2,
+    )
+    .assert_all_pass(Duration::from_secs(120));
+}

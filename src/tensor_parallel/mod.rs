@@ -7,6 +7,8 @@
 //!   layer (an MLP, attention's projections) needs one all-reduce forward and one backward.
 //! - [`ParallelAttention`]: causal self-attention with its heads split over the ranks (the
 //!   packed projection column-parallel, the output projection row-parallel).
+//! - [`VocabParallelEmbedding`] and [`vocab_parallel_cross_entropy`]: the vocabulary split
+//!   over the ranks, the loss computed from every rank's logits without gathering them.
 //! - [`comm`]: the conjugate collectives under them ([`copy_to`], [`reduce_from`]).
 //! - [`shard_linear`] and [`shard_qkv`] cut a one-process layer's weights into a rank's part.
 //!
@@ -33,7 +35,9 @@
 pub mod attention;
 pub mod comm;
 pub mod linear;
+pub mod vocab;
 
 pub use attention::{shard_qkv, ParallelAttention};
 pub use comm::{copy_to, reduce_from};
 pub use linear::{shard_linear, ColumnParallelLinear, RowParallelLinear};
+pub use vocab::{vocab_parallel_cross_entropy, VocabParallelEmbedding};
