@@ -171,10 +171,17 @@ fn sizes_the_group_cannot_share_are_errors_naming_both_numbers() {
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
         let column = ColumnParallelLinear::new(IN, 32, vb.pp("a"), &tp).unwrap_err();
         let row = RowParallelLinear::new(32, IN, vb.pp("b"), &tp).unwrap_err();
-        Ok((column.to_string(), row.to_string()))
+        let vocab =
+            candle_parallel::tensor_parallel::VocabParallelEmbedding::new(10, IN, vb.pp("c"), &tp)
+                .unwrap_err();
+        Ok((column.to_string(), row.to_string(), vocab.to_string()))
     })
     .unwrap();
-    for (column, row) in errors {
+    for (column, row, vocab) in errors {
+        assert!(
+            vocab.contains("10 tokens") && vocab.contains("3 tensor-parallel"),
+            "{vocab}"
+        );
         assert!(
             column.contains("output size is 32") && column.contains('3'),
             "{column}"
