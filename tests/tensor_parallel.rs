@@ -440,3 +440,148 @@ fn a_vocabulary_split_over_2_processes_trains_as_one_process() {
     )
     .assert_all_pass(Duration::from_secs(120));
 }
+
+/// Step `step`'s sequences for the sequence-parallel block: 3 of 8 positions, [`IN`] wide.
+fn long_sequences(step: usize) -> (Tensor, Tensor) {
+    let (x, y) = (batch(4000 + step).0, batch(5000 + step).0);
+    let take = |t: Tensor| {
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        let mut v = v.repeat(4);
+        v.truncate(3 * 8 * IN);
+        Tensor::from_vec(v, (3, 8, IN), &Device::Cpu).unwrap()
+    };
+    (take(x), take(y))
+}
+
+/// `x + fc2(gelu(fc1(ln(x))))` uncut: the final weights (the norm's, fc1's, fc2's) and losses.
+fn sp_one_process() -> (VarMap, Vec<f32>) {
+    let varmap = VarMap::new();
+    let vb = seeded_var_builder(&varmap, SEED + 3, DType::F32, &Device::Cpu);
+    let ln = candle_parallel::nn::layer_norm(IN, 1e-5, vb.pp("ln")).unwrap();
+    let (fc1, fc2) = (
+        linear(IN, HIDDEN, vb.pp("fc1")).unwrap(),
+        linear(HIDDEN, IN, vb.pp("fc2")).unwrap(),
+    );
+    let mut opt = Sgd::new(varmap.all_vars(), SGD).unwrap();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = long_sequences(step);
+        let h = gelu_erf(&fc1.forward(&ln.forward(&x).unwrap()).unwrap()).unwrap();
+        let out = (&x + fc2.forward(&h).unwrap()).unwrap();
+        let loss = mse(&out, &y);
+        losses.push(loss.to_scalar::<f32>().unwrap());
+        opt.backward_step(&loss).unwrap();
+    }
+    (varmap, losses)
+}
+
+/// The same block with tensor and sequence parallelism: each rank holds its positions of the
+/// sequence through the norm and the residual, the linears cut as before; the gradients of the
+/// norm and of the row layer's bias are summed over the group.
+fn sp_against_one_process(tp: &ProcessGroup) {
+    use candle_parallel::tensor_parallel::sum_sequence_parallel_gradients;
+    let full = VarMap::new();
+    {
+        let vb = seeded_var_builder(&full, SEED + 3, DType::F32, &Device::Cpu);
+        candle_parallel::nn::layer_norm(IN, 1e-5, vb.pp("ln")).unwrap();
+        linear(IN, HIDDEN, vb.pp("fc1")).unwrap();
+        linear(HIDDEN, IN, vb.pp("fc2")).unwrap();
+    }
+    let cut = |full: &VarMap| -> Vec<(String, Tensor)> {
+        let data = full.data().lock().unwrap();
+        let t = |n: &str| data[n].as_tensor().clone();
+        let (w1, b1) = shard_linear(&t("fc1.weight"), Some(&t("fc1.bias")), tp, true).unwrap();
+        let (w2, b2) = shard_linear(&t("fc2.weight"), Some(&t("fc2.bias")), tp, false).unwrap();
+        vec![
+            ("ln.weight".into(), t("ln.weight")),
+            ("ln.bias".into(), t("ln.bias")),
+            ("fc1.weight".into(), w1),
+            ("fc1.bias".into(), b1.unwrap()),
+            ("fc2.weight".into(), w2),
+            ("fc2.bias".into(), b2.unwrap()),
+        ]
+    };
+    let varmap = VarMap::new();
+    for (name, t) in cut(&full) {
+        let var = Var::from_tensor(&t).unwrap();
+        varmap.data().lock().unwrap().insert(name, var);
+    }
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let ln = candle_parallel::nn::layer_norm(IN, 1e-5, vb.pp("ln")).unwrap();
+    let col = ColumnParallelLinear::new(IN, HIDDEN, vb.pp("fc1"), tp)
+        .unwrap()
+        .sequence_parallel(true);
+    let row = RowParallelLinear::new(HIDDEN, IN, vb.pp("fc2"), tp)
+        .unwrap()
+        .sequence_parallel(true);
+    let norm_params: Vec<Var> = {
+        let data = varmap.data().lock().unwrap();
+        // The norm's parameters, and the row layer's bias, added on each rank's positions.
+        vec![
+            data["ln.weight"].clone(),
+            data["ln.bias"].clone(),
+            data["fc2.bias"].clone(),
+        ]
+    };
+    let mut opt = Sgd::new(varmap.all_vars(), SGD).unwrap();
+    let per = 8 / tp.world_size();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = long_sequences(step);
+        let (x, y) = (
+            x.narrow(1, tp.rank() * per, per).unwrap(),
+            y.narrow(1, tp.rank() * per, per).unwrap(),
+        );
+        let h = gelu_erf(&col.forward(&ln.forward(&x).unwrap()).unwrap()).unwrap();
+        let out = (&x + row.forward(&h).unwrap()).unwrap();
+        assert_eq!(out.dims(), [3, per, IN]);
+        // This rank's share of the mean over every position.
+        let loss =
+            ((&out - &y).unwrap().sqr().unwrap().sum_all().unwrap() / (3 * 8 * IN) as f64).unwrap();
+        let whole = tp
+            .all_reduce(&loss, candle_parallel::distributed::ReduceOp::Sum)
+            .unwrap();
+        losses.push(whole.to_scalar::<f32>().unwrap());
+        let mut grads = loss.backward().unwrap();
+        sum_sequence_parallel_gradients(&mut grads, &norm_params, tp).unwrap();
+        opt.step(&grads).unwrap();
+    }
+    let (want_vars, want) = sp_one_process();
+    for (step, (a, b)) in losses.iter().zip(&want).enumerate() {
+        assert!((a - b).abs() < 1e-5, "step {step}: loss {a} against {b}");
+    }
+    let data = varmap.data().lock().unwrap();
+    for (name, want) in cut(&want_vars) {
+        let d = max_diff(data[&name].as_tensor(), &want);
+        assert!(
+            d < 1e-5,
+            "rank {}: {name} is {d} off one process",
+            tp.rank()
+        );
+    }
+}
+
+#[test]
+fn sequence_parallel_over_2_and_4_threads_trains_as_one_process() {
+    for ranks in [2, 4] {
+        distributed::spawn_threads(ranks, |tp| {
+            sp_against_one_process(&tp);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn sequence_parallel_over_2_processes_trains_as_one_process() {
+    if is_child() {
+        let tp = join_child();
+        sp_against_one_process(&tp);
+        return done();
+    }
+    Ranks::world(
+        "sequence_parallel_over_2_processes_trains_as_one_process",
+        2,
+    )
+    .assert_all_pass(Duration::from_secs(120));
+}

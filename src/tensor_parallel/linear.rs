@@ -1,8 +1,8 @@
 //! Megatron's column- and row-parallel linear layers (torch's `ColwiseParallel` and
 //! `RowwiseParallel`), trained with the conjugate collectives of [`comm`](super::comm).
 
-use super::comm::{copy_to, reduce_from};
-use crate::distributed::ProcessGroup;
+use super::comm::{copy_to, gather_sequence, reduce_from, scatter_sequence};
+use crate::distributed::{ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use candle_core::{Module, Tensor};
 use candle_nn::{Linear, VarBuilder};
@@ -58,6 +58,8 @@ pub fn shard_linear(
 pub struct ColumnParallelLinear {
     layer: Linear,
     tp: ProcessGroup,
+    /// The input is this rank's positions of the sequence, gathered first.
+    sequence_parallel: bool,
 }
 
 /// A linear layer whose input features are split over the tensor-parallel group: rank `r`
@@ -69,6 +71,8 @@ pub struct RowParallelLinear {
     layer: Linear,
     bias: Option<Tensor>,
     tp: ProcessGroup,
+    /// The output is this rank's positions of the sequence, reduce-scattered.
+    sequence_parallel: bool,
 }
 
 impl ColumnParallelLinear {
@@ -90,12 +94,25 @@ impl ColumnParallelLinear {
         Ok(Self {
             layer: Linear::new(weight, Some(bias)),
             tp: tp.clone(),
+            sequence_parallel: false,
         })
     }
 
-    /// This rank's slice of the output features of `x`.
+    /// Under sequence parallelism (`on`), the input `(batch, time / tp, in)` is this rank's
+    /// positions, all-gathered first (their gradient reduce-scattered back): Megatron's
+    /// `sequence_parallel`.
+    pub fn sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self
+    }
+
+    /// This rank's slice of the output features of `x` (of the whole sequence).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(crate::nn::linear(&copy_to(x, &self.tp)?, &self.layer)?)
+        let x = match self.sequence_parallel {
+            true => gather_sequence(x, &self.tp)?,
+            false => copy_to(x, &self.tp)?,
+        };
+        Ok(crate::nn::linear(&x, &self.layer)?)
     }
 
     /// The weight this rank holds.
@@ -125,13 +142,27 @@ impl RowParallelLinear {
             layer: Linear::new(weight, None),
             bias: Some(bias),
             tp: tp.clone(),
+            sequence_parallel: false,
         })
     }
 
-    /// The whole output, from this rank's slice `x` of the input features.
+    /// Under sequence parallelism (`on`), the output is this rank's positions `(batch, time /
+    /// tp, out)`, the partial products reduce-scattered along the sequence (their gradient
+    /// all-gathered back) instead of all-reduced. The bias is then added on each rank's
+    /// positions: give it to [`sum_sequence_parallel_gradients`].
+    pub fn sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on;
+        self
+    }
+
+    /// The whole output (or, under sequence parallelism, this rank's positions of it), from
+    /// this rank's slice `x` of the input features.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let partial = crate::nn::linear(x, &self.layer)?;
-        let y = reduce_from(&partial, &self.tp)?;
+        let y = match self.sequence_parallel {
+            true => scatter_sequence(&partial, &self.tp)?,
+            false => reduce_from(&partial, &self.tp)?,
+        };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -154,4 +185,34 @@ impl Module for RowParallelLinear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         RowParallelLinear::forward(self, x).map_err(Error::into_candle)
     }
+}
+
+/// Sums over the group the gradients of `params` that every rank holds whole but uses on its
+/// own positions of the sequence, in one all-reduce: under sequence parallelism, the norms'
+/// parameters between the layers and the bias of each sequence-parallel [`RowParallelLinear`]
+/// (added after the reduce-scatter), whose gradients on each rank cover its positions only; a parameter without a
+/// gradient takes part with zeros. Every rank of `tp` calls it with the same parameters, in the
+/// same order, before the optimizer's step.
+pub fn sum_sequence_parallel_gradients(
+    grads: &mut candle_core::backprop::GradStore,
+    params: &[candle_core::Var],
+    tp: &ProcessGroup,
+) -> Result<()> {
+    if tp.world_size() == 1 || params.is_empty() {
+        return Ok(());
+    }
+    let tensors = params
+        .iter()
+        .map(|p| match grads.get(p.as_tensor()) {
+            Some(g) => Ok(g.clone()),
+            None => p.as_tensor().zeros_like(),
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    for (p, g) in params
+        .iter()
+        .zip(tp.all_reduce_many(&tensors, ReduceOp::Sum)?)
+    {
+        grads.insert(p.as_tensor(), g);
+    }
+    Ok(())
 }

@@ -9,6 +9,9 @@
 //!   packed projection column-parallel, the output projection row-parallel).
 //! - [`VocabParallelEmbedding`] and [`vocab_parallel_cross_entropy`]: the vocabulary split
 //!   over the ranks, the loss computed from every rank's logits without gathering them.
+//! - Sequence parallel (`.sequence_parallel(true)` on both linears): the activations between
+//!   the pairs split along the sequence, so the norms there run on 1/tp of the positions;
+//!   [`sum_sequence_parallel_gradients`] sums those norms' gradients over the group.
 //! - [`comm`]: the conjugate collectives under them ([`copy_to`], [`reduce_from`]).
 //! - [`shard_linear`] and [`shard_qkv`] cut a one-process layer's weights into a rank's part.
 //!
@@ -38,6 +41,8 @@ pub mod linear;
 pub mod vocab;
 
 pub use attention::{shard_qkv, ParallelAttention};
-pub use comm::{copy_to, reduce_from};
-pub use linear::{shard_linear, ColumnParallelLinear, RowParallelLinear};
+pub use comm::{copy_to, gather_sequence, reduce_from, scatter_sequence};
+pub use linear::{
+    shard_linear, sum_sequence_parallel_gradients, ColumnParallelLinear, RowParallelLinear,
+};
 pub use vocab::{vocab_parallel_cross_entropy, VocabParallelEmbedding};
