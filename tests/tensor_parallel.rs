@@ -585,3 +585,85 @@ fn sequence_parallel_over_2_processes_trains_as_one_process() {
     )
     .assert_all_pass(Duration::from_secs(120));
 }
+
+/// [`train_and_compare`]'s model on a [dp 2, tp 2] mesh over 4 processes: each tensor-parallel
+/// pair trains on half of every batch, and the replicas average their gradients along "dp"
+/// (`pipeline::all_reduce_gradients`) before the step; every rank ends as the uncut model
+/// trained in one process on the whole batches, within 1e-5.
+#[test]
+fn dp_2_by_tp_2_over_4_processes_trains_as_one_process() {
+    use candle_parallel::distributed::DeviceMesh;
+    use candle_parallel::pipeline::all_reduce_gradients;
+    if is_child() {
+        let world = join_child();
+        let mesh = DeviceMesh::new(&world, &[("dp", 2), ("tp", 2)]).unwrap();
+        let (dp, tp) = (mesh.get_group("dp").unwrap(), mesh.get_group("tp").unwrap());
+        let full = VarMap::new();
+        let (fc0, fc1, fc2) = full_layers(&full);
+        let varmap = VarMap::new();
+        {
+            let mut data = varmap.data().lock().unwrap();
+            data.insert("fc0.weight".into(), Var::from_tensor(fc0.weight()).unwrap());
+            data.insert(
+                "fc0.bias".into(),
+                Var::from_tensor(fc0.bias().unwrap()).unwrap(),
+            );
+            let (w, b) = shard_linear(fc1.weight(), fc1.bias(), tp, true).unwrap();
+            data.insert("fc1.weight".into(), Var::from_tensor(&w).unwrap());
+            data.insert("fc1.bias".into(), Var::from_tensor(&b.unwrap()).unwrap());
+            let (w, b) = shard_linear(fc2.weight(), fc2.bias(), tp, false).unwrap();
+            data.insert("fc2.weight".into(), Var::from_tensor(&w).unwrap());
+            data.insert("fc2.bias".into(), Var::from_tensor(&b.unwrap()).unwrap());
+        }
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let fc0 = linear(IN, IN, vb.pp("fc0")).unwrap();
+        let col = ColumnParallelLinear::new(IN, HIDDEN, vb.pp("fc1"), tp).unwrap();
+        let row = RowParallelLinear::new(HIDDEN, IN, vb.pp("fc2"), tp).unwrap();
+        let mut vars: Vec<(String, Var)> = varmap
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let params: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
+        let mut opt = Sgd::new(params.clone(), SGD).unwrap();
+        for step in 0..STEPS {
+            let (x, y) = batch(step);
+            // This replica's half of the rows.
+            let (x, y) = (
+                x.narrow(0, 3 * dp.rank(), 3).unwrap(),
+                y.narrow(0, 3 * dp.rank(), 3).unwrap(),
+            );
+            let x = fc0.forward(&x).unwrap().relu().unwrap();
+            let h = gelu_erf(&col.forward(&x).unwrap()).unwrap();
+            let loss = mse(&row.forward(&h).unwrap(), &y);
+            let mut grads = loss.backward().unwrap();
+            all_reduce_gradients(&mut grads, &params, dp).unwrap();
+            opt.step(&grads).unwrap();
+        }
+        let ((fc0, fc1, fc2), _) = one_process();
+        let (w1, b1) = shard_linear(fc1.weight(), fc1.bias(), tp, true).unwrap();
+        let (w2, b2) = shard_linear(fc2.weight(), fc2.bias(), tp, false).unwrap();
+        let data = varmap.data().lock().unwrap();
+        for (name, want) in [
+            ("fc0.weight", fc0.weight().clone()),
+            ("fc0.bias", fc0.bias().unwrap().clone()),
+            ("fc1.weight", w1),
+            ("fc1.bias", b1.unwrap()),
+            ("fc2.weight", w2),
+            ("fc2.bias", b2.unwrap()),
+        ] {
+            let d = max_diff(data[name].as_tensor(), &want);
+            assert!(
+                d < 1e-5,
+                "rank {}: {name} is {d} off one process",
+                world.rank()
+            );
+        }
+        return done();
+    }
+    Ranks::world("dp_2_by_tp_2_over_4_processes_trains_as_one_process", 4)
+        .assert_all_pass(Duration::from_secs(120));
+}
