@@ -667,3 +667,67 @@ fn dp_2_by_tp_2_over_4_processes_trains_as_one_process() {
     Ranks::world("dp_2_by_tp_2_over_4_processes_trains_as_one_process", 4)
         .assert_all_pass(Duration::from_secs(120));
 }
+
+/// The elements one training step of a block `x -> row(gelu(col(ln(x))))` puts into the
+/// tensor-parallel collectives, with or without sequence parallel, in this process.
+fn one_step_volume(
+    tp: &ProcessGroup,
+    sequence_parallel: bool,
+) -> candle_parallel::tensor_parallel::Volume {
+    use candle_parallel::tensor_parallel::{reset_volume, volume};
+    let varmap = VarMap::new();
+    let vb = seeded_var_builder(&varmap, SEED, DType::F32, &Device::Cpu);
+    let ln = candle_parallel::nn::layer_norm(IN, 1e-5, vb.pp("ln")).unwrap();
+    let col = ColumnParallelLinear::new(IN, HIDDEN, vb.pp("fc1"), tp)
+        .unwrap()
+        .sequence_parallel(sequence_parallel);
+    let row = RowParallelLinear::new(HIDDEN, IN, vb.pp("fc2"), tp)
+        .unwrap()
+        .sequence_parallel(sequence_parallel);
+    let (x, _) = long_sequences(0);
+    let per = 8 / tp.world_size();
+    let x = match sequence_parallel {
+        true => x.narrow(1, tp.rank() * per, per).unwrap(),
+        false => x,
+    };
+    reset_volume();
+    let h = gelu_erf(&col.forward(&ln.forward(&x).unwrap()).unwrap()).unwrap();
+    let out = row.forward(&h).unwrap();
+    out.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    volume()
+}
+
+/// Megatron's count for one block (a column layer feeding a row layer) over activations of
+/// `b * s * h` elements: without sequence parallel, an all-reduce of `b s h` forward and one
+/// backward; with it, an all-gather of `b s h / tp` per rank and a reduce-scatter of `b s h`
+/// forward, and the same backward: on a ring, the same bytes per rank as the two all-reduces.
+#[test]
+fn the_collectives_move_megatrons_volume_with_and_without_sequence_parallel() {
+    if is_child() {
+        let tp = join_child();
+        let n = (3 * 8 * IN) as u64; // b * s * h
+        let t = tp.world_size() as u64;
+        let plain = one_step_volume(&tp, false);
+        assert_eq!(
+            (plain.all_reduce, plain.all_gather, plain.reduce_scatter),
+            (2 * n, 0, 0)
+        );
+        let sp = one_step_volume(&tp, true);
+        assert_eq!(
+            (sp.all_reduce, sp.all_gather, sp.reduce_scatter),
+            (0, 2 * n / t, 2 * n)
+        );
+        // Bytes on a ring per rank: all-reduce 2 (t-1)/t n, all-gather (t-1) m, reduce-scatter
+        // (t-1)/t n (times t to stay in integers).
+        let ring = |v: candle_parallel::tensor_parallel::Volume| {
+            2 * (t - 1) * v.all_reduce + t * (t - 1) * v.all_gather + (t - 1) * v.reduce_scatter
+        };
+        assert_eq!(ring(plain), ring(sp));
+        return done();
+    }
+    Ranks::world(
+        "the_collectives_move_megatrons_volume_with_and_without_sequence_parallel",
+        2,
+    )
+    .assert_all_pass(Duration::from_secs(120));
+}

@@ -23,6 +23,46 @@
 use crate::distributed::{ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Elements this process has put into the tensor-parallel collectives, by kind: all-reduces,
+/// all-gathers (each rank's part), reduce-scatters (the whole input).
+static VOLUME: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+
+/// How many elements this process's tensor-parallel collectives ([`copy_to`], [`reduce_from`],
+/// [`gather_sequence`], [`scatter_sequence`], forward and backward) have moved since the last
+/// [`reset_volume`], by kind: what Megatron's communication formula counts (an all-reduce of
+/// `n` elements per rank, an all-gather of `n` per rank into `n * tp`, a reduce-scatter of `n`
+/// per rank into `n / tp`). Ranks that are threads of one process add up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Volume {
+    /// Elements all-reduced (each call's tensor size).
+    pub all_reduce: u64,
+    /// Elements all-gathered (each call's input, one rank's part).
+    pub all_gather: u64,
+    /// Elements reduce-scattered (each call's whole input).
+    pub reduce_scatter: u64,
+}
+
+/// The counts since the last [`reset_volume`].
+pub fn volume() -> Volume {
+    Volume {
+        all_reduce: VOLUME[0].load(Ordering::Relaxed),
+        all_gather: VOLUME[1].load(Ordering::Relaxed),
+        reduce_scatter: VOLUME[2].load(Ordering::Relaxed),
+    }
+}
+
+/// Sets the counts of [`volume`] to zero.
+pub fn reset_volume() {
+    for v in &VOLUME {
+        v.store(0, Ordering::Relaxed);
+    }
+}
+
+fn count(kind: usize, t: &Tensor) {
+    VOLUME[kind].fetch_add(t.elem_count() as u64, Ordering::Relaxed);
+}
 
 /// Megatron's `f`: identity forward, all-reduce (sum) of the gradient over `tp` backward.
 pub fn copy_to(x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
@@ -37,6 +77,7 @@ pub fn reduce_from(x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
     if tp.world_size() == 1 {
         return Ok(x.clone());
     }
+    count(0, x);
     let reduced = tp.all_reduce(x, ReduceOp::Sum)?.contiguous()?;
     Ok(x.apply_op2(&reduced, ReduceFrom)?)
 }
@@ -76,6 +117,7 @@ pub fn scatter_sequence(x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
 
 /// Every rank's `x` concatenated along dimension 1.
 fn gather_along_1(x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
+    count(1, x);
     let parts = tp.all_gather(&x.contiguous()?)?;
     Ok(Tensor::cat(&parts, 1)?.contiguous()?)
 }
@@ -93,6 +135,7 @@ fn scatter_along_1(x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
             ),
         });
     }
+    count(2, x);
     let first = x.transpose(0, 1)?.contiguous()?;
     let mine = tp.reduce_scatter(&first, ReduceOp::Sum)?;
     Ok(mine.transpose(0, 1)?.contiguous()?)
@@ -170,6 +213,7 @@ impl candle_core::CustomOp1 for CopyTo {
     }
 
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        count(0, grad);
         let g = self
             .tp
             .all_reduce(grad, ReduceOp::Sum)

@@ -41,7 +41,9 @@ pub mod linear;
 pub mod vocab;
 
 pub use attention::{shard_qkv, ParallelAttention};
-pub use comm::{copy_to, gather_sequence, reduce_from, scatter_sequence};
+pub use comm::{
+    copy_to, gather_sequence, reduce_from, reset_volume, scatter_sequence, volume, Volume,
+};
 pub use linear::{
     shard_linear, sum_sequence_parallel_gradients, ColumnParallelLinear, RowParallelLinear,
 };
