@@ -69,7 +69,8 @@ pub fn copy_to(x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
     if tp.world_size() == 1 {
         return Ok(x.clone());
     }
-    Ok(x.contiguous()?.apply_op1(CopyTo { tp: tp.clone() })?)
+    let x = x.contiguous()?;
+    handed_on(&x, &x, tp, Backward::AllReduce)
 }
 
 /// Megatron's `g`: all-reduce (sum) over `tp` forward, the gradient unchanged backward.
@@ -79,7 +80,7 @@ pub fn reduce_from(x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
     }
     count(0, x);
     let reduced = tp.all_reduce(x, ReduceOp::Sum)?.contiguous()?;
-    Ok(x.apply_op2(&reduced, ReduceFrom)?)
+    handed_on(x, &reduced, tp, Backward::Identity)
 }
 
 /// `x` `(batch, time / tp, ...)`, this rank's positions, to the whole sequence on every rank
@@ -89,13 +90,7 @@ pub fn gather_sequence(x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
         return Ok(x.clone());
     }
     let whole = gather_along_1(x, tp)?;
-    Ok(x.contiguous()?.apply_op2(
-        &whole,
-        Sequence {
-            tp: tp.clone(),
-            gather: true,
-        },
-    )?)
+    handed_on(x, &whole, tp, Backward::ReduceScatter)
 }
 
 /// `x` `(batch, time, ...)`, a partial sum on each rank, to the sum of this rank's positions
@@ -106,13 +101,7 @@ pub fn scatter_sequence(x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
         return Ok(x.clone());
     }
     let mine = scatter_along_1(x, tp)?;
-    Ok(x.contiguous()?.apply_op2(
-        &mine,
-        Sequence {
-            tp: tp.clone(),
-            gather: false,
-        },
-    )?)
+    handed_on(x, &mine, tp, Backward::AllGather)
 }
 
 /// Every rank's `x` concatenated along dimension 1.
@@ -141,17 +130,39 @@ fn scatter_along_1(x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
     Ok(mine.transpose(0, 1)?.contiguous()?)
 }
 
-/// Hands on the collective's result (its second input); the backward runs the conjugate
-/// collective on the gradient.
-struct Sequence {
-    tp: ProcessGroup,
-    /// Forward all-gather (backward reduce-scatter), or the reverse.
-    gather: bool,
+/// What the backward of a collective does with the gradient: the conjugate collective.
+#[derive(Clone, Copy)]
+enum Backward {
+    /// Sums it over the group (after [`copy_to`]'s identity).
+    AllReduce,
+    /// Hands it on (after [`reduce_from`]'s all-reduce).
+    Identity,
+    /// Sums it and keeps this rank's positions (after [`gather_sequence`]).
+    ReduceScatter,
+    /// Gathers every rank's positions (after [`scatter_sequence`]).
+    AllGather,
 }
 
-impl candle_core::CustomOp2 for Sequence {
+/// `result` (a collective's output, computed from `x`, or `x` itself) as a node of `x`'s graph
+/// whose backward runs `backward` on the gradient.
+fn handed_on(x: &Tensor, result: &Tensor, tp: &ProcessGroup, backward: Backward) -> Result<Tensor> {
+    let op = Conjugate {
+        tp: tp.clone(),
+        backward,
+    };
+    Ok(x.apply_op2(&result.contiguous()?, op)?)
+}
+
+/// Hands on its second input (the collective's result); the backward runs the conjugate
+/// collective on the gradient, for the first.
+struct Conjugate {
+    tp: ProcessGroup,
+    backward: Backward,
+}
+
+impl candle_core::CustomOp2 for Conjugate {
     fn name(&self) -> &'static str {
-        "sequence-parallel"
+        "tensor-parallel-collective"
     }
 
     fn cpu_fwd(
@@ -182,82 +193,15 @@ impl candle_core::CustomOp2 for Sequence {
         _: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = match self.gather {
-            true => scatter_along_1(grad, &self.tp),
-            false => gather_along_1(grad, &self.tp),
+        let g = match self.backward {
+            Backward::AllReduce => {
+                count(0, grad);
+                self.tp.all_reduce(grad, ReduceOp::Sum)
+            }
+            Backward::Identity => Ok(grad.clone()),
+            Backward::ReduceScatter => scatter_along_1(grad, &self.tp),
+            Backward::AllGather => gather_along_1(grad, &self.tp),
         };
         Ok((Some(g.map_err(Error::into_candle)?), None))
-    }
-}
-
-struct CopyTo {
-    tp: ProcessGroup,
-}
-
-impl candle_core::CustomOp1 for CopyTo {
-    fn name(&self) -> &'static str {
-        "tensor-parallel-copy"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        crate::util::pass_through::cpu(s, l)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        crate::util::pass_through::cuda(s, l)
-    }
-
-    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        count(0, grad);
-        let g = self
-            .tp
-            .all_reduce(grad, ReduceOp::Sum)
-            .map_err(Error::into_candle)?;
-        Ok(Some(g))
-    }
-}
-
-/// Hands on the all-reduced tensor (its second input); the gradient goes to the first as is.
-struct ReduceFrom;
-
-impl candle_core::CustomOp2 for ReduceFrom {
-    fn name(&self) -> &'static str {
-        "tensor-parallel-reduce"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        reduced: &CpuStorage,
-        l: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        crate::util::pass_through::cpu(reduced, l)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        reduced: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        crate::util::pass_through::cuda(reduced, l)
-    }
-
-    fn bwd(
-        &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(grad.clone()), None))
     }
 }
