@@ -22,6 +22,23 @@ fn split(n: usize, tp: &ProcessGroup, what: &str) -> Result<usize> {
     Ok(n / ranks)
 }
 
+/// A linear layer's variables `weight` of `shape` and `bias` of `bias_len` from `vb`,
+/// initialised where new as candle-nn's `linear` of the whole layer (`in_dim` inputs) is.
+fn variables(
+    vb: &VarBuilder,
+    shape: (usize, usize),
+    bias_len: usize,
+    in_dim: usize,
+) -> Result<(Tensor, Tensor)> {
+    let weight = vb.get_with_hints(shape, "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+    let bound = 1. / (in_dim as f64).sqrt();
+    let init = candle_nn::Init::Uniform {
+        lo: -bound,
+        up: bound,
+    };
+    Ok((weight, vb.get_with_hints(bias_len, "bias", init)?))
+}
+
 /// This rank's part of a full layer's `weight` (`out x in`) and `bias` (`out`), as
 /// [`ColumnParallelLinear`] (`column`: rows of the weight, the same slice of the bias) or
 /// [`RowParallelLinear`] (columns of the weight, the whole bias) holds it: to start a
@@ -80,17 +97,7 @@ impl ColumnParallelLinear {
     /// `bias` `(out_dim / tp)` from `vb` (initialised as candle-nn's `linear` where new).
     pub fn new(in_dim: usize, out_dim: usize, vb: VarBuilder, tp: &ProcessGroup) -> Result<Self> {
         let rows = split(out_dim, tp, "the layer's output size")?;
-        let weight = vb.get_with_hints(
-            (rows, in_dim),
-            "weight",
-            candle_nn::init::DEFAULT_KAIMING_NORMAL,
-        )?;
-        let bound = 1. / (in_dim as f64).sqrt();
-        let init = candle_nn::Init::Uniform {
-            lo: -bound,
-            up: bound,
-        };
-        let bias = vb.get_with_hints(rows, "bias", init)?;
+        let (weight, bias) = variables(&vb, (rows, in_dim), rows, in_dim)?;
         Ok(Self {
             layer: Linear::new(weight, Some(bias)),
             tp: tp.clone(),
@@ -127,17 +134,7 @@ impl RowParallelLinear {
     /// where new).
     pub fn new(in_dim: usize, out_dim: usize, vb: VarBuilder, tp: &ProcessGroup) -> Result<Self> {
         let cols = split(in_dim, tp, "the layer's input size")?;
-        let weight = vb.get_with_hints(
-            (out_dim, cols),
-            "weight",
-            candle_nn::init::DEFAULT_KAIMING_NORMAL,
-        )?;
-        let bound = 1. / (in_dim as f64).sqrt();
-        let init = candle_nn::Init::Uniform {
-            lo: -bound,
-            up: bound,
-        };
-        let bias = vb.get_with_hints(out_dim, "bias", init)?;
+        let (weight, bias) = variables(&vb, (out_dim, cols), out_dim, in_dim)?;
         Ok(Self {
             layer: Linear::new(weight, None),
             bias: Some(bias),
