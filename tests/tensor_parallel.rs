@@ -82,26 +82,60 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
 }
 
+/// This rank's parts of the MLP model's layers, by name: `fc0` whole, `fc1` cut by rows,
+/// `fc2` by columns.
+fn mlp_parts(layers: &(Linear, Linear, Linear), tp: &ProcessGroup) -> Vec<(String, Tensor)> {
+    let (fc0, fc1, fc2) = layers;
+    let (w1, b1) = shard_linear(fc1.weight(), fc1.bias(), tp, true).unwrap();
+    let (w2, b2) = shard_linear(fc2.weight(), fc2.bias(), tp, false).unwrap();
+    vec![
+        ("fc0.weight".into(), fc0.weight().clone()),
+        ("fc0.bias".into(), fc0.bias().unwrap().clone()),
+        ("fc1.weight".into(), w1),
+        ("fc1.bias".into(), b1.unwrap()),
+        ("fc2.weight".into(), w2),
+        ("fc2.bias".into(), b2.unwrap()),
+    ]
+}
+
+/// A VarMap holding `parts` as variables, under their names.
+fn varmap_of(parts: Vec<(String, Tensor)>) -> VarMap {
+    let varmap = VarMap::new();
+    for (name, t) in parts {
+        let var = Var::from_tensor(&t).unwrap();
+        varmap.data().lock().unwrap().insert(name, var);
+    }
+    varmap
+}
+
+/// Asserts this rank trained as one process: its `losses` within 1e-5 of `want`, and its
+/// variables within 1e-5 of `parts` (one process's final weights, cut as this rank holds them).
+fn assert_as_one_process(
+    tp: &ProcessGroup,
+    losses: &[f32],
+    want: &[f32],
+    varmap: &VarMap,
+    parts: Vec<(String, Tensor)>,
+) {
+    for (step, (a, b)) in losses.iter().zip(want).enumerate() {
+        assert!((a - b).abs() < 1e-5, "step {step}: loss {a} against {b}");
+    }
+    let data = varmap.data().lock().unwrap();
+    for (name, want) in parts {
+        let d = max_diff(data[&name].as_tensor(), &want);
+        assert!(
+            d < 1e-5,
+            "rank {}: {name} is {d} off one process",
+            tp.rank()
+        );
+    }
+}
+
 /// This rank's part of the block, cut from the uncut block's initial weights, trained for
 /// [`STEPS`] steps and compared with one process.
 fn train_and_compare(tp: &ProcessGroup) {
     let full = VarMap::new();
-    let (fc0, fc1, fc2) = full_layers(&full);
-    let varmap = VarMap::new();
-    {
-        let mut data = varmap.data().lock().unwrap();
-        data.insert("fc0.weight".into(), Var::from_tensor(fc0.weight()).unwrap());
-        data.insert(
-            "fc0.bias".into(),
-            Var::from_tensor(fc0.bias().unwrap()).unwrap(),
-        );
-        let (w, b) = shard_linear(fc1.weight(), fc1.bias(), tp, true).unwrap();
-        data.insert("fc1.weight".into(), Var::from_tensor(&w).unwrap());
-        data.insert("fc1.bias".into(), Var::from_tensor(&b.unwrap()).unwrap());
-        let (w, b) = shard_linear(fc2.weight(), fc2.bias(), tp, false).unwrap();
-        data.insert("fc2.weight".into(), Var::from_tensor(&w).unwrap());
-        data.insert("fc2.bias".into(), Var::from_tensor(&b.unwrap()).unwrap());
-    }
+    let varmap = varmap_of(mlp_parts(&full_layers(&full), tp));
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let fc0 = linear(IN, IN, vb.pp("fc0")).unwrap();
     let col = ColumnParallelLinear::new(IN, HIDDEN, vb.pp("fc1"), tp).unwrap();
@@ -118,28 +152,8 @@ fn train_and_compare(tp: &ProcessGroup) {
         losses.push(loss.to_scalar::<f32>().unwrap());
         opt.backward_step(&loss).unwrap();
     }
-    let ((fc0, fc1, fc2), want) = one_process();
-    for (step, (a, b)) in losses.iter().zip(&want).enumerate() {
-        assert!((a - b).abs() < 1e-5, "step {step}: loss {a} against {b}");
-    }
-    let (w1, b1) = shard_linear(fc1.weight(), fc1.bias(), tp, true).unwrap();
-    let (w2, b2) = shard_linear(fc2.weight(), fc2.bias(), tp, false).unwrap();
-    let data = varmap.data().lock().unwrap();
-    for (name, want) in [
-        ("fc0.weight", fc0.weight().clone()),
-        ("fc0.bias", fc0.bias().unwrap().clone()),
-        ("fc1.weight", w1),
-        ("fc1.bias", b1.unwrap()),
-        ("fc2.weight", w2),
-        ("fc2.bias", b2.unwrap()),
-    ] {
-        let d = max_diff(data[name].as_tensor(), &want);
-        assert!(
-            d < 1e-5,
-            "rank {}: {name} is {d} off one process",
-            tp.rank()
-        );
-    }
+    let (layers, want) = one_process();
+    assert_as_one_process(tp, &losses, &want, &varmap, mlp_parts(&layers, tp));
 }
 
 #[test]
@@ -242,21 +256,17 @@ fn attention_against_one_process(tp: &ProcessGroup) {
     use candle_parallel::tensor_parallel::{shard_qkv, ParallelAttention};
     let full = VarMap::new();
     let (qkv, proj) = full_attention(&full);
-    let varmap = VarMap::new();
-    let cut = |qkv: &Linear, proj: &Linear| {
+    let cut = |qkv: &Linear, proj: &Linear| -> Vec<(String, Tensor)> {
         let (w, b) = shard_qkv(qkv.weight(), qkv.bias(), HEADS, tp).unwrap();
         let (pw, pb) = shard_linear(proj.weight(), proj.bias(), tp, false).unwrap();
-        [
-            ("attn.qkv.weight", w),
-            ("attn.qkv.bias", b.unwrap()),
-            ("attn.proj.weight", pw),
-            ("attn.proj.bias", pb.unwrap()),
+        vec![
+            ("attn.qkv.weight".into(), w),
+            ("attn.qkv.bias".into(), b.unwrap()),
+            ("attn.proj.weight".into(), pw),
+            ("attn.proj.bias".into(), pb.unwrap()),
         ]
     };
-    for (name, t) in cut(&qkv, &proj) {
-        let var = Var::from_tensor(&t).unwrap();
-        varmap.data().lock().unwrap().insert(name.into(), var);
-    }
+    let varmap = varmap_of(cut(&qkv, &proj));
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let attn = ParallelAttention::new(DIM, HEADS, vb.pp("attn"), tp).unwrap();
     assert_eq!(attn.local_heads(), HEADS / tp.world_size());
@@ -270,18 +280,7 @@ fn attention_against_one_process(tp: &ProcessGroup) {
         opt.backward_step(&loss).unwrap();
     }
     let ((qkv, proj), want) = attention_one_process();
-    for (step, (a, b)) in losses.iter().zip(&want).enumerate() {
-        assert!((a - b).abs() < 1e-5, "step {step}: loss {a} against {b}");
-    }
-    let data = varmap.data().lock().unwrap();
-    for (name, want) in cut(&qkv, &proj) {
-        let d = max_diff(data[name].as_tensor(), &want);
-        assert!(
-            d < 1e-5,
-            "rank {}: {name} is {d} off one process",
-            tp.rank()
-        );
-    }
+    assert_as_one_process(tp, &losses, &want, &varmap, cut(&qkv, &proj));
 }
 
 #[test]
@@ -374,20 +373,16 @@ fn vocab_against_one_process(tp: &ProcessGroup) {
     let full = VarMap::new();
     let (emb, head) = full_vocab_layers(&full);
     let per = VOCAB / tp.world_size();
-    let cut = |emb: &candle_nn::Embedding, head: &Linear| {
+    let cut = |emb: &candle_nn::Embedding, head: &Linear| -> Vec<(String, Tensor)> {
         let rows = emb.embeddings().narrow(0, tp.rank() * per, per).unwrap();
         let (w, b) = shard_linear(head.weight(), head.bias(), tp, true).unwrap();
-        [
-            ("emb.weight", rows.contiguous().unwrap()),
-            ("head.weight", w),
-            ("head.bias", b.unwrap()),
+        vec![
+            ("emb.weight".into(), rows.contiguous().unwrap()),
+            ("head.weight".into(), w),
+            ("head.bias".into(), b.unwrap()),
         ]
     };
-    let varmap = VarMap::new();
-    for (name, t) in cut(&emb, &head) {
-        let var = Var::from_tensor(&t).unwrap();
-        varmap.data().lock().unwrap().insert(name.into(), var);
-    }
+    let varmap = varmap_of(cut(&emb, &head));
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let emb_tp = VocabParallelEmbedding::new(VOCAB, IN, vb.pp("emb"), tp).unwrap();
     let head_tp = ColumnParallelLinear::new(IN, VOCAB, vb.pp("head"), tp).unwrap();
@@ -402,18 +397,7 @@ fn vocab_against_one_process(tp: &ProcessGroup) {
         opt.backward_step(&loss).unwrap();
     }
     let ((emb, head), want) = vocab_one_process();
-    for (step, (a, b)) in losses.iter().zip(&want).enumerate() {
-        assert!((a - b).abs() < 1e-5, "step {step}: loss {a} against {b}");
-    }
-    let data = varmap.data().lock().unwrap();
-    for (name, want) in cut(&emb, &head) {
-        let d = max_diff(data[name].as_tensor(), &want);
-        assert!(
-            d < 1e-5,
-            "rank {}: {name} is {d} off one process",
-            tp.rank()
-        );
-    }
+    assert_as_one_process(tp, &losses, &want, &varmap, cut(&emb, &head));
 }
 
 #[test]
@@ -501,11 +485,7 @@ fn sp_against_one_process(tp: &ProcessGroup) {
             ("fc2.bias".into(), b2.unwrap()),
         ]
     };
-    let varmap = VarMap::new();
-    for (name, t) in cut(&full) {
-        let var = Var::from_tensor(&t).unwrap();
-        varmap.data().lock().unwrap().insert(name, var);
-    }
+    let varmap = varmap_of(cut(&full));
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
     let ln = candle_parallel::nn::layer_norm(IN, 1e-5, vb.pp("ln")).unwrap();
     let col = ColumnParallelLinear::new(IN, HIDDEN, vb.pp("fc1"), tp)
@@ -547,18 +527,7 @@ fn sp_against_one_process(tp: &ProcessGroup) {
         opt.step(&grads).unwrap();
     }
     let (want_vars, want) = sp_one_process();
-    for (step, (a, b)) in losses.iter().zip(&want).enumerate() {
-        assert!((a - b).abs() < 1e-5, "step {step}: loss {a} against {b}");
-    }
-    let data = varmap.data().lock().unwrap();
-    for (name, want) in cut(&want_vars) {
-        let d = max_diff(data[&name].as_tensor(), &want);
-        assert!(
-            d < 1e-5,
-            "rank {}: {name} is {d} off one process",
-            tp.rank()
-        );
-    }
+    assert_as_one_process(tp, &losses, &want, &varmap, cut(&want_vars));
 }
 
 #[test]
@@ -599,35 +568,18 @@ fn dp_2_by_tp_2_over_4_processes_trains_as_one_process() {
         let mesh = DeviceMesh::new(&world, &[("dp", 2), ("tp", 2)]).unwrap();
         let (dp, tp) = (mesh.get_group("dp").unwrap(), mesh.get_group("tp").unwrap());
         let full = VarMap::new();
-        let (fc0, fc1, fc2) = full_layers(&full);
-        let varmap = VarMap::new();
-        {
-            let mut data = varmap.data().lock().unwrap();
-            data.insert("fc0.weight".into(), Var::from_tensor(fc0.weight()).unwrap());
-            data.insert(
-                "fc0.bias".into(),
-                Var::from_tensor(fc0.bias().unwrap()).unwrap(),
-            );
-            let (w, b) = shard_linear(fc1.weight(), fc1.bias(), tp, true).unwrap();
-            data.insert("fc1.weight".into(), Var::from_tensor(&w).unwrap());
-            data.insert("fc1.bias".into(), Var::from_tensor(&b.unwrap()).unwrap());
-            let (w, b) = shard_linear(fc2.weight(), fc2.bias(), tp, false).unwrap();
-            data.insert("fc2.weight".into(), Var::from_tensor(&w).unwrap());
-            data.insert("fc2.bias".into(), Var::from_tensor(&b.unwrap()).unwrap());
-        }
+        let parts = mlp_parts(&full_layers(&full), tp);
+        let names: Vec<String> = parts.iter().map(|(n, _)| n.clone()).collect();
+        let varmap = varmap_of(parts);
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
         let fc0 = linear(IN, IN, vb.pp("fc0")).unwrap();
         let col = ColumnParallelLinear::new(IN, HIDDEN, vb.pp("fc1"), tp).unwrap();
         let row = RowParallelLinear::new(HIDDEN, IN, vb.pp("fc2"), tp).unwrap();
-        let mut vars: Vec<(String, Var)> = varmap
-            .data()
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(n, v)| (n.clone(), v.clone()))
-            .collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let params: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
+        // Every parameter in one order on every rank, for the average along "dp".
+        let params: Vec<Var> = {
+            let data = varmap.data().lock().unwrap();
+            names.iter().map(|n| data[n].clone()).collect()
+        };
         let mut opt = Sgd::new(params.clone(), SGD).unwrap();
         for step in 0..STEPS {
             let (x, y) = batch(step);
@@ -643,25 +595,9 @@ fn dp_2_by_tp_2_over_4_processes_trains_as_one_process() {
             all_reduce_gradients(&mut grads, &params, dp).unwrap();
             opt.step(&grads).unwrap();
         }
-        let ((fc0, fc1, fc2), _) = one_process();
-        let (w1, b1) = shard_linear(fc1.weight(), fc1.bias(), tp, true).unwrap();
-        let (w2, b2) = shard_linear(fc2.weight(), fc2.bias(), tp, false).unwrap();
-        let data = varmap.data().lock().unwrap();
-        for (name, want) in [
-            ("fc0.weight", fc0.weight().clone()),
-            ("fc0.bias", fc0.bias().unwrap().clone()),
-            ("fc1.weight", w1),
-            ("fc1.bias", b1.unwrap()),
-            ("fc2.weight", w2),
-            ("fc2.bias", b2.unwrap()),
-        ] {
-            let d = max_diff(data[name].as_tensor(), &want);
-            assert!(
-                d < 1e-5,
-                "rank {}: {name} is {d} off one process",
-                world.rank()
-            );
-        }
+        // Each replica's losses are of its half of the rows: only the weights compare.
+        let (layers, _) = one_process();
+        assert_as_one_process(tp, &[], &[], &varmap, mlp_parts(&layers, tp));
         return done();
     }
     Ranks::world("dp_2_by_tp_2_over_4_processes_trains_as_one_process", 4)
