@@ -47,7 +47,7 @@
 //! ```
 
 use super::data_parallel::{gather_pieces, reduce_scatter_to_pieces};
-use super::stage::{check_placement, PipelineStage};
+use super::stage::{check_placement, sorted_variables, PipelineStage};
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::shard::{chunk_of, FlatLayout};
@@ -101,11 +101,7 @@ where
         dp: &ProcessGroup,
     ) -> Result<Self> {
         check_placement(stage_index, num_stages, pp)?;
-        let mut params: Vec<(String, Var)> = lock(varmap.data())
-            .iter()
-            .map(|(n, v)| (n.clone(), v.clone()))
-            .collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let params = sorted_variables(varmap);
         let invalid = |detail: String| Error::InvalidArgument {
             what: "fully sharded pipeline stage",
             detail,

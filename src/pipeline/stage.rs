@@ -56,12 +56,8 @@ impl<M> PipelineStage<M> {
         group: &ProcessGroup,
     ) -> Result<Self> {
         check_placement(stage_index, num_stages, group)?;
-        let mut params: Vec<(String, Var)> = crate::util::sync::lock(varmap.data())
-            .iter()
-            .filter(|(_, v)| v.dtype().is_float())
-            .map(|(n, v)| (n.clone(), v.clone()))
-            .collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut params = sorted_variables(varmap);
+        params.retain(|(_, v)| v.dtype().is_float());
         if params.is_empty() {
             log::warn!(
                 "pipeline stage {stage_index}: its VarMap holds no float variable, so the stage \
@@ -156,4 +152,14 @@ pub(super) fn check_placement(
         ));
     }
     Ok(())
+}
+
+/// Every variable of `varmap` with its name, sorted by name (one order on every rank).
+pub(super) fn sorted_variables(varmap: &VarMap) -> Vec<(String, Var)> {
+    let mut vars: Vec<(String, Var)> = crate::util::sync::lock(varmap.data())
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars
 }
