@@ -667,3 +667,61 @@ fn the_collectives_move_megatrons_volume_with_and_without_sequence_parallel() {
     )
     .assert_all_pass(Duration::from_secs(120));
 }
+
+/// A plan's parts are what the layers' own helpers cut, and put back together they are the
+/// whole weights, over 2 and 4 threads; a size the group cannot share names the variable.
+#[test]
+fn a_plan_cuts_a_model_as_its_layers_do_and_puts_the_parts_back_together() {
+    use candle_parallel::tensor_parallel::{shard_qkv, ParallelPlan, ParallelStyle};
+    let plan = ParallelPlan::new()
+        .layer("h.*.qkv", ParallelStyle::PackedQkv)
+        .layer("h.*.fc1", ParallelStyle::Colwise)
+        .layer("h.*.fc2", ParallelStyle::Rowwise)
+        .layer("emb", ParallelStyle::VocabEmbedding);
+    let randn = |shape: &[usize]| Tensor::randn(0f32, 1., shape, &Device::Cpu).unwrap();
+    let whole: Vec<(String, Tensor)> = [
+        ("h.0.qkv.weight", randn(&[24, 8])),
+        ("h.0.qkv.bias", randn(&[24])),
+        ("h.0.fc1.weight", randn(&[16, 8])),
+        ("h.0.fc1.bias", randn(&[16])),
+        ("h.0.fc2.weight", randn(&[8, 16])),
+        ("h.0.fc2.bias", randn(&[8])),
+        ("emb.weight", randn(&[12, 8])),
+        ("ln.weight", randn(&[8])),
+    ]
+    .into_iter()
+    .map(|(n, t)| (n.to_string(), t))
+    .collect();
+    for ranks in [2, 4] {
+        distributed::spawn_threads(ranks, |tp| {
+            let parts = plan.shard_all(whole.iter().map(|(n, t)| (n.as_str(), t)), &tp)?;
+            let (w, b) = shard_qkv(&whole[0].1, Some(&whole[1].1), 4, &tp)?;
+            assert_eq!(max_diff(&parts["h.0.qkv.weight"], &w), 0.0);
+            assert_eq!(max_diff(&parts["h.0.qkv.bias"], &b.unwrap()), 0.0);
+            let (w, b) = shard_linear(&whole[2].1, Some(&whole[3].1), &tp, true)?;
+            assert_eq!(max_diff(&parts["h.0.fc1.weight"], &w), 0.0);
+            assert_eq!(max_diff(&parts["h.0.fc1.bias"], &b.unwrap()), 0.0);
+            let (w, b) = shard_linear(&whole[4].1, Some(&whole[5].1), &tp, false)?;
+            assert_eq!(max_diff(&parts["h.0.fc2.weight"], &w), 0.0);
+            assert_eq!(max_diff(&parts["h.0.fc2.bias"], &b.unwrap()), 0.0);
+            assert_eq!(parts["emb.weight"].dims(), [12 / ranks, 8]);
+            assert_eq!(parts["ln.weight"].dims(), [8]);
+            let local: Vec<(String, Tensor)> = parts.into_iter().collect();
+            let back = plan.gather(&local, &tp)?;
+            for (name, t) in &whole {
+                assert_eq!(max_diff(&back[name], t), 0.0, "{name} over {ranks} ranks");
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+    let err = distributed::spawn_threads(3, |tp| {
+        plan.shard("h.0.fc1.weight", &whole[2].1, &tp).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("h.0.fc1.weight of shape [16, 8]") && err.contains("3 tensor-parallel ranks"),
+        "{err}"
+    );
+}

@@ -76,7 +76,20 @@ impl ParallelAttention {
         })
     }
 
-    /// The attention of `x`, whole on every rank.
+    /// Under sequence parallelism (`on`) the input and the output are this rank's positions
+    /// `(batch, time / tp, dim)`: all-gathered before the `qkv` projection (attention needs
+    /// every position), reduce-scattered after `proj`. `proj`'s bias then trains on each rank's
+    /// positions: sum its gradient with [`super::sum_sequence_parallel_gradients`].
+    pub fn sequence_parallel(self, on: bool) -> Self {
+        Self {
+            qkv: self.qkv.sequence_parallel(on),
+            proj: self.proj.sequence_parallel(on),
+            heads: self.heads,
+        }
+    }
+
+    /// The attention of `x`, whole on every rank (or, under sequence parallelism, this rank's
+    /// positions).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = causal_attention(&self.qkv.forward(x)?, self.heads)?;
         self.proj.forward(&y)
@@ -85,5 +98,11 @@ impl ParallelAttention {
     /// The heads this rank computes.
     pub fn local_heads(&self) -> usize {
         self.heads
+    }
+}
+
+impl candle_core::Module for ParallelAttention {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        ParallelAttention::forward(self, x).map_err(Error::into_candle)
     }
 }

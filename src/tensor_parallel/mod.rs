@@ -13,7 +13,10 @@
 //!   the pairs split along the sequence, so the norms there run on 1/tp of the positions;
 //!   [`sum_sequence_parallel_gradients`] sums those norms' gradients over the group.
 //! - [`comm`]: the conjugate collectives under them ([`copy_to`], [`reduce_from`]).
-//! - [`shard_linear`] and [`shard_qkv`] cut a one-process layer's weights into a rank's part.
+//! - [`ParallelMlp`]: a transformer's MLP block, column- then row-parallel.
+//! - [`shard_linear`] and [`shard_qkv`] cut a one-process layer's weights into a rank's part;
+//!   a [`ParallelPlan`] does it for a whole model by layer name, and puts a run's parts back
+//!   together into the one-process weights (to save them for a plain program).
 //!
 //! ```rust
 //! use candle_core::{DType, Device, Tensor};
@@ -38,6 +41,8 @@
 pub mod attention;
 pub mod comm;
 pub mod linear;
+pub mod mlp;
+pub mod plan;
 pub mod vocab;
 
 pub use attention::{shard_qkv, ParallelAttention};
@@ -47,4 +52,6 @@ pub use comm::{
 pub use linear::{
     shard_linear, sum_sequence_parallel_gradients, ColumnParallelLinear, RowParallelLinear,
 };
+pub use mlp::ParallelMlp;
+pub use plan::{ParallelPlan, ParallelStyle, Placement};
 pub use vocab::{vocab_parallel_cross_entropy, VocabParallelEmbedding};
