@@ -309,3 +309,33 @@ fn an_overflow_only_one_ranks_pieces_see_skips_the_step_everywhere_and_halves_th
     }
     Ranks::world(test, WORLD).assert_all_pass(LIMIT);
 }
+
+/// Gradients laid out two ways at once (pieces over the group, and whole on every rank): the
+/// total norm counts each piece once and the whole ones once, and every rank scales by it.
+#[test]
+fn a_norm_over_parts_counts_pieces_over_their_group_and_whole_gradients_once() {
+    use candle_core::Var;
+    use candle_parallel::distributed;
+    use candle_parallel::optim::clip_grad_norm_parts;
+    let got = distributed::spawn_threads(2, |g| {
+        // Rank r's piece has gradient [3 + r] (3 and 4), the whole one [12] on both ranks.
+        let piece = Var::new(&[1f32], &Device::Cpu)?;
+        let whole = Var::new(&[1f32], &Device::Cpu)?;
+        let loss = ((piece.as_tensor() * (3.0 + g.rank() as f64))?.sum_all()?
+            + (whole.as_tensor() * 12.0)?.sum_all()?)?;
+        let mut grads = loss.backward()?;
+        let parts = [
+            (&[piece.clone()][..], Some(&g)),
+            (&[whole.clone()][..], None),
+        ];
+        let norm = clip_grad_norm_parts(&mut grads, &parts, 6.5, 2.0, false)?;
+        let scaled = grads.get(whole.as_tensor()).unwrap().to_vec1::<f32>()?[0];
+        Ok((norm, scaled))
+    })
+    .unwrap();
+    for (norm, scaled) in got {
+        // sqrt(3² + 4² + 12²) = 13: every gradient halved.
+        assert!((norm - 13.0).abs() < 1e-9, "{norm}");
+        assert!((scaled - 6.0).abs() < 1e-5, "{scaled}");
+    }
+}

@@ -56,6 +56,30 @@ pub fn clip_grad_norm_over(
     error_if_nonfinite: bool,
     group: Option<&ProcessGroup>,
 ) -> Result<f64> {
+    clip_grad_norm_parts(
+        grads,
+        &[(vars, group)],
+        max_norm,
+        norm_type,
+        error_if_nonfinite,
+    )
+}
+
+/// [`clip_grad_norm`] over gradients laid out in several ways at once: each part's `vars`
+/// hold pieces spread over the ranks of its group (every element on one rank of it; `None`:
+/// this rank holds them whole), the total norm adds every part's (one all-reduce per part
+/// with a group, in the order given), and every rank scales by the same coefficient. Under
+/// tensor parallel with data parallel, for example, the cut weights' gradients are pieces over
+/// the tensor-parallel group and the replicated ones' are whole (or, under ZeRO-2, pieces over
+/// the whole mesh and over the data-parallel group). Every rank of every group must call it
+/// with the same parts.
+pub fn clip_grad_norm_parts(
+    grads: &mut GradStore,
+    parts: &[(&[Var], Option<&ProcessGroup>)],
+    max_norm: f64,
+    norm_type: f64,
+    error_if_nonfinite: bool,
+) -> Result<f64> {
     if norm_type.is_nan() || norm_type <= 0.0 {
         return Err(Error::InvalidArgument {
             what: "clip_grad_norm norm_type",
@@ -77,60 +101,68 @@ pub fn clip_grad_norm_over(
             detail: "NaN".into(),
         });
     }
-    let present: Vec<(&Var, Tensor)> = vars
-        .iter()
-        .filter_map(|v| grads.get(v.as_tensor()).map(|g| (v, g.clone())))
-        .collect();
     let infinity = norm_type.is_infinite();
-    // This rank's part: Σ|g|^p, or max|g|, in f64.
-    let mut local = 0f64;
-    for (_, g) in &present {
-        if g.elem_count() == 0 {
-            continue;
-        }
-        let a = g.to_dtype(DType::F64)?.abs()?;
-        let part = match (infinity, norm_type) {
-            // candle's max drops a NaN that is not first; a sum of |g| is NaN exactly when
-            // some element is.
-            (true, _) => {
-                let sum = a.sum_all()?;
-                if sum.to_scalar::<f64>()?.is_nan() {
-                    sum
-                } else {
-                    a.max_all()?
-                }
-            }
-            (false, 2.0) => a.sqr()?.sum_all()?,
-            (false, 1.0) => a.sum_all()?,
-            (false, p) => a.powf(p)?.sum_all()?,
-        }
-        .to_device(&Device::Cpu)?
-        .to_scalar::<f64>()?;
-        // NaN must win over max(), which would drop it.
-        local = match (infinity, part.is_nan() || local.is_nan()) {
-            (_, true) => f64::NAN,
-            (true, false) => local.max(part),
-            (false, false) => local + part,
-        };
-    }
-    let reduced = match group.filter(|g| g.world_size() > 1) {
-        Some(group) => {
-            let device = present
-                .first()
-                .map_or(Device::Cpu, |(_, g)| g.device().clone());
-            let op = if infinity {
-                ReduceOp::Max
-            } else {
-                ReduceOp::Sum
-            };
-            let t = Tensor::new(&[local], &Device::Cpu)?.to_device(&device)?;
-            group
-                .all_reduce(&t, op)?
-                .to_device(&Device::Cpu)?
-                .to_vec1::<f64>()?[0]
-        }
-        None => local,
+    // NaN must win over max(), which would drop it.
+    let combine = |a: f64, b: f64| match (infinity, a.is_nan() || b.is_nan()) {
+        (_, true) => f64::NAN,
+        (true, false) => a.max(b),
+        (false, false) => a + b,
     };
+    let mut present: Vec<(&Var, Tensor)> = Vec::new();
+    let mut reduced = 0f64;
+    for &(vars, group) in parts {
+        let mine: Vec<(&Var, Tensor)> = vars
+            .iter()
+            .filter_map(|v| grads.get(v.as_tensor()).map(|g| (v, g.clone())))
+            .collect();
+        // This rank's part: Σ|g|^p, or max|g|, in f64.
+        let mut local = 0f64;
+        for (_, g) in &mine {
+            if g.elem_count() == 0 {
+                continue;
+            }
+            let a = g.to_dtype(DType::F64)?.abs()?;
+            let part = match (infinity, norm_type) {
+                // candle's max drops a NaN that is not first; a sum of |g| is NaN exactly when
+                // some element is.
+                (true, _) => {
+                    let sum = a.sum_all()?;
+                    if sum.to_scalar::<f64>()?.is_nan() {
+                        sum
+                    } else {
+                        a.max_all()?
+                    }
+                }
+                (false, 2.0) => a.sqr()?.sum_all()?,
+                (false, 1.0) => a.sum_all()?,
+                (false, p) => a.powf(p)?.sum_all()?,
+            }
+            .to_device(&Device::Cpu)?
+            .to_scalar::<f64>()?;
+            local = combine(local, part);
+        }
+        let over_group = match group.filter(|g| g.world_size() > 1) {
+            Some(group) => {
+                let device = mine
+                    .first()
+                    .or(present.first())
+                    .map_or(group.device().clone(), |(_, g)| g.device().clone());
+                let op = if infinity {
+                    ReduceOp::Max
+                } else {
+                    ReduceOp::Sum
+                };
+                let t = Tensor::new(&[local], &Device::Cpu)?.to_device(&device)?;
+                group
+                    .all_reduce(&t, op)?
+                    .to_device(&Device::Cpu)?
+                    .to_vec1::<f64>()?[0]
+            }
+            None => local,
+        };
+        reduced = combine(reduced, over_group);
+        present.extend(mine);
+    }
     let total = if infinity {
         reduced
     } else {

@@ -43,7 +43,7 @@ mod sgd;
 mod sgd_kernel;
 
 pub use adamw::{AdamW, AdamWConfig};
-pub use clip::{clip_grad_norm, clip_grad_norm_over, clip_grad_value};
+pub use clip::{clip_grad_norm, clip_grad_norm_over, clip_grad_norm_parts, clip_grad_value};
 pub use finite::FiniteLoss;
 pub use sgd::{Sgd, SgdConfig};
 
