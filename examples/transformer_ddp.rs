@@ -38,6 +38,18 @@
 //! by itself, so that under `candle-run --max-restarts N` a job that lost a rank ends with the
 //! weights of a run that never stopped.
 //!
+//! `--tensor-parallel T` lays the processes out as a `[dp, tp]` mesh (`--nproc` a multiple of
+//! T): each block's attention heads and MLP hidden features are cut over the T ranks of a
+//! "tp" group (`candle_parallel::tensor_parallel`), and DDP (or ZeRO-2) runs along "dp", each
+//! "dp" rank taking its share of the data. `--sequence-parallel` also splits the residual
+//! stream along the sequence between those layers (the norms, the embeddings and the head run
+//! on 1/T of the positions). The cut model starts from the one-process weights, takes the same
+//! steps and prints the same losses, to float noise; `--save` puts the parts back together
+//! into the one-process model's weights:
+//!
+//!     cargo run --release --example transformer_ddp -- --nproc 4 --tensor-parallel 2 \
+//!         --sequence-parallel --batch-size 16
+//!
 //! For `scripts/torch_transformer_bench.py`: `--dump-step FILE` writes the initial weights, one
 //! batch, its loss and every gradient, and exits; `--time-steps N` times N training steps.
 
@@ -50,13 +62,14 @@ use candle_parallel::amp::{GradScaler, GradScalerConfig, MixedPrecision};
 use candle_parallel::checkpoint::resume::{Progress, ResumeDir};
 use candle_parallel::ddp::{Compression, DdpConfig, NoSync, Sharding};
 use candle_parallel::devices::gpu_count;
-use candle_parallel::distributed::{ProcessGroup, ReduceOp, Rendezvous};
+use candle_parallel::distributed::{DeviceMesh, ProcessGroup, ReduceOp, Rendezvous};
 use candle_parallel::fsdp::FsdpNoSync;
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::launch::{self, LaunchConfig};
 use candle_parallel::memory::{self, MemoryReport};
-use candle_parallel::optim::{AdamW, AdamWConfig, FiniteLoss};
+use candle_parallel::optim::{clip_grad_norm_parts, AdamW, AdamWConfig, FiniteLoss};
 use candle_parallel::sampler::{DistributedSampler, SamplerConfig};
+use candle_parallel::tensor_parallel::sum_sequence_parallel_gradients;
 use candle_parallel::{checkpoint, DistributedDataParallel, FsdpConfig, FullyShardedDataParallel};
 use clap::{Parser, ValueEnum};
 use std::collections::HashMap;
@@ -66,7 +79,10 @@ use std::time::Instant;
 #[path = "common/transformer.rs"]
 mod transformer;
 
-use transformer::{sort_loss, Config, SortTask, Transformer, VOCAB};
+use transformer::{
+    parallel_plan, sort_loss, sort_loss_at, Config, SortTask, TensorParallel, Transformer, Whole,
+    VOCAB,
+};
 
 /// Train a small transformer to sort digits, with DistributedDataParallel.
 #[derive(Parser, Debug)]
@@ -124,6 +140,15 @@ struct Args {
     /// two moments): checked before training, which stops when the chosen sharding does not fit.
     #[arg(long)]
     memory_budget: Option<f64>,
+    /// Ranks that share each block, cut inside (tensor parallel): the processes form a
+    /// `[dp, tp]` mesh, DDP along "dp" (`--batch-size` is per "dp" rank).
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
+    /// With --tensor-parallel: split the residual stream along the sequence between the cut
+    /// layers (Megatron's sequence parallel; the sequence, 2 x --digits, must be a multiple of
+    /// --tensor-parallel).
+    #[arg(long)]
+    sequence_parallel: bool,
     /// Processes to spawn when not started by candle-run, torchrun or srun (then this process
     /// is one rank of the job they started).
     #[arg(long, default_value_t = 1)]
@@ -224,6 +249,7 @@ fn main() -> Result<()> {
         args.warmup
     );
     args.config().check().map_err(anyhow::Error::msg)?;
+    args.check_tensor_parallel()?;
     anyhow::ensure!(
         args.checkpoint_every > 0,
         "--checkpoint-every must be at least 1 step"
@@ -248,6 +274,48 @@ impl Args {
             layers: self.layers,
             checkpoint_every: self.activation_checkpointing.unwrap_or(0),
         }
+    }
+
+    /// The flags that tensor parallel needs, or what to change.
+    fn check_tensor_parallel(&self) -> Result<()> {
+        let t = self.tensor_parallel;
+        anyhow::ensure!(t > 0, "--tensor-parallel must be at least 1");
+        anyhow::ensure!(
+            !self.sequence_parallel || t > 1,
+            "--sequence-parallel splits the sequence over the --tensor-parallel ranks: give \
+             --tensor-parallel 2 or more"
+        );
+        if t == 1 {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            self.heads % t == 0 && self.dim % t == 0,
+            "--tensor-parallel {t} must divide --heads {} and --dim {}: each rank takes a share \
+             of the heads and of the MLP's features",
+            self.heads,
+            self.dim
+        );
+        anyhow::ensure!(
+            !self.sequence_parallel || (2 * self.digits) % t == 0,
+            "--sequence-parallel over {t} ranks needs a sequence (2 x --digits = {}) that is a \
+             multiple of {t}",
+            2 * self.digits
+        );
+        anyhow::ensure!(
+            self.sharding != ShardingArg::Full,
+            "--tensor-parallel runs with --sharding none or zero2; fully sharded blocks that \
+             are also cut inside (FSDP over \"dp\" of tensor-parallel parts) are not built yet"
+        );
+        anyhow::ensure!(
+            self.checkpoint_dir.is_none(),
+            "--checkpoint-dir keeps DDP's and ZeRO-2's checkpoints, which hold whole weights; \
+             under --tensor-parallel use --save, which puts the parts back together"
+        );
+        anyhow::ensure!(
+            self.dump_step.is_none() && self.time_steps.is_none(),
+            "--dump-step and --time-steps run one process: drop --tensor-parallel"
+        );
+        Ok(())
     }
 
     fn mixed_precision(&self) -> MixedPrecision {
@@ -302,6 +370,25 @@ fn rank_main(args: &Args) -> Result<()> {
     let (rank, world) = (pg.rank(), pg.world_size());
     let (train, test) = SortTask::generate(args.digits, args.train_size, args.test_size, args.seed);
     let config = args.config();
+    let t = args.tensor_parallel;
+    anyhow::ensure!(
+        world % t == 0,
+        "--tensor-parallel {t} must divide the {world} processes: the mesh is [dp {world} / {t}, \
+         tp {t}]"
+    );
+    // DDP along "dp"; each block cut over "tp".
+    let (dp, tp) = match t {
+        1 => (pg.clone(), None),
+        _ => {
+            let mesh = DeviceMesh::new(&pg, &[("dp", world / t), ("tp", t)])?;
+            let tp = TensorParallel {
+                group: mesh.get_group("tp")?.clone(),
+                sequence_parallel: args.sequence_parallel,
+            };
+            (mesh.get_group("dp")?.clone(), Some(tp))
+        }
+    };
+    let replicas = dp.world_size();
     if let Some(steps) = args.time_steps {
         anyhow::ensure!(
             world == 1,
@@ -313,6 +400,13 @@ fn rank_main(args: &Args) -> Result<()> {
         if world > 1 {
             println!("Let's use {world} processes!");
         }
+        if t > 1 {
+            let sp = match args.sequence_parallel {
+                true => ", sequence parallel",
+                false => "",
+            };
+            println!("Mesh [dp {replicas}, tp {t}]: each block cut over {t} ranks{sp}");
+        }
         println!(
             "Transformer: {} layers, dim {}, {} heads, {} parameters; sorting {} digits, {} \
              training and {} held-out samples; global batch {}",
@@ -323,17 +417,24 @@ fn rank_main(args: &Args) -> Result<()> {
             args.digits,
             train.size(),
             test.size(),
-            args.batch_size * world * args.accumulate
+            args.batch_size * replicas * args.accumulate
         );
     }
-    check_budget(args, config.parameters(), world, rank)?;
-    let model = Model::new(args, &pg, &device)?;
+    check_budget(args, per_rank_parameters(&config, t), replicas, rank)?;
+    let model = Model::new(args, &dp, tp.as_ref(), &device)?;
     let mut opt = AdamW::new(model.parameters(), args.adamw())?;
+    let zero2 = args.sharding == ShardingArg::Zero2;
+    let cut = Cut::new(&model, tp.as_ref(), &pg, &dp, zero2);
+    // Under sequence parallel, the first of this rank's positions.
+    let sp_start = match &tp {
+        Some(tp) if tp.sequence_parallel => Some(tp.group.rank() * train.context() / t),
+        _ => None,
+    };
     let options = SamplerConfig {
         seed: args.seed,
         ..SamplerConfig::default()
     };
-    let mut sampler = DistributedSampler::for_group(train.size(), &pg, options)?;
+    let mut sampler = DistributedSampler::for_group(train.size(), &dp, options)?;
     if let Some(path) = &args.dump_step {
         anyhow::ensure!(
             world == 1,
@@ -419,7 +520,11 @@ fn rank_main(args: &Args) -> Result<()> {
                 // All but the last micro-batch sum their gradients locally.
                 let _local = (i + 1 < micros.len()).then(|| model.no_sync());
                 let logits = model.forward_t(&inputs, true)?;
-                let loss = (sort_loss(&logits, &answers)? / k)?;
+                let loss = match sp_start {
+                    Some(start) => sort_loss_at(&logits, &answers, start)?,
+                    None => sort_loss(&logits, &answers)?,
+                };
+                let loss = (loss / k)?;
                 let scaled = match &scaler {
                     Some(s) => s.scale(&loss)?,
                     None => loss.clone(),
@@ -436,8 +541,9 @@ fn rank_main(args: &Args) -> Result<()> {
             if let Some(s) = scaler.as_mut() {
                 s.unscale(&mut grads, &vars)?;
             }
+            cut.sum_sequence_parallel_gradients(&mut grads)?;
             if let Some(max) = args.clip_grad_norm {
-                model.clip_grad_norm(&mut grads, max)?;
+                cut.clip_grad_norm(&model, &mut grads, max)?;
             }
             match scaler.as_mut() {
                 Some(s) => {
@@ -472,10 +578,12 @@ fn rank_main(args: &Args) -> Result<()> {
         // The steps and tokens of this epoch that this run trained (a resumed epoch has fewer;
         // every rank's share is equally long, so they agree).
         let steps = (indices.len() - skip).div_ceil(micro * args.accumulate);
-        let loss = all_reduce_mean(&pg, loss_sum / steps.max(1) as f64, &device)?;
+        // Under sequence parallel each "tp" rank's loss covers its positions: they add up.
+        let parts = if sp_start.is_some() { t as f64 } else { 1.0 };
+        let loss = parts * all_reduce_mean(&pg, loss_sum / steps.max(1) as f64, &device)?;
         let seconds = epoch_started.elapsed().as_secs_f64();
-        let tokens = ((indices.len() - skip) * world * train.context()) as f64;
-        let (correct, n) = evaluate(&model, &pg, &test, &device)?;
+        let tokens = ((indices.len() - skip) * replicas * train.context()) as f64;
+        let (correct, n) = evaluate(&model, &dp, &test, &device)?;
         if rank == 0 {
             let lr = opt.learning_rate();
             match steps {
@@ -506,7 +614,7 @@ fn rank_main(args: &Args) -> Result<()> {
     }
     if let Some(path) = &args.save {
         // Every rank takes part in gathering the weights; rank 0 writes them.
-        let weights = model.full_weights()?;
+        let weights = model.full_weights(tp.as_ref())?;
         if rank == 0 {
             checkpoint::save(&weights, path)
                 .with_context(|| format!("saving the model to {}", path.display()))?;
@@ -610,9 +718,15 @@ enum Model {
 }
 
 impl Model {
-    fn new(args: &Args, pg: &ProcessGroup, device: &Device) -> Result<Self> {
+    fn new(
+        args: &Args,
+        pg: &ProcessGroup,
+        tp: Option<&TensorParallel>,
+        device: &Device,
+    ) -> Result<Self> {
         let config = args.config();
-        let build = move |vb: VarBuilder| Transformer::new(config, vb);
+        let cut = tp.cloned();
+        let build = move |vb: VarBuilder| Transformer::new_parallel(config, vb, cut.clone());
         let varmap = VarMap::new();
         if args.sharding == ShardingArg::Full {
             // The same seeded weights, created unit by unit: no rank ever holds the whole model.
@@ -626,7 +740,31 @@ impl Model {
             )?));
         }
         // Seeded initial weights; DDP makes every rank take rank 0's anyway.
-        build(seeded_var_builder(&varmap, args.seed, DType::F32, device))?;
+        match tp {
+            None => drop(build(seeded_var_builder(
+                &varmap,
+                args.seed,
+                DType::F32,
+                device,
+            ))?),
+            // The one-process model's, each rank keeping its parts.
+            Some(tp) => {
+                let whole = VarMap::new();
+                Transformer::new(
+                    config,
+                    seeded_var_builder(&whole, args.seed, DType::F32, device),
+                )?;
+                let whole = whole.data().lock().unwrap().clone();
+                let parts = parallel_plan().shard_all(
+                    whole.iter().map(|(n, v)| (n.as_str(), v.as_tensor())),
+                    &tp.group,
+                )?;
+                let mut data = varmap.data().lock().unwrap();
+                for (name, part) in parts {
+                    data.insert(name, Var::from_tensor(&part)?);
+                }
+            }
+        }
         let ddp_config = DdpConfig {
             compression: args.compression(),
             sharding: match args.sharding {
@@ -696,15 +834,20 @@ impl Model {
         }
     }
 
-    /// Every weight by name, whole (every rank must call it).
-    fn full_weights(&self) -> Result<HashMap<String, Tensor>> {
+    /// Every weight by name, whole: the one-process model's (every rank must call it).
+    fn full_weights(&self, tp: Option<&TensorParallel>) -> Result<HashMap<String, Tensor>> {
         Ok(match self {
             Self::Ddp(m) => {
                 m.gather_parameters()?;
-                m.named_parameters()
+                let named: Vec<(String, Tensor)> = m
+                    .named_parameters()
                     .into_iter()
                     .map(|(n, v)| (n, v.as_tensor().clone()))
-                    .collect()
+                    .collect();
+                match tp {
+                    Some(tp) => parallel_plan().gather(&named, &tp.group)?,
+                    None => named.into_iter().collect(),
+                }
             }
             Self::Full(m) => m.full_parameters()?.into_iter().collect(),
         })
@@ -729,6 +872,90 @@ impl Model {
                 }
             }
         }
+    }
+}
+
+/// The parameters each rank holds when each block is cut over `t` ranks: the replicated ones
+/// whole, a `t`-th of each block's attention and MLP weights (the row-parallel biases whole).
+fn per_rank_parameters(config: &Config, t: usize) -> usize {
+    let d = config.dim;
+    let cut = config.layers * (3 * d * d + 3 * d + d * d + 4 * d * d + 4 * d + 4 * d * d);
+    config.parameters() - cut + cut / t
+}
+
+/// How the parameters lie over the "tp" ranks, for what tensor parallel adds to a step.
+enum Cut {
+    /// No tensor parallel.
+    Whole,
+    Parallel {
+        tp: TensorParallel,
+        /// The cut parameters (or, under ZeRO-2, their pieces) and the group over which their
+        /// gradients are pieces: "tp", or under ZeRO-2 the whole mesh.
+        cut: (Vec<Var>, ProcessGroup),
+        /// The replicated ones, and the group over which their gradients are pieces: none, or
+        /// under ZeRO-2 "dp".
+        replicated: (Vec<Var>, Option<ProcessGroup>),
+    },
+}
+
+impl Cut {
+    fn new(
+        model: &Model,
+        tp: Option<&TensorParallel>,
+        world: &ProcessGroup,
+        dp: &ProcessGroup,
+        zero2: bool,
+    ) -> Self {
+        let (Some(tp), Model::Ddp(m)) = (tp, model) else {
+            return Self::Whole;
+        };
+        let plan = parallel_plan();
+        let (mut cut, mut replicated) = (Vec::new(), Vec::new());
+        for (name, var) in m.parameter_names().iter().zip(m.parameters()) {
+            match plan.is_replicated(name) {
+                true => replicated.push(var),
+                false => cut.push(var),
+            }
+        }
+        Self::Parallel {
+            tp: tp.clone(),
+            cut: (
+                cut,
+                if zero2 {
+                    world.clone()
+                } else {
+                    tp.group.clone()
+                },
+            ),
+            replicated: (replicated, zero2.then(|| dp.clone())),
+        }
+    }
+
+    /// Under sequence parallel, sums the replicated parameters' gradients over "tp": each
+    /// rank's covers its positions only.
+    fn sum_sequence_parallel_gradients(&self, grads: &mut GradStore) -> Result<()> {
+        if let Self::Parallel { tp, replicated, .. } = self {
+            if tp.sequence_parallel {
+                sum_sequence_parallel_gradients(grads, &replicated.0, &tp.group)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Clips the gradients' total 2-norm over the whole model: under tensor parallel the cut
+    /// parameters' pieces added over their group, the replicated ones counted once.
+    fn clip_grad_norm(&self, model: &Model, grads: &mut GradStore, max: f64) -> Result<f64> {
+        let Self::Parallel {
+            cut, replicated, ..
+        } = self
+        else {
+            return Ok(model.clip_grad_norm(grads, max)?);
+        };
+        let parts = [
+            (&cut.0[..], Some(&cut.1)),
+            (&replicated.0[..], replicated.1.as_ref()),
+        ];
+        Ok(clip_grad_norm_parts(grads, &parts, max, 2.0, false)?)
     }
 }
 
@@ -789,7 +1016,8 @@ impl Module for Eval<'_> {
     }
 }
 
-/// How many held-out samples the model sorts exactly, and how many there are: each rank
+/// How many held-out samples the model sorts exactly, and how many there are: each rank of
+/// `pg` (the data-parallel ranks; the "tp" ranks of one decode the same samples together)
 /// decodes every `world`-th sample (none twice), and the counts are all-reduced.
 fn evaluate(
     model: &Model,
@@ -800,9 +1028,17 @@ fn evaluate(
     let (rank, world) = (pg.rank(), pg.world_size());
     let mine: Vec<usize> = (rank..test.size()).step_by(world).collect();
     let mut correct = 0;
+    // Every position, whatever the training forward splits.
+    let whole = match model {
+        Model::Ddp(m) => Some(m.module()),
+        Model::Full(_) => None,
+    };
     for batch in mine.chunks(EVAL_BATCH) {
         let (inputs, answers) = test.batch(batch, device)?;
-        correct += test.exact_matches(&Eval(model), &inputs, &answers)?;
+        correct += match whole {
+            Some(m) => test.exact_matches(&Whole(m), &inputs, &answers)?,
+            None => test.exact_matches(&Eval(model), &inputs, &answers)?,
+        };
     }
     let sums = Tensor::new(&[correct as f64, mine.len() as f64], device)?;
     let sums = pg.all_reduce(&sums, ReduceOp::Sum)?.to_vec1::<f64>()?;

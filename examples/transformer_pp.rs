@@ -21,17 +21,30 @@
 //! O MiB, peak RSS R MiB`, each the largest over the ranks. `--plot FILE.svg` draws the last
 //! step: each rank's forwards and backwards by time. `--compare` first trains the whole model
 //! in one process, alone, with the same flags, and prints the pipeline's tokens/s beside its.
+//!
+//! `--data-parallel D` and `--tensor-parallel T` add the other two dimensions of a
+//! `[dp, pp, tp]` mesh (torchtitan's 3-D parallelism; `--pipeline` × D × T processes): each
+//! stage's blocks are cut inside over the T ranks of a "tp" group
+//! (`candle_parallel::tensor_parallel`, starting from the one-process weights), and D whole
+//! pipelines train on their `DistributedSampler` shares (`--batch-size` each), averaging their
+//! gradients along "dp" after each step. The losses stay one process's with the same global
+//! batch:
+//!
+//!     cargo run --release --example transformer_pp -- --pipeline 2 --data-parallel 2 \
+//!         --tensor-parallel 2 --batch-size 16     # 8 processes
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Optimizer;
 use candle_nn::VarMap;
-use candle_parallel::distributed::{ProcessGroup, ReduceOp};
+use candle_parallel::distributed::{DeviceMesh, ProcessGroup, ReduceOp};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::launch::{self, LaunchConfig};
 use candle_parallel::memory;
 use candle_parallel::optim::{AdamW, AdamWConfig};
-use candle_parallel::pipeline::{Computation, PipelineSchedule, PipelineStage, Schedule};
+use candle_parallel::pipeline::{
+    all_reduce_gradients, Computation, PipelineSchedule, PipelineStage, Schedule,
+};
 use candle_parallel::sampler::{DistributedSampler, SamplerConfig};
 use clap::{Parser, ValueEnum};
 use std::path::PathBuf;
@@ -44,16 +57,22 @@ mod transformer;
 mod plot;
 
 use transformer::{
-    sort_loss, stage_blocks, Config, SortTask, Transformer, TransformerStage, VOCAB,
+    parallel_plan, sort_loss, stage_blocks, Config, SortTask, Transformer, TransformerStage, VOCAB,
 };
 
 /// Train a small transformer to sort digits, cut into pipeline stages.
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Args {
-    /// Pipeline ranks (processes); 1 trains the whole model in this process.
+    /// Pipeline ranks; 1 with no other parallelism trains the whole model in this process.
     #[arg(long, default_value_t = 1)]
     pipeline: usize,
+    /// Whole pipelines training side by side on shares of the data ("dp" of the mesh).
+    #[arg(long, default_value_t = 1)]
+    data_parallel: usize,
+    /// Ranks that share each stage's blocks, cut inside ("tp" of the mesh).
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
     /// The order of the micro-batches' forwards and backwards.
     #[arg(long, value_enum, default_value_t = ScheduleArg::OneFOneB)]
     schedule: ScheduleArg,
@@ -78,7 +97,8 @@ struct Args {
     /// Epochs.
     #[arg(long, default_value_t = 2)]
     epochs: usize,
-    /// Samples per batch (the whole pipeline's; cut into micro-batches).
+    /// Samples per batch of each pipeline (cut into micro-batches); the global batch is this
+    /// times --data-parallel.
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
     /// Peak learning rate of AdamW.
@@ -147,7 +167,18 @@ fn main() -> Result<()> {
     candle_parallel::logging::init();
     candle_parallel::memory::keep_freed_memory();
     let args = Args::parse();
-    anyhow::ensure!(args.pipeline > 0, "--pipeline must be at least 1");
+    anyhow::ensure!(
+        args.pipeline > 0 && args.data_parallel > 0 && args.tensor_parallel > 0,
+        "--pipeline, --data-parallel and --tensor-parallel must be at least 1"
+    );
+    let t = args.tensor_parallel;
+    anyhow::ensure!(
+        args.heads % t == 0 && args.dim % t == 0,
+        "--tensor-parallel {t} must divide --heads {} and --dim {}: each rank takes a share of \
+         the heads and of the MLP's features",
+        args.heads,
+        args.dim
+    );
     anyhow::ensure!(args.epochs > 0, "--epochs must be at least 1");
     anyhow::ensure!(
         args.batch_size >= args.microbatches,
@@ -165,7 +196,7 @@ fn main() -> Result<()> {
         std::env::set_var(ONE_PROCESS_VAR, tokens_per_s.to_string());
     }
     let config = LaunchConfig {
-        nproc_per_node: args.pipeline,
+        nproc_per_node: args.pipeline * args.data_parallel * args.tensor_parallel,
         prefix_output: false,
         ..LaunchConfig::default()
     };
@@ -183,7 +214,10 @@ fn one_process_tokens_per_s(args: &Args) -> Result<f64> {
         ("--heads", args.heads.to_string()),
         ("--digits", args.digits.to_string()),
         ("--epochs", args.epochs.to_string()),
-        ("--batch-size", args.batch_size.to_string()),
+        (
+            "--batch-size",
+            (args.batch_size * args.data_parallel).to_string(),
+        ),
         ("--lr", args.lr.to_string()),
         ("--weight-decay", args.weight_decay.to_string()),
         ("--warmup", args.warmup.to_string()),
@@ -242,9 +276,76 @@ struct Measured {
     spans: Vec<plot::Span>,
 }
 
+/// This rank's groups along the mesh's three dimensions.
+struct Groups {
+    /// None without data parallel.
+    dp: Option<ProcessGroup>,
+    pp: ProcessGroup,
+    tp: Option<ProcessGroup>,
+}
+
+impl Groups {
+    /// `[dp, pp, tp]` over `pg` (the pipelines' ranks along "pp"); without data or tensor
+    /// parallel every rank is a pipeline rank.
+    fn new(args: &Args, pg: &ProcessGroup) -> Result<Self> {
+        let (d, t, world) = (args.data_parallel, args.tensor_parallel, pg.world_size());
+        anyhow::ensure!(
+            world % (d * t) == 0,
+            "{world} processes do not make a [dp {d}, pp, tp {t}] mesh: start --pipeline x \
+             --data-parallel x --tensor-parallel of them"
+        );
+        if d * t == 1 {
+            return Ok(Self {
+                dp: None,
+                pp: pg.clone(),
+                tp: None,
+            });
+        }
+        let mesh = DeviceMesh::new(pg, &[("dp", d), ("pp", world / (d * t)), ("tp", t)])?;
+        Ok(Self {
+            dp: (d > 1).then(|| mesh.get_group("dp").cloned()).transpose()?,
+            pp: mesh.get_group("pp")?.clone(),
+            tp: (t > 1).then(|| mesh.get_group("tp").cloned()).transpose()?,
+        })
+    }
+}
+
+/// Stage `s` of `n` (of the transformer `config` describes) on this rank: the one-process
+/// model's weights, cut over `tp` when there is one.
+fn stage_module(
+    config: Config,
+    s: usize,
+    n: usize,
+    seed: u64,
+    tp: Option<&ProcessGroup>,
+    varmap: &VarMap,
+) -> Result<TransformerStage> {
+    let device = Device::Cpu;
+    if let Some(tp) = tp {
+        let whole = VarMap::new();
+        TransformerStage::new(
+            config,
+            s,
+            n,
+            seeded_var_builder(&whole, seed, DType::F32, &device),
+        )?;
+        let whole = whole.data().lock().unwrap().clone();
+        let parts = parallel_plan()
+            .shard_all(whole.iter().map(|(n, v)| (n.as_str(), v.as_tensor())), tp)?;
+        let mut data = varmap.data().lock().unwrap();
+        for (name, part) in parts {
+            data.insert(name, candle_core::Var::from_tensor(&part)?);
+        }
+    }
+    let vb = seeded_var_builder(varmap, seed, DType::F32, &device);
+    Ok(TransformerStage::new_parallel(config, s, n, vb, tp)?)
+}
+
 fn rank_main(args: &Args) -> Result<()> {
     let device = Device::Cpu;
-    let pg = ProcessGroup::from_env(&device)?;
+    let world_pg = ProcessGroup::from_env(&device)?;
+    let groups = Groups::new(args, &world_pg)?;
+    let pg = groups.pp.clone();
     let (rank, world) = (pg.rank(), pg.world_size());
     let config = args.config();
     let (train, _) = SortTask::generate(args.digits, args.train_size, args.test_size, args.seed);
@@ -252,7 +353,8 @@ fn rank_main(args: &Args) -> Result<()> {
     let vb = seeded_var_builder(&varmap, args.seed, DType::F32, &device);
     let schedule = args.schedule();
     let n_stages = world * schedule.stages_per_rank();
-    let trainer = if world == 1 && schedule.stages_per_rank() == 1 {
+    let whole = world == 1 && schedule.stages_per_rank() == 1 && groups.tp.is_none();
+    let trainer = if whole {
         Trainer::Whole(Transformer::new(config, vb)?)
     } else {
         let stages = schedule
@@ -260,8 +362,8 @@ fn rank_main(args: &Args) -> Result<()> {
             .into_iter()
             .map(|s| {
                 let varmap = VarMap::new();
-                let vb = seeded_var_builder(&varmap, args.seed, DType::F32, &device);
-                let module = TransformerStage::new(config, s, n_stages, vb)?;
+                let module =
+                    stage_module(config, s, n_stages, args.seed, groups.tp.as_ref(), &varmap)?;
                 Ok(PipelineStage::new(module, &varmap, s, n_stages, &pg)?)
             })
             .collect::<Result<Vec<_>>>()?;
@@ -281,7 +383,11 @@ fn rank_main(args: &Args) -> Result<()> {
         Trainer::Whole(_) => true,
         Trainer::Pipeline { stages, .. } => stages.iter().any(|s| s.is_last()),
     };
-    if rank == 0 {
+    let (dp_size, t) = (args.data_parallel, args.tensor_parallel);
+    // The rank that speaks for its pipeline: the first of "dp" and of "tp".
+    let first = |g: &Option<ProcessGroup>| g.as_ref().is_none_or(|g| g.rank() == 0);
+    let speaks = first(&groups.dp) && first(&groups.tp);
+    if world_pg.rank() == 0 {
         let layout = match &trainer {
             Trainer::Whole(_) => "one process".to_string(),
             Trainer::Pipeline { schedule, .. } => format!(
@@ -289,6 +395,10 @@ fn rank_main(args: &Args) -> Result<()> {
                 schedule.schedule(),
                 args.microbatches
             ),
+        };
+        let layout = match dp_size * t {
+            1 => layout,
+            _ => format!("mesh [dp {dp_size}, pp {world}, tp {t}]: {layout} per pipeline"),
         };
         println!(
             "Transformer: {} layers, dim {}, {} heads, {} parameters; sorting {} digits, {} \
@@ -299,7 +409,7 @@ fn rank_main(args: &Args) -> Result<()> {
             config.parameters(),
             args.digits,
             train.size(),
-            args.batch_size
+            args.batch_size * dp_size
         );
     }
     let adamw = AdamWConfig {
@@ -313,7 +423,10 @@ fn rank_main(args: &Args) -> Result<()> {
         seed: args.seed,
         ..SamplerConfig::default()
     };
-    let mut sampler = DistributedSampler::new(train.size(), 1, 0, options)?;
+    let mut sampler = match &groups.dp {
+        Some(dp) => DistributedSampler::for_group(train.size(), dp, options)?,
+        None => DistributedSampler::new(train.size(), 1, 0, options)?,
+    };
     let steps_per_epoch = sampler.len().div_ceil(args.batch_size);
     let total = steps_per_epoch * args.epochs;
     let warm = ((args.warmup * total as f64).round() as usize).max(1);
@@ -357,6 +470,11 @@ fn rank_main(args: &Args) -> Result<()> {
                     out.grads
                 }
             };
+            let mut grads = grads;
+            // The pipelines average their gradients along "dp".
+            if let Some(dp) = &groups.dp {
+                all_reduce_gradients(&mut grads, &params, dp)?;
+            }
             last_grads = params
                 .iter()
                 .filter_map(|p| grads.get(p.as_tensor()))
@@ -365,9 +483,14 @@ fn rank_main(args: &Args) -> Result<()> {
             opt.step(&grads)?;
         }
         let seconds = epoch_started.elapsed().as_secs_f64();
-        let tokens = (sampler.len() * train.context()) as f64;
+        let tokens = (sampler.len() * dp_size * train.context()) as f64;
         last_tokens_per_s = tokens / seconds;
-        if holds_last {
+        if let (true, Some(dp)) = (holds_last, &groups.dp) {
+            // The mean over the pipelines (the ranks of "dp" all hold the last stage).
+            let sum = Tensor::new(&[loss_sum], &device)?;
+            loss_sum = dp.all_reduce(&sum, ReduceOp::Avg)?.to_vec1::<f64>()?[0];
+        }
+        if holds_last && speaks {
             println!(
                 "Epoch {epoch}/{}: train loss {:.6}, lr {:.2e}, {:.0} tokens/s",
                 args.epochs,
@@ -377,20 +500,24 @@ fn rank_main(args: &Args) -> Result<()> {
             );
         }
     }
-    if let (true, Ok(one)) = (holds_last, std::env::var(ONE_PROCESS_VAR)) {
+    if let (true, true, Ok(one)) = (holds_last, speaks, std::env::var(ONE_PROCESS_VAR)) {
         let one: f64 = one.parse()?;
         println!(
-            "tokens/s: {last_tokens_per_s:.0} in {world} processes against {one:.0} in one \
+            "tokens/s: {last_tokens_per_s:.0} in {} processes against {one:.0} in one \
              process ({:.2}x), the last epoch of each",
+            world_pg.world_size(),
             last_tokens_per_s / one
         );
     }
     // Ranks print in turn, after the last loss line.
-    pg.barrier()?;
-    if rank == 0 {
+    world_pg.barrier()?;
+    if world_pg.rank() == 0 {
         println!("Finished in {:.1}s", started.elapsed().as_secs_f64());
     }
-    report(args, &pg, &trainer, &params, &measured)?;
+    // One pipeline's table: the first along "dp" and "tp".
+    if speaks {
+        report(args, &pg, &trainer, &params, &measured)?;
+    }
     let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
     let mine = [
         memory::tensor_bytes(params.iter().map(|p| p.as_tensor())),
@@ -399,17 +526,17 @@ fn rank_main(args: &Args) -> Result<()> {
         memory::peak_rss_bytes().unwrap_or(0),
     ]
     .map(mib);
-    let most = pg
+    let most = world_pg
         .all_reduce(&Tensor::new(&mine, &device)?, ReduceOp::Max)?
         .to_vec1::<f64>()?;
-    if rank == 0 {
+    if world_pg.rank() == 0 {
         println!(
             "memory per rank: parameters {:.2} MiB, gradients {:.2} MiB, optimizer {:.2} MiB, \
              peak RSS {:.1} MiB",
             most[0], most[1], most[2], most[3]
         );
     }
-    pg.barrier()?;
+    world_pg.barrier()?;
     Ok(())
 }
 
@@ -487,9 +614,10 @@ fn report(
     }
     println!(
         "bubble: measured {:.1}% (mean over ranks) against {:.1}% in theory; parameters per \
-         rank about 1/{world} of {whole}",
+         rank about 1/{} of {whole}",
         100.0 * measured_mean,
-        100.0 * theory
+        100.0 * theory,
+        world * args.tensor_parallel
     );
     if let Some(path) = &args.plot {
         let mut all = Vec::new();

@@ -594,3 +594,63 @@ fn the_model_parallel_tutorial_as_a_pipeline_matches_one_process() {
     assert_eq!(out.matches("loss").count(), 10, "{out}");
     assert_eq!(out.matches("against one process").count(), 2, "{out}");
 }
+
+/// `transformer_pp` with `extra` (20 steps of a global batch of 32), its one loss line.
+fn transformer_pp_loss(extra: &[&str]) -> (f64, String) {
+    let small = [
+        "--train-size",
+        "640",
+        "--test-size",
+        "50",
+        "--epochs",
+        "1",
+        "--layers",
+        "2",
+        "--dim",
+        "32",
+        "--heads",
+        "2",
+        "--digits",
+        "4",
+    ];
+    let mut cmd = std::process::Command::new(common::example("transformer_pp"));
+    cmd.args(small).args(extra);
+    let out = common::run_ok(cmd, LIMIT);
+    let losses = train_losses(&out);
+    assert_eq!(losses.len(), 1, "one loss line, from one rank:\n{out}");
+    (losses[0], out)
+}
+
+#[test]
+fn a_dp_by_pp_by_tp_mesh_of_8_processes_takes_the_steps_of_one_process() {
+    let (one, _) = transformer_pp_loss(&["--batch-size", "32"]);
+    for (extra, mesh) in [
+        (
+            &[
+                "--pipeline",
+                "2",
+                "--data-parallel",
+                "2",
+                "--tensor-parallel",
+                "2",
+            ][..],
+            "mesh [dp 2, pp 2, tp 2]",
+        ),
+        (
+            &["--pipeline", "2", "--tensor-parallel", "2"][..],
+            "mesh [dp 1, pp 2, tp 2]",
+        ),
+    ] {
+        let batch = if extra.contains(&"--data-parallel") {
+            "16"
+        } else {
+            "32"
+        };
+        let (loss, out) = transformer_pp_loss(&[extra, &["--batch-size", batch]].concat());
+        assert!(out.contains(mesh), "{out}");
+        assert!(
+            (loss - one).abs() <= 1e-5,
+            "{mesh}: loss {loss} against one process's {one}\n{out}"
+        );
+    }
+}

@@ -5,7 +5,7 @@ mod common;
 #[path = "../examples/common/transformer.rs"]
 mod transformer;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::process::Command;
 use std::time::Duration;
@@ -329,4 +329,231 @@ fn a_memory_budget_that_only_full_sharding_fits_is_checked_and_said() {
         ),
         "{out}"
     );
+}
+
+/// The model the tensor-parallel runs train: 4 heads, so that 4 ranks can share them.
+const CUT: [&str; 17] = [
+    "--cpu",
+    "--layers",
+    "2",
+    "--dim",
+    "32",
+    "--heads",
+    "4",
+    "--digits",
+    "4",
+    "--train-size",
+    "640",
+    "--test-size",
+    "50",
+    "--epochs",
+    "1",
+    "--warmup",
+    "0.2",
+];
+
+/// 20 steps (640 samples, a global batch of 32) with `extra`: the loss line's value, the saved
+/// weights and the output.
+fn twenty_steps(extra: &[&str], dir: &std::path::Path) -> (f64, Vec<(String, Tensor)>, String) {
+    let path = dir.join(format!("{}.safetensors", extra.join("_").replace('-', "")));
+    let mut cmd = Command::new(common::example("transformer_ddp"));
+    cmd.args(CUT).args(extra).arg("--save").arg(&path);
+    let out = common::run_ok(cmd, Duration::from_secs(120));
+    let loss = out
+        .lines()
+        .find_map(|l| l.split("train loss ").nth(1))
+        .and_then(|s| s.split(',').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no loss line:\n{out}"));
+    let mut weights: Vec<(String, Tensor)> = candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .collect();
+    weights.sort_by(|a, b| a.0.cmp(&b.0));
+    (loss, weights, out)
+}
+
+#[test]
+fn tensor_parallel_on_dp_by_tp_meshes_takes_the_steps_of_one_process_and_saves_its_weights() {
+    let dir = common::temp_dir("transformer-tp");
+    for clip in [&[][..], &["--clip-grad-norm", "0.5"][..]] {
+        let (one, want, _) = twenty_steps(&[clip, &["--batch-size", "32"]].concat(), &dir);
+        let runs: [(&[&str], &str); 5] = [
+            (
+                &["--tensor-parallel", "2", "--batch-size", "16"],
+                "Mesh [dp 2, tp 2]",
+            ),
+            (
+                &[
+                    "--tensor-parallel",
+                    "2",
+                    "--sequence-parallel",
+                    "--batch-size",
+                    "16",
+                ],
+                "Mesh [dp 2, tp 2]: each block cut over 2 ranks, sequence parallel",
+            ),
+            (
+                &[
+                    "--tensor-parallel",
+                    "2",
+                    "--sequence-parallel",
+                    "--sharding",
+                    "zero2",
+                ],
+                "Mesh [dp 2, tp 2]",
+            ),
+            (
+                &["--tensor-parallel", "4", "--batch-size", "32"],
+                "Mesh [dp 1, tp 4]",
+            ),
+            (
+                &[
+                    "--tensor-parallel",
+                    "4",
+                    "--sequence-parallel",
+                    "--batch-size",
+                    "32",
+                ],
+                "Mesh [dp 1, tp 4]",
+            ),
+        ];
+        for (flags, mesh) in runs {
+            let batch: &[&str] = match flags.contains(&"--batch-size") {
+                true => &[],
+                false => &["--batch-size", "16"],
+            };
+            let extra = [clip, &["--nproc", "4"], flags, batch].concat();
+            let (loss, got, out) = twenty_steps(&extra, &dir);
+            assert!(out.contains(mesh), "{out}");
+            assert!(
+                (loss - one).abs() <= 1e-5,
+                "{extra:?}: loss {loss} against one process's {one}\n{out}"
+            );
+            // The parts put back together: the one-process model's names, shapes and values.
+            assert_eq!(got.len(), want.len(), "{extra:?}");
+            for ((name, a), (want_name, b)) in got.iter().zip(&want) {
+                assert_eq!(name, want_name, "{extra:?}");
+                assert_eq!(a.dims(), b.dims(), "{extra:?}: {name}");
+                // The keys' bias adds the same score to a query's every key, which softmax
+                // ignores: its gradient is zero but for float noise, which AdamW's division
+                // by the noise's own size turns into full steps. Compare the queries' and the
+                // values' biases.
+                let (a, b) = match name.ends_with("attn.qkv.bias") {
+                    true => {
+                        let ends = |t: &Tensor| {
+                            let d = t.dim(0).unwrap() / 3;
+                            Tensor::cat(
+                                &[t.narrow(0, 0, d).unwrap(), t.narrow(0, 2 * d, d).unwrap()],
+                                0,
+                            )
+                            .unwrap()
+                        };
+                        (ends(a), ends(b))
+                    }
+                    false => (a.clone(), b.clone()),
+                };
+                let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+                let diff = diff.to_scalar::<f32>().unwrap();
+                assert!(
+                    diff <= 1e-5,
+                    "{extra:?}: {name} differs by {diff} after 20 steps"
+                );
+            }
+        }
+    }
+    // And the file loads into a plain Transformer.
+    let saved = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("sequenceparallel"))
+        .unwrap();
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(&[&saved], DType::F32, &Device::Cpu).unwrap()
+    };
+    let config = Config {
+        vocab: VOCAB,
+        max_len: 8,
+        dim: 32,
+        heads: 4,
+        layers: 2,
+        checkpoint_every: 0,
+    };
+    Transformer::new(config, vb).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn tensor_parallel_flags_that_cannot_work_are_errors_naming_them() {
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &[
+                "--nproc",
+                "4",
+                "--tensor-parallel",
+                "3",
+                "--heads",
+                "3",
+                "--dim",
+                "33",
+            ],
+            "--tensor-parallel 3 must divide the 4 processes",
+        ),
+        (
+            &[
+                "--nproc",
+                "4",
+                "--tensor-parallel",
+                "4",
+                "--heads",
+                "2",
+                "--dim",
+                "32",
+            ],
+            "--tensor-parallel 4 must divide --heads 2 and --dim 32",
+        ),
+        (
+            &["--sequence-parallel", "--heads", "2", "--dim", "32"],
+            "--sequence-parallel splits the sequence over the --tensor-parallel ranks",
+        ),
+        (
+            &[
+                "--nproc",
+                "4",
+                "--tensor-parallel",
+                "4",
+                "--sequence-parallel",
+                "--digits",
+                "3",
+            ],
+            "needs a sequence (2 x --digits = 6) that is a multiple of 4",
+        ),
+        (
+            &[
+                "--nproc",
+                "4",
+                "--tensor-parallel",
+                "2",
+                "--sharding",
+                "full",
+            ],
+            "--tensor-parallel runs with --sharding none or zero2",
+        ),
+    ];
+    for (flags, want) in cases {
+        let mut cmd = Command::new(common::example("transformer_ddp"));
+        cmd.args([
+            "--cpu",
+            "--epochs",
+            "1",
+            "--train-size",
+            "64",
+            "--test-size",
+            "8",
+        ]);
+        cmd.args(flags);
+        let out = common::run(cmd, Duration::from_secs(60));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} succeeded");
+        assert!(err.contains(want), "{flags:?}: {err}");
+    }
 }

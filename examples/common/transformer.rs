@@ -16,11 +16,15 @@
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{embedding, linear, Embedding, Linear, VarBuilder};
 use candle_parallel::activation_checkpointing::{checkpoint_if, Checkpointed};
+use candle_parallel::distributed::ProcessGroup;
 use candle_parallel::fsdp::{self, Unit};
 use candle_parallel::nn::attention::causal_attention;
 use candle_parallel::nn::ops::gelu_erf;
 use candle_parallel::nn::{self, layer_norm, LayerNorm};
 use candle_parallel::rng::Rng;
+use candle_parallel::tensor_parallel::{
+    ParallelAttention, ParallelMlp, ParallelPlan, ParallelStyle,
+};
 
 /// torch's `nn.LayerNorm` default.
 const LN_EPS: f64 = 1e-5;
@@ -92,32 +96,97 @@ impl Attention {
     }
 }
 
+/// The model cut over a tensor-parallel group (Megatron's layout): each block's attention heads
+/// and MLP hidden features split over the ranks, the norms, the embeddings and the head
+/// replicated ([`parallel_plan`] says which variable is cut how).
+#[derive(Clone, Debug)]
+pub struct TensorParallel {
+    /// The ranks that share each layer.
+    pub group: ProcessGroup,
+    /// Training forwards keep the residual stream split along the sequence between the
+    /// blocks' parallel layers (Megatron's sequence parallel); evaluation runs whole.
+    pub sequence_parallel: bool,
+}
+
+/// How [`Transformer`]'s variables lie over a tensor-parallel group: the packed attention
+/// projection and the first MLP layer column-parallel, the two projections back row-parallel.
+pub fn parallel_plan() -> ParallelPlan {
+    ParallelPlan::new()
+        .layer("h.*.attn.qkv", ParallelStyle::PackedQkv)
+        .layer("h.*.attn.proj", ParallelStyle::Rowwise)
+        .layer("h.*.mlp.fc1", ParallelStyle::Colwise)
+        .layer("h.*.mlp.fc2", ParallelStyle::Rowwise)
+}
+
+/// A block's attention and MLP: whole, or cut over a tensor-parallel group (built twice, as
+/// sequence parallel trains them and as evaluation runs them, over the same variables).
+enum Mixing {
+    Whole {
+        attn: Attention,
+        fc1: Linear,
+        fc2: Linear,
+    },
+    Parallel {
+        attn: Box<[ParallelAttention; 2]>,
+        mlp: Box<[ParallelMlp; 2]>,
+    },
+}
+
 /// A pre-norm block: `x + attn(ln1(x))`, then `x + mlp(ln2(x))`, the MLP 4 times wider with
 /// an exact (erf) GELU, as torch's `F.gelu`.
 struct Block {
     ln1: LayerNorm,
-    attn: Attention,
     ln2: LayerNorm,
-    fc1: Linear,
-    fc2: Linear,
+    mixing: Mixing,
 }
 
 impl Block {
-    fn new(dim: usize, heads: usize, vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            ln1: layer_norm(dim, LN_EPS, vb.pp("ln1"))?,
-            attn: Attention::new(dim, heads, vb.pp("attn"))?,
-            ln2: layer_norm(dim, LN_EPS, vb.pp("ln2"))?,
-            fc1: linear(dim, 4 * dim, vb.pp("mlp.fc1"))?,
-            fc2: linear(4 * dim, dim, vb.pp("mlp.fc2"))?,
-        })
+    fn new(dim: usize, heads: usize, vb: VarBuilder, tp: Option<&TensorParallel>) -> Result<Self> {
+        let ln1 = layer_norm(dim, LN_EPS, vb.pp("ln1"))?;
+        let ln2 = layer_norm(dim, LN_EPS, vb.pp("ln2"))?;
+        let mixing = match tp {
+            None => Mixing::Whole {
+                attn: Attention::new(dim, heads, vb.pp("attn"))?,
+                fc1: linear(dim, 4 * dim, vb.pp("mlp.fc1"))?,
+                fc2: linear(4 * dim, dim, vb.pp("mlp.fc2"))?,
+            },
+            Some(tp) => {
+                let g = &tp.group;
+                let attn =
+                    ParallelAttention::new(dim, heads, vb.pp("attn"), g).map_err(to_candle)?;
+                let mlp = ParallelMlp::new(dim, 4 * dim, vb.pp("mlp"), g).map_err(to_candle)?;
+                let sp = tp.sequence_parallel;
+                Mixing::Parallel {
+                    attn: Box::new([attn.clone(), attn.sequence_parallel(sp)]),
+                    mlp: Box::new([mlp.clone(), mlp.sequence_parallel(sp)]),
+                }
+            }
+        };
+        Ok(Self { ln1, ln2, mixing })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = (x + self.attn.forward(&x.apply(&self.ln1)?)?)?;
-        let h = gelu_erf(&nn::linear(&x.apply(&self.ln2)?, &self.fc1)?)?;
-        x + nn::linear(&h, &self.fc2)?
+    /// The block on `x`: the whole sequence, or (`split`, under sequence parallelism) this
+    /// rank's positions.
+    fn forward(&self, x: &Tensor, split: bool) -> Result<Tensor> {
+        match &self.mixing {
+            Mixing::Whole { attn, fc1, fc2 } => {
+                let x = (x + attn.forward(&x.apply(&self.ln1)?)?)?;
+                let h = gelu_erf(&nn::linear(&x.apply(&self.ln2)?, fc1)?)?;
+                x + nn::linear(&h, fc2)?
+            }
+            Mixing::Parallel { attn, mlp } => {
+                let i = usize::from(split);
+                let a = attn[i].forward(&x.apply(&self.ln1)?).map_err(to_candle)?;
+                let x = (x + a)?;
+                let m = mlp[i].forward(&x.apply(&self.ln2)?).map_err(to_candle)?;
+                x + m
+            }
+        }
     }
+}
+
+fn to_candle(e: candle_parallel::Error) -> candle_core::Error {
+    e.into_candle()
 }
 
 /// A decoder-only transformer: token and learned position embeddings, pre-norm blocks, a final
@@ -133,19 +202,35 @@ pub struct Transformer {
     ln_f: LayerNorm,
     head: Linear,
     max_len: usize,
+    tp: Option<TensorParallel>,
 }
 
 impl Transformer {
     /// Builds the model from `vb`: variables `tok_emb.weight`, `pos_emb.weight`,
     /// `h.{i}.{ln1,attn.qkv,attn.proj,ln2,mlp.fc1,mlp.fc2}.{weight,bias}`, `ln_f.*`, `head.*`.
     pub fn new(config: Config, vb: VarBuilder) -> Result<Self> {
+        Self::new_parallel(config, vb, None)
+    }
+
+    /// The model with its blocks cut over `tp` (whole with `None`): `vb` holds this rank's
+    /// parts under the whole model's names ([`parallel_plan`]`().shard` of a one-process
+    /// model's weights starts where that model starts).
+    pub fn new_parallel(
+        config: Config,
+        vb: VarBuilder,
+        tp: Option<TensorParallel>,
+    ) -> Result<Self> {
         config.check().map_err(candle_core::Error::msg)?;
         let (dim, heads, every) = (config.dim, config.heads, config.checkpoint_every);
         let blocks = (0..config.layers)
             .map(|i| {
                 let recompute = every > 0 && i % every == 0;
+                let tp = tp.clone();
                 fsdp::unit(vb.pp(format!("h.{i}")), move |vb| {
-                    checkpoint_if(recompute, vb, move |vb| Block::new(dim, heads, vb))
+                    let tp = tp.clone();
+                    checkpoint_if(recompute, vb, move |vb| {
+                        Block::new(dim, heads, vb, tp.as_ref())
+                    })
                 })
             })
             .collect::<Result<_>>()?;
@@ -156,12 +241,36 @@ impl Transformer {
             ln_f: layer_norm(config.dim, LN_EPS, vb.pp("ln_f"))?,
             head: linear(config.dim, config.vocab, vb.pp("head"))?,
             max_len: config.max_len,
+            tp,
         })
     }
-}
 
-impl Module for Transformer {
-    fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+    /// The positions `start..start + len` of a `t`-token sequence this rank computes: all of
+    /// them, or under sequence parallelism its `t / tp` (an error when `tp` does not divide
+    /// `t`).
+    pub fn positions(&self, t: usize) -> Result<(usize, usize)> {
+        match &self.tp {
+            Some(tp) if tp.sequence_parallel => {
+                let ranks = tp.group.world_size();
+                if t % ranks != 0 {
+                    candle_core::bail!(
+                        "sequence parallel over {ranks} ranks needs sequences whose length is a \
+                         multiple of {ranks}, not {t}: change --digits"
+                    );
+                }
+                Ok((tp.group.rank() * t / ranks, t / ranks))
+            }
+            _ => Ok((0, t)),
+        }
+    }
+
+    /// The logits of `tokens` (batch, time) at every position, on every rank (evaluation).
+    pub fn forward_whole(&self, tokens: &Tensor) -> Result<Tensor> {
+        self.forward_positions(tokens, false)
+    }
+
+    /// The logits at [`Transformer::positions`] (`split`) or at every position.
+    fn forward_positions(&self, tokens: &Tensor, split: bool) -> Result<Tensor> {
         let (_, t) = tokens.dims2()?;
         if t > self.max_len {
             candle_core::bail!(
@@ -169,14 +278,36 @@ impl Module for Transformer {
                 self.max_len
             );
         }
-        let positions = Tensor::arange(0u32, t as u32, tokens.device())?;
+        let (start, len) = if split { self.positions(t)? } else { (0, t) };
+        let tokens = tokens.narrow(1, start, len)?;
+        let positions = Tensor::arange(start as u32, (start + len) as u32, tokens.device())?;
         let mut x = tokens
             .apply(&self.tok_emb)?
             .broadcast_add(&positions.apply(&self.pos_emb)?)?;
         for block in &self.blocks {
-            x = block.forward_with(&x, |b, x| b.forward_with(x, |b, x| b.forward(x)))?;
+            x = block.forward_with(&x, move |b, x| {
+                b.forward_with(x, move |b, x| b.forward(x, split))
+            })?;
         }
         nn::linear(&x.apply(&self.ln_f)?, &self.head)
+    }
+}
+
+/// Training's forward: under sequence parallelism, the logits of this rank's positions only
+/// ([`Transformer::positions`]; [`sort_loss_at`] takes them), else of every position.
+impl Module for Transformer {
+    fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        let split = self.tp.as_ref().is_some_and(|tp| tp.sequence_parallel);
+        self.forward_positions(tokens, split)
+    }
+}
+
+/// A [`Transformer`] whose `forward` is [`Transformer::forward_whole`], for evaluation.
+pub struct Whole<'a>(pub &'a Transformer);
+
+impl Module for Whole<'_> {
+    fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        self.0.forward_whole(tokens)
     }
 }
 
@@ -199,7 +330,23 @@ impl TransformerStage {
     /// Stage `stage` of `num_stages` of the transformer `config` describes, from `vb` (the
     /// whole model's names: `h.3.attn.qkv.weight` for block 3, wherever it sits).
     pub fn new(config: Config, stage: usize, num_stages: usize, vb: VarBuilder) -> Result<Self> {
+        Self::new_parallel(config, stage, num_stages, vb, None)
+    }
+
+    /// The stage with its blocks cut over `tp` (whole with `None`; no sequence parallel:
+    /// stages pass whole activations), from this rank's parts in `vb`.
+    pub fn new_parallel(
+        config: Config,
+        stage: usize,
+        num_stages: usize,
+        vb: VarBuilder,
+        tp: Option<&ProcessGroup>,
+    ) -> Result<Self> {
         config.check().map_err(candle_core::Error::msg)?;
+        let tp = tp.map(|group| TensorParallel {
+            group: group.clone(),
+            sequence_parallel: false,
+        });
         let first = stage == 0;
         let last = stage + 1 == num_stages;
         let embeddings = match first {
@@ -210,7 +357,14 @@ impl TransformerStage {
             false => None,
         };
         let blocks = stage_blocks(config.layers, stage, num_stages)
-            .map(|i| Block::new(config.dim, config.heads, vb.pp(format!("h.{i}"))))
+            .map(|i| {
+                Block::new(
+                    config.dim,
+                    config.heads,
+                    vb.pp(format!("h.{i}")),
+                    tp.as_ref(),
+                )
+            })
             .collect::<Result<_>>()?;
         let head = match last {
             true => Some((
@@ -238,7 +392,7 @@ impl Module for TransformerStage {
             None => xs.clone(),
         };
         for block in &self.blocks {
-            x = block.forward(&x)?;
+            x = block.forward(&x, false)?;
         }
         match &self.head {
             Some((ln_f, head)) => nn::linear(&x.apply(ln_f)?, head),
@@ -367,4 +521,32 @@ pub fn sort_loss(logits: &Tensor, answers: &Tensor) -> Result<Tensor> {
     let vocab = logits.dim(2)?;
     let logits = logits.narrow(1, len, len)?.reshape((n * len, vocab))?;
     candle_nn::loss::cross_entropy(&logits, &answers.flatten_all()?)
+}
+
+/// [`sort_loss`] of the positions `start..start + p` of a sequence, given their logits (n, p,
+/// vocab): the sum of the cross-entropies of the answer positions among them over `n * len`,
+/// so that the ranks' losses over their positions (sequence parallel) add up to the whole
+/// sequence's. The other positions take part with weight zero, so that every rank's backward
+/// runs through its blocks (and their collectives) even when it holds no answer position.
+pub fn sort_loss_at(logits: &Tensor, answers: &Tensor, start: usize) -> Result<Tensor> {
+    let (n, len) = answers.dims2()?;
+    let (_, p, vocab) = logits.dims3()?;
+    let dev = logits.device();
+    // Position `len + k` predicts answer `k`.
+    let (mut targets, mut weights) = (vec![0u32; n * p], vec![0f32; n * p]);
+    let answers = answers.to_vec2::<u32>()?;
+    for (i, row) in answers.iter().enumerate() {
+        for j in 0..p {
+            if let Some(k) = (start + j).checked_sub(len).filter(|&k| k < len) {
+                targets[i * p + j] = row[k];
+                weights[i * p + j] = 1.0;
+            }
+        }
+    }
+    let log_p = candle_nn::ops::log_softmax(&logits.reshape((n * p, vocab))?, D::Minus1)?;
+    let picked = log_p
+        .gather(&Tensor::from_vec(targets, (n * p, 1), dev)?, D::Minus1)?
+        .squeeze(1)?;
+    let weights = Tensor::from_vec(weights, n * p, dev)?.to_dtype(picked.dtype())?;
+    (picked * weights)?.sum_all()?.neg()? / (n * len) as f64
 }
