@@ -32,15 +32,15 @@ fn exp(x: f32) -> f32 {
     const C1: f32 = 0.693_359_4;
     const C2: f32 = -2.121_944_4e-4;
     let xc = x.clamp(-87.0, 88.0);
-    let n = (xc * LOG2E + 0.5).floor();
-    let r = xc - n * C1 - n * C2;
-    let p = 1.987_569_2e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 0.5;
-    let e = p * r * r + r + 1.0;
+    let n = xc.mul_add(LOG2E, 0.5).floor();
+    let r = n.mul_add(-C2, n.mul_add(-C1, xc));
+    let p = 1.987_569_2e-4f32;
+    let p = p.mul_add(r, 1.398_199_9e-3);
+    let p = p.mul_add(r, 8.333_452e-3);
+    let p = p.mul_add(r, 4.166_579_6e-2);
+    let p = p.mul_add(r, 1.666_666_5e-1);
+    let p = p.mul_add(r, 0.5);
+    let e = (p * r).mul_add(r, r + 1.0);
     // 2^n from n's bits: adding 1.5 * 2^23 puts the integer n (within -127..=128 here) in the
     // low bits of the mantissa, without a float-to-int conversion (Rust's saturating `as`
     // does not vectorise: it ran lane by lane, most of the pass's time).
@@ -61,17 +61,17 @@ fn exp(x: f32) -> f32 {
 #[inline(always)]
 fn erfc(x: f32) -> f32 {
     let z = x.abs();
-    let t = 1.0 / (1.0 + 0.5 * z);
-    let p = 0.170_872_77;
-    let p = p * t - 0.822_152_23;
-    let p = p * t + 1.488_515_9;
-    let p = p * t - 1.135_204;
-    let p = p * t + 0.278_868_07;
-    let p = p * t - 0.186_288_06;
-    let p = p * t + 0.096_784_18;
-    let p = p * t + 0.374_091_96;
-    let p = p * t + 1.000_023_7;
-    let ans = t * exp(-z * z - 1.265_512_2 + t * p);
+    let t = 1.0 / z.mul_add(0.5, 1.0);
+    let p = 0.170_872_77f32;
+    let p = p.mul_add(t, -0.822_152_23);
+    let p = p.mul_add(t, 1.488_515_9);
+    let p = p.mul_add(t, -1.135_204);
+    let p = p.mul_add(t, 0.278_868_07);
+    let p = p.mul_add(t, -0.186_288_06);
+    let p = p.mul_add(t, 0.096_784_18);
+    let p = p.mul_add(t, 0.374_091_96);
+    let p = p.mul_add(t, 1.000_023_7);
+    let ans = t * exp(t.mul_add(p, (-z).mul_add(z, -1.265_512_2)));
     if x >= 0.0 {
         ans
     } else {
@@ -93,7 +93,7 @@ fn forward(x: f32) -> f32 {
 /// d gelu / dx = Φ(x) + x φ(x).
 #[inline(always)]
 fn derivative(x: f32) -> f32 {
-    cdf(x) + x * (FRAC_1_SQRT_2PI * exp(-0.5 * x * x))
+    x.mul_add(FRAC_1_SQRT_2PI * exp(-0.5 * x * x), cdf(x))
 }
 
 /// What an elementwise pass computes: GELU's value (`x` alone), or its gradient (`x` and the
@@ -175,7 +175,8 @@ where
 
 /// [`run_plain`] compiled for AVX2 and FMA, where the loop vectorises (SSE2, the baseline, has
 /// no vector `floor` for `exp`'s range reduction). Rust never fuses a multiply and an add on its
-/// own, so the numbers are the plain loop's.
+/// own: the polynomials' fused multiply-adds are written as `mul_add`, which rounds once on
+/// every CPU (in software where there is no FMA), so the numbers are the plain loop's.
 ///
 /// # Safety
 /// The CPU must have AVX2 and FMA.
@@ -187,6 +188,63 @@ where
     T::Acc: From<f32> + Into<f64>,
 {
     run_plain::<T, FORWARD>(a, b, out)
+}
+
+/// `v[i] = gelu(v[i])` in place, over candle's threads for large inputs: the forward of a
+/// linear layer fused with its GELU (`nn::linear_gelu`).
+pub(super) fn gelu_in_place(v: &mut [f32]) {
+    in_place(None, v);
+}
+
+/// `g[i] *= gelu'(x[i])` in place: the gradient at a GELU's input from the one at its output.
+pub(super) fn gelu_grad_in_place(x: &[f32], g: &mut [f32]) {
+    in_place(Some(x), g);
+}
+
+/// [`gelu_in_place`] (`x` absent) or [`gelu_grad_in_place`].
+fn in_place(x: Option<&[f32]>, v: &mut [f32]) {
+    let run = |x: Option<&[f32]>, v: &mut [f32]| {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU has the instructions, just checked.
+            return unsafe { in_place_avx2(x, v) };
+        }
+        in_place_plain(x, v)
+    };
+    if v.len() < PARALLEL_MIN || threads() == 1 {
+        return run(x, v);
+    }
+    for_each_chunk(v, 1, |first, chunk| {
+        run(x.map(|x| &x[first..first + chunk.len()]), chunk)
+    });
+}
+
+#[inline(always)]
+fn in_place_plain(x: Option<&[f32]>, v: &mut [f32]) {
+    match x {
+        Some(x) => {
+            for (g, &x) in v.iter_mut().zip(x) {
+                *g *= derivative(x);
+            }
+        }
+        None => {
+            for v in v.iter_mut() {
+                *v = forward(*v);
+            }
+        }
+    }
+}
+
+/// [`in_place_plain`] compiled for AVX2 and FMA (the same numbers: every fused multiply-add
+/// is written as `mul_add`, which rounds once everywhere).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn in_place_avx2(x: Option<&[f32]>, v: &mut [f32]) {
+    in_place_plain(x, v)
 }
 
 /// The GELU of `x` with the exact (erf) form, `x · Φ(x)`, as torch's `F.gelu` (default
