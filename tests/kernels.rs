@@ -662,6 +662,86 @@ fn the_fused_linear_layer_equals_candle_nn_linear_and_relu_with_gradients() {
     }
 }
 
+/// `nn::linear_gelu` (one op: the product, the bias and the exact GELU, its backward through
+/// the GELU's derivative in place) equals `gelu_erf` of candle-nn's `Linear`, values and every
+/// gradient, on odd shapes, a rank-3 non-contiguous input, without a bias, in f32, f16 and bf16,
+/// with our kernels and with candle's.
+#[test]
+fn the_fused_linear_gelu_equals_the_gelu_of_candle_nn_linear_with_gradients() {
+    let _serial = kernels_lock();
+    use candle_core::Module;
+    for own in [true, false] {
+        let _kernels = OwnKernels::set(own);
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::F16, 5e-3), (DType::BF16, 3e-2)] {
+            // (input shape, outputs, bias)
+            let cases: [(&[usize], usize, bool); 4] = [
+                (&[7, 13], 5, true),
+                (&[2, 9, 16], 64, true), // rank 3 (made non-contiguous below)
+                (&[33, 3], 17, false),
+                (&[1, 1], 1, true),
+            ];
+            for (i, &(shape, o, bias)) in cases.iter().enumerate() {
+                let case = format!("{shape:?} -> {o}, bias {bias}, {dtype:?}, own {own}");
+                let seed = 3000 + 10 * i as u64;
+                let k = *shape.last().unwrap();
+                let x = match shape.len() {
+                    // The same values, laid out (batch, k, time) and transposed back.
+                    3 => random(&[shape[0], shape[2], shape[1]], seed)
+                        .transpose(1, 2)
+                        .unwrap(),
+                    _ => random(shape, seed),
+                };
+                let x = Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();
+                let w =
+                    Var::from_tensor(&random(&[o, k], seed + 1).to_dtype(dtype).unwrap()).unwrap();
+                let b = Var::from_tensor(&random(&[o], seed + 2).to_dtype(dtype).unwrap()).unwrap();
+                let layer = candle_nn::Linear::new(
+                    w.as_tensor().clone(),
+                    bias.then(|| b.as_tensor().clone()),
+                );
+                let input = if shape.len() == 3 {
+                    x.as_tensor()
+                        .transpose(1, 2)
+                        .unwrap()
+                        .transpose(1, 2)
+                        .unwrap()
+                } else {
+                    x.as_tensor().clone()
+                };
+                let fused = nn::linear_gelu(&input, &layer).unwrap();
+                let apart = nn::ops::gelu_erf(&layer.forward(&input).unwrap()).unwrap();
+                assert_eq!(
+                    (fused.dims(), fused.dtype()),
+                    (apart.dims(), dtype),
+                    "{case}"
+                );
+                let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                assert!(
+                    rel_diff(&f32(&fused), &f32(&apart)) <= tol,
+                    "{case}: output"
+                );
+                let mut out_shape = shape.to_vec();
+                *out_shape.last_mut().unwrap() = o;
+                let weights = random(&out_shape, seed + 3).to_dtype(dtype).unwrap();
+                let (gf, ga) = (
+                    weighted_grads(&fused, &weights),
+                    weighted_grads(&apart, &weights),
+                );
+                for (name, v) in [("weight", &w), ("bias", &b), ("input", &x)] {
+                    match (gf.get(v.as_tensor()), ga.get(v.as_tensor())) {
+                        (Some(f), Some(a)) => {
+                            let d = rel_diff(&f32(f), &f32(a));
+                            assert!(d <= 4.0 * tol, "{case}: {name} gradient off by {d}")
+                        }
+                        (None, None) => assert!(name == "bias" && !bias, "{case}: {name}"),
+                        _ => panic!("{case}: the {name} gradient is in one store only"),
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The linear layer and the convolution sum their gradients over the batch in f32 for f16 and
 /// bf16 (as torch does), with our kernels and with candle's: a bias (and a weight) over 4096
 /// rows of ones gets 4096, where candle's sums in the element type stop at 256 (bf16) and 2048
@@ -746,7 +826,7 @@ fn an_empty_batch_gives_the_linear_layer_zero_gradients() {
                 let y = if relu {
                     nn::linear_relu(x.as_tensor(), &layer).unwrap()
                 } else {
-                    nn::linear(x.as_tensor(), &layer).unwrap()
+                    nn::linear_gelu(x.as_tensor(), &layer).unwrap()
                 };
                 assert_eq!((y.dims(), y.dtype()), (&[0, 3][..], dtype));
                 let grads = y.sum_all().unwrap().backward().unwrap();

@@ -19,7 +19,6 @@ use candle_parallel::activation_checkpointing::{checkpoint_if, Checkpointed};
 use candle_parallel::distributed::ProcessGroup;
 use candle_parallel::fsdp::{self, Unit};
 use candle_parallel::nn::attention::causal_attention;
-use candle_parallel::nn::ops::gelu_erf;
 use candle_parallel::nn::{self, layer_norm, LayerNorm};
 use candle_parallel::rng::Rng;
 use candle_parallel::tensor_parallel::{
@@ -171,7 +170,7 @@ impl Block {
         match &self.mixing {
             Mixing::Whole { attn, fc1, fc2 } => {
                 let x = (x + attn.forward(&x.apply(&self.ln1)?)?)?;
-                let h = gelu_erf(&nn::linear(&x.apply(&self.ln2)?, fc1)?)?;
+                let h = nn::linear_gelu(&x.apply(&self.ln2)?, fc1)?;
                 x + nn::linear(&h, fc2)?
             }
             Mixing::Parallel { attn, mlp } => {

@@ -1,12 +1,15 @@
-//! A linear layer with its bias and, optionally, a ReLU as one CPU op: [`linear`] and
-//! [`linear_relu`], for candle-nn's `Linear`.
+//! A linear layer with its bias and, optionally, a ReLU or an exact GELU as one CPU op:
+//! [`linear`], [`linear_relu`] and [`linear_gelu`], for candle-nn's `Linear`.
 //!
 //! candle-nn's `Linear` is a matrix product, a broadcast add and (after it) a ReLU: three ops
 //! whose backward adds a mask, a multiply and a sum over the batch, and candle runs its product
 //! with a transposed weight at a third of the speed measured here for the CIFAR Net's layers.
 //! Here, on the CPU, the forward is one product into the bias with the ReLU applied in place
 //! (noting where its gradient passes: where the input is `>= 0`, as candle's), and the backward
-//! three products split over candle's thread pool: the input gradient by rows of the batch, the
+//! three products split over candle's thread pool (after the GELU's derivative, in place, for
+//! [`linear_gelu`], whose forward keeps the layer's output before the GELU for it: the
+//! transformer MLP's wide activation then never becomes a node of candle's graph, whose
+//! backward would add its gradient to a tensor of zeros): the input gradient by rows of the batch, the
 //! weight gradient by rows of the weight (no partial sums to add). Inputs of any rank from 2 are
 //! taken as rows of their last dimension; a layer without a bias adds zeros.
 //!
@@ -43,21 +46,36 @@ use std::sync::Mutex;
 /// `layer.forward(x)`: our kernels on the CPU (f32, f16, bf16), candle-nn's `Linear` with the
 /// bias added in f32 elsewhere.
 pub fn linear(x: &Tensor, layer: &Linear) -> Result<Tensor> {
-    forward(x, layer, false)
+    forward(x, layer, Activation::None)
 }
 
 /// `layer.forward(x)?.relu()`: our kernels on the CPU (f32, f16, bf16), candle-nn's `Linear`
 /// with the bias added in f32, and candle's ReLU, elsewhere.
 pub fn linear_relu(x: &Tensor, layer: &Linear) -> Result<Tensor> {
-    forward(x, layer, true)
+    forward(x, layer, Activation::Relu)
 }
 
-fn forward(x: &Tensor, layer: &Linear, relu: bool) -> Result<Tensor> {
+/// `gelu_erf(layer.forward(x))` (the exact GELU, torch's `F.gelu`): one op on the CPU (f32,
+/// f16, bf16; the GELU applied in f32 before the one rounding), candle-nn's `Linear` with the
+/// bias added in f32 and [`super::ops::gelu_erf`] elsewhere.
+pub fn linear_gelu(x: &Tensor, layer: &Linear) -> Result<Tensor> {
+    forward(x, layer, Activation::Gelu)
+}
+
+/// What follows the product and the bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Activation {
+    None,
+    Relu,
+    Gelu,
+}
+
+fn forward(x: &Tensor, layer: &Linear, activation: Activation) -> Result<Tensor> {
     let w = layer.weight();
     let mut inputs = vec![x, w];
     inputs.extend(layer.bias());
     if let (Some(dtype), true) = (ours_in_f32(&inputs), x.rank() >= 2) {
-        return fused(x, w, layer.bias(), relu, dtype);
+        return fused(x, w, layer.bias(), activation, dtype);
     }
     let product = Linear::new(w.clone(), None).forward(x)?;
     if product.elem_count() == 0 {
@@ -68,16 +86,22 @@ fn forward(x: &Tensor, layer: &Linear, relu: bool) -> Result<Tensor> {
         Some(b) => accumulate::broadcast_add(&product, b)?,
         None => product,
     };
-    if relu {
-        y.relu()
-    } else {
-        Ok(y)
+    match activation {
+        Activation::None => Ok(y),
+        Activation::Relu => y.relu(),
+        Activation::Gelu => super::gelu::gelu_erf(&y),
     }
 }
 
 /// The layer by [`LinearOp`], in f32: `x` `(.., k)` as rows, `w` `(o, k)`, `b` `(o)` (zeros
 /// when absent); the result in `dtype`.
-fn fused(x: &Tensor, w: &Tensor, b: Option<&Tensor>, relu: bool, dtype: DType) -> Result<Tensor> {
+fn fused(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    activation: Activation,
+    dtype: DType,
+) -> Result<Tensor> {
     let dims = x.dims();
     let k = dims[dims.len() - 1];
     let (o, wk) = w.dims2()?;
@@ -101,8 +125,8 @@ fn fused(x: &Tensor, w: &Tensor, b: Option<&Tensor>, relu: bool, dtype: DType) -
         n,
         k,
         o,
-        relu,
-        passes: Mutex::new(Vec::new()),
+        activation,
+        saved: Mutex::new(Saved::Nothing),
     };
     let mut out_dims = dims.to_vec();
     *out_dims.last_mut().expect("rank >= 2") = o;
@@ -111,23 +135,31 @@ fn fused(x: &Tensor, w: &Tensor, b: Option<&Tensor>, relu: bool, dtype: DType) -
         .to_dtype(dtype)
 }
 
+/// What the forward keeps for the activation's backward.
+enum Saved {
+    Nothing,
+    /// After a ReLU, whether each output's gradient passes (its input was `>= 0`).
+    Passes(Vec<bool>),
+    /// Before a GELU, its input (the product and the bias).
+    Input(Vec<f32>),
+}
+
 /// The fused layer as a candle op over `x` `(n, k)`, `w` `(o, k)` and `b` `(o)`.
 struct LinearOp {
     n: usize,
     k: usize,
     o: usize,
-    relu: bool,
-    /// With the ReLU, whether each output's gradient passes (its input was `>= 0`), set by the
-    /// forward.
-    passes: Mutex<Vec<bool>>,
+    activation: Activation,
+    /// Set by the forward.
+    saved: Mutex<Saved>,
 }
 
 impl candle_core::CustomOp3 for LinearOp {
     fn name(&self) -> &'static str {
-        if self.relu {
-            "linear-relu"
-        } else {
-            "linear"
+        match self.activation {
+            Activation::None => "linear",
+            Activation::Relu => "linear-relu",
+            Activation::Gelu => "linear-gelu",
         }
     }
 
@@ -163,13 +195,21 @@ impl candle_core::CustomOp3 for LinearOp {
                 row.copy_from_slice(&b[..row.len()]);
             }
         }
-        if self.relu {
-            // candle's ReLU and its gradient's mask.
-            let passes = y.iter().map(|&v| v >= 0.0).collect();
-            for v in &mut y {
-                *v = v.max(0.0);
+        match self.activation {
+            Activation::None => {}
+            Activation::Relu => {
+                // candle's ReLU and its gradient's mask.
+                let passes = y.iter().map(|&v| v >= 0.0).collect();
+                for v in &mut y {
+                    *v = v.max(0.0);
+                }
+                *lock(&self.saved) = Saved::Passes(passes);
             }
-            *lock(&self.passes) = passes;
+            Activation::Gelu => {
+                let input = y.clone();
+                super::gelu::gelu_in_place(&mut y);
+                *lock(&self.saved) = Saved::Input(input);
+            }
         }
         Ok((CpuStorage::F32(y), Shape::from((self.n, o))))
     }
@@ -183,16 +223,20 @@ impl candle_core::CustomOp3 for LinearOp {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (n, k, o) = (self.n, self.k, self.o);
-        // The gradient at the product (through the ReLU's mask).
+        // The gradient at the product (through the activation).
         let g: Vec<f32> = with_f32(grad, |g| {
-            Ok(if self.relu {
-                let passes = lock(&self.passes);
-                g.iter()
+            Ok(match &*lock(&self.saved) {
+                Saved::Passes(passes) => g
+                    .iter()
                     .zip(passes.iter())
                     .map(|(&v, &p)| if p { v } else { 0.0 })
-                    .collect()
-            } else {
-                g.to_vec()
+                    .collect(),
+                Saved::Input(input) => {
+                    let mut g = g.to_vec();
+                    super::gelu::gelu_grad_in_place(input, &mut g);
+                    g
+                }
+                Saved::Nothing => g.to_vec(),
             })
         })?;
         let dx = if x.track_op() {

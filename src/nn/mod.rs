@@ -85,7 +85,7 @@ pub use candle_nn::LayerNormConfig;
 pub use conv::{conv2d, conv2d_forward, Conv2d};
 pub use kernels::{own_cpu_kernels, own_cuda_kernels, use_own_cpu_kernels, use_own_cuda_kernels};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
-pub use linear::{linear, linear_relu};
+pub use linear::{linear, linear_gelu, linear_relu};
 pub use pool::{max_pool2d, max_pool2d_with_stride};
 pub use sync_batch_norm::{finish_backward, sync_batch_norm, SyncBatchNorm};
 

@@ -115,11 +115,22 @@ impl ColumnParallelLinear {
 
     /// This rank's slice of the output features of `x` (of the whole sequence).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = match self.sequence_parallel {
-            true => gather_sequence(x, &self.tp)?,
-            false => copy_to(x, &self.tp)?,
-        };
-        Ok(crate::nn::linear(&x, &self.layer)?)
+        Ok(crate::nn::linear(&self.input(x)?, &self.layer)?)
+    }
+
+    /// The exact GELU of [`ColumnParallelLinear::forward`], the product, the bias and the GELU
+    /// as one op ([`crate::nn::linear_gelu`]): a transformer MLP's first layer.
+    pub fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(crate::nn::linear_gelu(&self.input(x)?, &self.layer)?)
+    }
+
+    /// `x` as the product takes it: handed on (its gradient summed over the group), or under
+    /// sequence parallelism gathered along the sequence.
+    fn input(&self, x: &Tensor) -> Result<Tensor> {
+        match self.sequence_parallel {
+            true => gather_sequence(x, &self.tp),
+            false => copy_to(x, &self.tp),
+        }
     }
 
     /// The weight this rank holds.

@@ -5,7 +5,6 @@
 use super::linear::{ColumnParallelLinear, RowParallelLinear};
 use crate::distributed::ProcessGroup;
 use crate::error::Result;
-use crate::nn::ops::gelu_erf;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
@@ -42,8 +41,7 @@ impl ParallelMlp {
     /// The block's output for `x` `(.., dim)`: whole on every rank (or, under sequence
     /// parallelism, this rank's positions).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = gelu_erf(&self.fc1.forward(x)?)?;
-        self.fc2.forward(&h)
+        self.fc2.forward(&self.fc1.forward_gelu(x)?)
     }
 }
 
