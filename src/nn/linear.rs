@@ -219,26 +219,47 @@ impl candle_core::CustomOp3 for LinearOp {
         x: &Tensor,
         w: &Tensor,
         b: &Tensor,
-        _: &Tensor,
+        y: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (n, k, o) = (self.n, self.k, self.o);
-        // The gradient at the product (through the activation).
-        let g: Vec<f32> = with_f32(grad, |g| {
+        // The gradient at the product: through the activation, or (none) read where it lies.
+        let through = |g: &[f32]| -> Result<Option<Vec<f32>>> {
             Ok(match &*lock(&self.saved) {
-                Saved::Passes(passes) => g
-                    .iter()
-                    .zip(passes.iter())
-                    .map(|(&v, &p)| if p { v } else { 0.0 })
-                    .collect(),
+                Saved::Passes(passes) => Some(
+                    g.iter()
+                        .zip(passes.iter())
+                        .map(|(&v, &p)| if p { v } else { 0.0 })
+                        .collect(),
+                ),
                 Saved::Input(input) => {
                     let mut g = g.to_vec();
-                    super::gelu::gelu_grad_in_place(input, &mut g);
-                    g
+                    with_f32(y, |y| {
+                        super::gelu::gelu_grad_in_place(input, y, &mut g);
+                        Ok(())
+                    })?;
+                    Some(g)
                 }
-                Saved::Nothing => g.to_vec(),
+                Saved::Nothing => None,
             })
-        })?;
+        };
+        with_f32(grad, |g| match through(g)? {
+            Some(g) => self.products(x, w, b, &g),
+            None => self.products(x, w, b, g),
+        })
+    }
+}
+
+impl LinearOp {
+    /// The gradients of the input, the weight and the bias from `g`, the gradient at the
+    /// product, each for the tensors that need one.
+    fn products(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        g: &[f32],
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (n, k, o) = (self.n, self.k, self.o);
         let dx = if x.track_op() {
             let mut dx = vec![0f32; n * k];
             with_f32(w, |w| {
@@ -275,7 +296,7 @@ impl candle_core::CustomOp3 for LinearOp {
                     // dw_rows (r x k) = gᵀ_rows (r x n) . x (n x k)
                     matmul(
                         Mat::rows(rows, k),
-                        Mat::columns_transposed(&g, o, first, count),
+                        Mat::columns_transposed(g, o, first, count),
                         Mat::rows_of(x, k),
                         false,
                     );
@@ -287,7 +308,7 @@ impl candle_core::CustomOp3 for LinearOp {
             None
         };
         let db = if b.track_op() {
-            Some(Tensor::from_vec(column_sums(&g, o), o, &Device::Cpu)?)
+            Some(Tensor::from_vec(column_sums(g, o), o, &Device::Cpu)?)
         } else {
             None
         };
