@@ -422,6 +422,18 @@ fn rank_main(args: &Args) -> Result<()> {
     }
     check_budget(args, per_rank_parameters(&config, t), replicas, rank)?;
     let model = Model::new(args, &dp, tp.as_ref(), &device)?;
+    if let (Model::Ddp(m), true, 0) = (&model, t > 1, rank) {
+        let mine: usize = m
+            .named_parameters()
+            .iter()
+            .map(|(_, v)| v.elem_count())
+            .sum();
+        println!(
+            "Parameters per rank: {mine} of {} ({:.1}%)",
+            config.parameters(),
+            100.0 * mine as f64 / config.parameters() as f64
+        );
+    }
     let mut opt = AdamW::new(model.parameters(), args.adamw())?;
     let zero2 = args.sharding == ShardingArg::Zero2;
     let cut = Cut::new(&model, tp.as_ref(), &pg, &dp, zero2);

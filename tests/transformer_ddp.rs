@@ -425,6 +425,15 @@ fn tensor_parallel_on_dp_by_tp_meshes_takes_the_steps_of_one_process_and_saves_i
             let extra = [clip, &["--nproc", "4"], flags, batch].concat();
             let (loss, got, out) = twenty_steps(&extra, &dir);
             assert!(out.contains(mesh), "{out}");
+            // Each rank holds 1/tp of the blocks' cut weights (the packed projection's and the
+            // MLP's first layer's weights and biases, the other two layers' weights) and the
+            // rest whole: layers 2, dim 32, vocabulary 11, 8 positions.
+            let tp: usize = flags[1].parse().unwrap();
+            let (d, layers) = (32, 2);
+            let cut = layers * (3 * d * d + 3 * d + d * d + 4 * d * d + 4 * d + 4 * d * d);
+            let total = 11 * d + 8 * d + layers * (12 * d * d + 13 * d) + 2 * d + d * 11 + 11;
+            let line = format!("Parameters per rank: {} of {total}", total - cut + cut / tp);
+            assert!(out.contains(&line), "{line}:\n{out}");
             assert!(
                 (loss - one).abs() <= 1e-5,
                 "{extra:?}: loss {loss} against one process's {one}\n{out}"
