@@ -368,7 +368,9 @@ fn rank_main(args: &Args) -> Result<()> {
     let device = device(args)?;
     let pg = ProcessGroup::from_env(&device)?;
     let (rank, world) = (pg.rank(), pg.world_size());
-    let (train, test) = SortTask::generate(args.digits, args.train_size, args.test_size, args.seed);
+    let (train, test) =
+        SortTask::try_generate(args.digits, args.train_size, args.test_size, args.seed)
+            .map_err(anyhow::Error::msg)?;
     let config = args.config();
     let t = args.tensor_parallel;
     anyhow::ensure!(

@@ -348,7 +348,9 @@ fn rank_main(args: &Args) -> Result<()> {
     let pg = groups.pp.clone();
     let (rank, world) = (pg.rank(), pg.world_size());
     let config = args.config();
-    let (train, _) = SortTask::generate(args.digits, args.train_size, args.test_size, args.seed);
+    let (train, _) =
+        SortTask::try_generate(args.digits, args.train_size, args.test_size, args.seed)
+            .map_err(anyhow::Error::msg)?;
     let varmap = VarMap::new();
     let vb = seeded_var_builder(&varmap, args.seed, DType::F32, &device);
     let schedule = args.schedule();

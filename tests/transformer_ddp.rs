@@ -566,3 +566,16 @@ fn tensor_parallel_flags_that_cannot_work_are_errors_naming_them() {
         assert!(err.contains(want), "{flags:?}: {err}");
     }
 }
+
+#[test]
+fn held_out_samples_that_leave_none_to_train_on_are_an_error_not_a_hang() {
+    let mut cmd = Command::new(common::example("transformer_ddp"));
+    cmd.args(["--cpu", "--digits", "1", "--train-size", "64", "--test-size", "50"]);
+    let out = common::run(cmd, Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("take all 10 samples of 1 digits (--digits), leaving none to train on"),
+        "{err}"
+    );
+}

@@ -420,8 +420,19 @@ const SEP: u32 = 10;
 
 impl SortTask {
     /// `train` training and `test` held-out samples of `len` digits, from `seed`. No held-out
-    /// sample occurs in the training set.
+    /// sample occurs in the training set. Panics where [`SortTask::try_generate`] fails.
     pub fn generate(len: usize, train: usize, test: usize, seed: u64) -> (Self, Self) {
+        Self::try_generate(len, train, test, seed).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`SortTask::generate`], or an error naming the flags when the held-out samples take
+    /// every sample `len` digits can make (none would be left to train on).
+    pub fn try_generate(
+        len: usize,
+        train: usize,
+        test: usize,
+        seed: u64,
+    ) -> std::result::Result<(Self, Self), String> {
         let mut rng = Rng::new(seed);
         let sample = |rng: &mut Rng| -> Vec<u32> {
             let x: Vec<u32> = (0..len).map(|_| rng.below(10) as u32).collect();
@@ -436,6 +447,13 @@ impl SortTask {
             seen.insert(s.clone());
             test_tokens.extend(s);
         }
+        let possible = 10f64.powi(len.min(300) as i32);
+        if train > 0 && seen.len() as f64 >= possible {
+            return Err(format!(
+                "the {test} held-out samples (--test-size) take all {possible} samples of {len} \
+                 digits (--digits), leaving none to train on: hold out fewer or sort more digits"
+            ));
+        }
         let mut train_tokens = Vec::with_capacity(train * (2 * len + 1));
         let mut n = 0;
         while n < train {
@@ -445,7 +463,7 @@ impl SortTask {
                 n += 1;
             }
         }
-        (
+        Ok((
             Self {
                 len,
                 tokens: train_tokens,
@@ -454,7 +472,7 @@ impl SortTask {
                 len,
                 tokens: test_tokens,
             },
-        )
+        ))
     }
 
     /// The number of samples.
