@@ -10,7 +10,8 @@
 //! its forward, and the backward of `sum(layer(x) * g)` for a fixed random `g`; the attention
 //! core is the part between the qkv and output projections (`nn::attention::causal_attention`,
 //! and beside it the candle ops it replaced); the other layers are the model's (`nn::linear`,
-//! `nn::ops::gelu_erf`, `nn::LayerNorm`, as `examples/common/transformer.rs` uses them). Medians over `--steps` repetitions after 3 warm-up ones.
+//! `nn::linear_gelu`, `nn::LayerNorm`, as `examples/common/transformer.rs` uses them; the
+//! GELU alone is `nn::ops::gelu_erf`). Medians over `--steps` repetitions after 3 warm-up ones.
 //! `scripts/torch_transformer_phases.py` times the same in PyTorch with the same threads; this
 //! bench runs it when `python3 -c "import torch"` works and prints the ratios. Reports; asserts
 //! nothing.
@@ -119,6 +120,9 @@ fn layer(
 }
 
 fn main() -> Result<()> {
+    // As transformer_ddp does: freed tensor memory stays for the next step, rather than being
+    // returned to the kernel and faulted in again (which costs most with several threads).
+    candle_parallel::memory::keep_freed_memory();
     let o = parse()?;
     if let Some(n) = o.threads {
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
@@ -203,7 +207,7 @@ fn main() -> Result<()> {
     let fc1 = linear(d, 4 * d, vb.pp("fc1"))?;
     ours.insert(
         "fc1 linear + gelu",
-        layer(o.steps, &x, true, |x| gelu_erf(&nn::linear(x, &fc1)?))?,
+        layer(o.steps, &x, true, |x| nn::linear_gelu(x, &fc1))?,
     );
     let h = Tensor::randn(0f32, 1.0, (b, t, 4 * d), &Device::Cpu)?;
     ours.insert(
