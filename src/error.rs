@@ -527,6 +527,8 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub(crate) const DATA_PARALLEL_MASTER: &str = "DataParallel's master copy";
 /// [`Error::VariableNotOnDevice`]'s layer for DistributedDataParallel.
 pub(crate) const DISTRIBUTED_DATA_PARALLEL: &str = "DistributedDataParallel";
+/// [`Error::ModelMismatch`]'s wrapper for putting tensor-parallel parts back together.
+pub(crate) const TENSOR_PARALLEL_PLAN: &str = "ParallelPlan::gather";
 
 /// What to do about a variable on the wrong device, for each wrapper.
 fn not_on_device_fix(layer: &str) -> &'static str {

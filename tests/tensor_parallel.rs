@@ -725,3 +725,47 @@ fn a_plan_cuts_a_model_as_its_layers_do_and_puts_the_parts_back_together() {
         "{err}"
     );
 }
+
+/// Ranks whose parts do not line up cannot be put back together: different names of the same
+/// shape (which all-gather would pair silently), a variable only some ranks hold, and a packed
+/// `qkv` part whose rows are not three blocks are errors, on every rank, that name the
+/// variable; none is a hang or a wrong tensor.
+#[test]
+fn a_plan_refuses_to_gather_parts_that_do_not_line_up() {
+    use candle_parallel::tensor_parallel::{ParallelPlan, ParallelStyle};
+    let plan = ParallelPlan::new()
+        .layer("h.*.qkv", ParallelStyle::PackedQkv)
+        .layer("h.*.fc1", ParallelStyle::Colwise);
+    let part = Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap();
+    type Local = fn(usize, &Tensor) -> Vec<(String, Tensor)>;
+    let cases: [(Local, &str); 3] = [
+        (
+            |rank, t| vec![(format!("h.{rank}.fc1.weight"), t.clone())],
+            "h.1.fc1.weight",
+        ),
+        (
+            |rank, t| {
+                let mut local = vec![("h.0.fc1.weight".to_string(), t.clone())];
+                if rank == 1 {
+                    local.push(("h.1.fc1.weight".to_string(), t.clone()));
+                }
+                local
+            },
+            "h.1.fc1.weight",
+        ),
+        (
+            |_, t| vec![("h.0.qkv.weight".to_string(), t.clone())],
+            "h.0.qkv.weight of shape [2, 3]",
+        ),
+    ];
+    for (local, want) in cases {
+        let errors = distributed::spawn_threads(2, |tp| {
+            let err = plan.gather(&local(tp.rank(), &part), &tp).unwrap_err();
+            Ok(err.to_string())
+        })
+        .unwrap();
+        for err in errors {
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+}

@@ -29,8 +29,9 @@
 //! # Ok(()) }
 //! ```
 
+use crate::ddp::agreement::check_same_descriptions;
 use crate::distributed::ProcessGroup;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TENSOR_PARALLEL_PLAN};
 use candle_core::Tensor;
 use std::collections::HashMap;
 
@@ -177,8 +178,10 @@ impl ParallelPlan {
 
     /// Every rank's parts of `local` (this rank's `(name, value)`s, the same names on every
     /// rank of `tp`) put back together: the one-process model's variables, on every rank. A
-    /// collective over `tp` (one all-gather per cut variable, in name order); replicated
-    /// variables are this rank's own.
+    /// collective over `tp` (one exchange of the names, dtypes and shapes, then one all-gather
+    /// per cut variable, in name order); replicated variables are this rank's own. Ranks whose
+    /// variables differ, or a part that cannot be the style's, are an error on every rank that
+    /// names the variable.
     pub fn gather(
         &self,
         local: &[(String, Tensor)],
@@ -187,6 +190,17 @@ impl ParallelPlan {
         let mut sorted: Vec<&(String, Tensor)> = local.iter().collect();
         sorted.sort_by(|a, b| a.0.cmp(&b.0));
         self.warn_unmatched(sorted.iter().map(|(n, _)| n.as_str()));
+        if tp.world_size() > 1 {
+            // All-gathers of parts with the same shape but different names would pair them.
+            let described: Vec<String> = sorted
+                .iter()
+                .map(|(n, t)| format!("{n} {} {:?}", t.dtype().as_str(), t.dims()))
+                .collect();
+            check_same_descriptions(tp, &described, tp.device(), TENSOR_PARALLEL_PLAN)?;
+            for (name, t) in &sorted {
+                self.check_part(name, t)?;
+            }
+        }
         let mut out = HashMap::with_capacity(sorted.len());
         for (name, t) in sorted {
             let whole = match self.placement(name) {
@@ -208,6 +222,32 @@ impl ParallelPlan {
             out.insert(name.clone(), whole);
         }
         Ok(out)
+    }
+
+    /// Whether `part` can be a part of variable `name` as the plan cuts it.
+    fn check_part(&self, name: &str, part: &Tensor) -> Result<()> {
+        let bad = match self.placement(name) {
+            Placement::Replicate => None,
+            Placement::Shard(dim) if dim >= part.rank() => Some(format!(
+                "has no dimension {dim} to put the parts together along"
+            )),
+            Placement::Shard(_) => None,
+            Placement::PackedShard if part.dims().first().is_none_or(|n| n % 3 != 0) => {
+                Some("is not three blocks of rows (queries, keys, values) along dimension 0".into())
+            }
+            Placement::PackedShard => None,
+        };
+        match bad {
+            Some(why) => Err(Error::InvalidArgument {
+                what: "tensor-parallel plan",
+                detail: format!(
+                    "this rank's part of {name} of shape {:?} {why}: pass the parts that \
+                     ParallelPlan::shard cut",
+                    part.dims()
+                ),
+            }),
+            None => Ok(()),
+        }
     }
 
     fn warn_unmatched<'a>(&self, names: impl Iterator<Item = &'a str> + Clone) {
