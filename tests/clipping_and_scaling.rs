@@ -339,3 +339,40 @@ fn a_norm_over_parts_counts_pieces_over_their_group_and_whole_gradients_once() {
         assert!((scaled - 6.0).abs() < 1e-5, "{scaled}");
     }
 }
+
+/// A NaN in one rank's piece makes the total norm NaN on every rank, and, as torch's
+/// `clip_grad_norm_` (whose coefficient `max_norm / (NaN + 1e-6)` clamps to NaN), every
+/// gradient on every rank NaN (2-norm and inf-norm): not one rank stepping with NaN pieces
+/// while the others step with finite ones.
+#[test]
+fn a_nan_in_one_ranks_piece_makes_every_gradient_nan_as_torch_does() {
+    use candle_core::Var;
+    use candle_parallel::distributed;
+    use candle_parallel::optim::clip_grad_norm_parts;
+    for norm_type in [2.0, f64::INFINITY] {
+        let got = distributed::spawn_threads(2, |g| {
+            let piece = Var::new(&[1f32, 1.], &Device::Cpu)?;
+            let whole = Var::new(&[1f32], &Device::Cpu)?;
+            let k = if g.rank() == 1 { f64::NAN } else { 3.0 };
+            let loss =
+                ((piece.as_tensor() * k)?.sum_all()? + (whole.as_tensor() * 12.0)?.sum_all()?)?;
+            let mut grads = loss.backward()?;
+            let parts = [
+                (&[piece.clone()][..], Some(&g)),
+                (&[whole.clone()][..], None),
+            ];
+            let norm = clip_grad_norm_parts(&mut grads, &parts, 6.5, norm_type, false)?;
+            let mut values = grads.get(piece.as_tensor()).unwrap().to_vec1::<f32>()?;
+            values.extend(grads.get(whole.as_tensor()).unwrap().to_vec1::<f32>()?);
+            Ok((norm, values))
+        })
+        .unwrap();
+        for (rank, (norm, values)) in got.into_iter().enumerate() {
+            assert!(norm.is_nan(), "{norm_type}: rank {rank}'s norm {norm}");
+            assert!(
+                values.iter().all(|v| v.is_nan()),
+                "{norm_type}: rank {rank}'s gradients {values:?}"
+            );
+        }
+    }
+}

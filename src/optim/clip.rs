@@ -32,8 +32,9 @@ use candle_core::{DType, Device, Tensor, Var};
 /// torch's `clip_grad_norm_` over the gradients in `grads` of `vars` (those without a gradient
 /// are skipped): the total `norm_type`-norm of all of them (`f64::INFINITY` for the largest
 /// magnitude), and, when it exceeds `max_norm`, every gradient multiplied by
-/// `max_norm / (total + 1e-6)`. Returns the total norm (before clipping). With
-/// `error_if_nonfinite`, a NaN or infinite total is an error and nothing is changed.
+/// `max_norm / (total + 1e-6)` (a NaN total makes every gradient NaN, as in torch). Returns the
+/// total norm (before clipping). With `error_if_nonfinite`, a NaN or infinite total is an
+/// error and nothing is changed.
 pub fn clip_grad_norm(
     grads: &mut GradStore,
     vars: &[Var],
@@ -171,7 +172,11 @@ pub fn clip_grad_norm_parts(
     if error_if_nonfinite && !total.is_finite() {
         return Err(Error::NonFiniteGradientNorm { norm_type, total });
     }
-    let coef = (max_norm / (total + 1e-6)).min(1.0);
+    // torch clamps a NaN coefficient to NaN (f64::min would give 1 and leave the gradients).
+    let coef = match total.is_nan() {
+        true => f64::NAN,
+        false => (max_norm / (total + 1e-6)).min(1.0),
+    };
     // torch multiplies even by 1; the product would be each gradient itself.
     if coef != 1.0 {
         for (v, g) in present {
