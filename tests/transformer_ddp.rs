@@ -570,7 +570,15 @@ fn tensor_parallel_flags_that_cannot_work_are_errors_naming_them() {
 #[test]
 fn held_out_samples_that_leave_none_to_train_on_are_an_error_not_a_hang() {
     let mut cmd = Command::new(common::example("transformer_ddp"));
-    cmd.args(["--cpu", "--digits", "1", "--train-size", "64", "--test-size", "50"]);
+    cmd.args([
+        "--cpu",
+        "--digits",
+        "1",
+        "--train-size",
+        "64",
+        "--test-size",
+        "50",
+    ]);
     let out = common::run(cmd, Duration::from_secs(60));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
