@@ -123,8 +123,7 @@ where
 {
     let run = |a: &[T], b: Option<&[T]>, out: &mut [T]| {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if super::rows::avx2() {
             // SAFETY: the CPU has the instructions, just checked.
             return unsafe {
                 match pass {
@@ -216,8 +215,7 @@ fn derivative_from_output(x: f32, y: f32) -> f32 {
 fn in_place(xy: Option<(&[f32], &[f32])>, v: &mut [f32]) {
     let run = |xy: Option<(&[f32], &[f32])>, v: &mut [f32]| {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if super::rows::avx2() {
             // SAFETY: the CPU has the instructions, just checked.
             return unsafe { in_place_avx2(xy, v) };
         }

@@ -221,8 +221,8 @@ pub(super) fn norm_fwd<T: Elem>(
     out
 }
 
-/// Whether this CPU runs the row kernels' AVX2 builds.
-fn avx2() -> bool {
+/// Whether this CPU runs the kernels' AVX2 and FMA builds (the row kernels', the GELU's).
+pub(super) fn avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
