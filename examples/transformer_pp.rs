@@ -449,7 +449,7 @@ fn rank_main(args: &Args) -> Result<()> {
                 Trainer::Whole(model) => {
                     let loss = sort_loss(&model.forward(&inputs)?, &answers)?;
                     loss_sum += f64::from(loss.to_scalar::<f32>()?);
-                    loss.backward()?
+                    candle_parallel::nn::backward(&loss)?
                 }
                 Trainer::Pipeline { stages, schedule } => {
                     let refs: Vec<&PipelineStage<TransformerStage>> = stages.iter().collect();

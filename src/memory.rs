@@ -93,3 +93,35 @@ pub fn optimizer_state_bytes(optimizer: &impl crate::optim::ElementwiseOptimizer
     let state = optimizer.state();
     tensor_bytes(state.per_var.iter().flat_map(|m| m.values()))
 }
+
+/// Allocations from this size up are fresh pages from the kernel (glibc maps blocks above its
+/// mmap threshold, at most 32 MiB, on their own), faulted in on first write.
+const HUGE_FROM: usize = 32 << 20;
+
+/// A huge page, as transparent huge pages map them on x86-64 and arm64.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// `len` zeros, for a buffer written whole right away (a large weight gradient): from
+/// [`HUGE_FROM`] bytes up, the C allocator maps fresh pages each time, and writing them faults
+/// them in 4 KiB at a time (16,384 faults for a 64 MiB gradient, every step); here the kernel is
+/// asked to back them with 2 MiB pages where transparent huge pages are on `madvise`.
+pub(crate) fn zeroed_f32(len: usize) -> Vec<f32> {
+    let v = vec![0f32; len];
+    #[cfg(target_os = "linux")]
+    {
+        let bytes = len * std::mem::size_of::<f32>();
+        let start = v.as_ptr() as usize;
+        let (first, end) = (
+            start.next_multiple_of(HUGE_PAGE),
+            (start + bytes) & !(HUGE_PAGE - 1),
+        );
+        if bytes >= HUGE_FROM && end > first {
+            // SAFETY: the range lies inside `v`'s allocation, which lives; MADV_HUGEPAGE only
+            // advises the kernel and changes no contents. Its failure (no THP) is harmless.
+            unsafe {
+                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    v
+}

@@ -841,3 +841,88 @@ fn an_empty_batch_gives_the_linear_layer_zero_gradients() {
         }
     }
 }
+
+/// The gradients of every variable by `nn::backward` and by candle's `backward`, each in f64.
+fn both_stores(loss: &Tensor, vars: &[(&str, &Var)]) -> Vec<(String, Vec<f64>, Vec<f64>)> {
+    let (ours, candles) = (nn::backward(loss).unwrap(), loss.backward().unwrap());
+    vars.iter()
+        .map(|(name, v)| {
+            let get = |g: &GradStore| {
+                let t = g.get(v.as_tensor());
+                let t = t.unwrap_or_else(|| panic!("{name}: no gradient"));
+                as_f64(&t.flatten_all().unwrap())
+            };
+            (name.to_string(), get(&ours), get(&candles))
+        })
+        .collect()
+}
+
+/// `nn::backward` stores the gradients our layers hand it straight into the store, where
+/// candle's walk adds each to zeros: the same gradients, bit for bit where a variable gets one
+/// gradient (a weight used once), within rounding where it gets several (a layer applied twice,
+/// a weight also used by a candle op); weights in bf16 (not variables inside the op, converted
+/// first) take candle's way; a plain `backward` afterwards still gets every gradient.
+#[test]
+fn backward_stores_the_layers_gradients_as_candles_walk_would() {
+    let _serial = kernels_lock();
+    let var = |shape: &[usize], seed: u64| Var::from_tensor(&random(shape, seed)).unwrap();
+    let (w1, b1, w2, b2, w3) = (
+        var(&[24, 16], 1),
+        var(&[24], 2),
+        var(&[24, 24], 3),
+        var(&[24], 4),
+        var(&[5, 24], 5),
+    );
+    let x = var(&[2, 7, 16], 6);
+    let fc = |w: &Var, b: Option<&Var>| {
+        candle_nn::Linear::new(w.as_tensor().clone(), b.map(|b| b.as_tensor().clone()))
+    };
+    let (fc1, fc2, fc3) = (fc(&w1, Some(&b1)), fc(&w2, Some(&b2)), fc(&w3, None));
+    let g = random(&[2, 7, 5], 7);
+    let vars = [
+        ("w1", &w1),
+        ("b1", &b1),
+        ("w2", &w2),
+        ("b2", &b2),
+        ("w3", &w3),
+        ("x", &x),
+    ];
+
+    // Each variable once.
+    let h = nn::linear_relu(x.as_tensor(), &fc1).unwrap();
+    let h = nn::linear_gelu(&h, &fc2).unwrap();
+    let loss = (nn::linear(&h, &fc3).unwrap() * &g)
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    for (name, ours, candles) in both_stores(&loss, &vars) {
+        assert_eq!(ours, candles, "{name}: one use");
+    }
+
+    // fc2 applied twice, w1 also squared by a candle op, x transposed first (not contiguous).
+    let xt = x.as_tensor().transpose(0, 1).unwrap();
+    let h = nn::linear_relu(&xt, &fc1).unwrap();
+    let h = nn::linear_relu(&nn::linear_relu(&h, &fc2).unwrap(), &fc2).unwrap();
+    let out = nn::linear(&h, &fc3).unwrap().transpose(0, 1).unwrap();
+    let penalty = w1.as_tensor().sqr().unwrap().sum_all().unwrap();
+    let loss = ((out * &g).unwrap().sum_all().unwrap() + penalty).unwrap();
+    for (name, ours, candles) in both_stores(&loss, &vars) {
+        let scale = candles.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+        let diff = ours
+            .iter()
+            .zip(&candles)
+            .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff <= 1e-6 * scale,
+            "{name}: several uses differ by {diff}"
+        );
+    }
+
+    // bf16 weights: converted inside the layer, so candle routes their gradients.
+    let w16 = Var::from_tensor(&w3.as_tensor().to_dtype(DType::BF16).unwrap()).unwrap();
+    let layer = candle_nn::Linear::new(w16.as_tensor().clone(), None);
+    let h16 = h.to_dtype(DType::BF16).unwrap();
+    let loss = nn::linear(&h16, &layer).unwrap().sum_all().unwrap();
+    let [(_, ours, candles)] = both_stores(&loss, &[("w16", &w16)]).try_into().unwrap();
+    assert_eq!(ours, candles, "bf16 weight");
+}

@@ -550,7 +550,7 @@ impl<M> DistributedDataParallel<M> {
     /// backward through one forward's graph).
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         let started = Instant::now();
-        let mut grads = loss.backward()?;
+        let mut grads = nn::backward(loss)?;
         for group in &self.sync_groups {
             nn::finish_backward(group)?;
         }

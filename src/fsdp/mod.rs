@@ -410,7 +410,7 @@ impl<M> FullyShardedDataParallel<M> {
     }
 
     fn reduce(&self, loss: &Tensor, live: Vec<Live<M>>) -> Result<GradStore> {
-        let mut grads = match loss.backward() {
+        let mut grads = match crate::nn::backward(loss) {
             Ok(g) => g,
             Err(e) => {
                 for p in self.flat_params() {

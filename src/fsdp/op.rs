@@ -94,7 +94,7 @@ impl UnitOp {
         )?;
         let input = Var::from_tensor(&xs.detach())?;
         let out = (self.run)(vb, input.as_tensor())?;
-        let grads = (out * grad)?.sum_all()?.backward()?;
+        let grads = crate::nn::backward(&(out * grad)?.sum_all()?)?;
         let grad_in = grads.get(input.as_tensor()).cloned();
         let param_grads = vars
             .iter()

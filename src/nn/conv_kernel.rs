@@ -2,6 +2,7 @@
 //! tensors, forward and backward, built on [`kernels`](super::kernels)' im2col, col2im and
 //! matrix products, with the batch split over candle's thread pool.
 
+use super::backward::hand_over;
 use super::kernels::{block, block_mut, col2im, for_each_chunk, im2col, map_chunks, matmul};
 use super::kernels::{matmul_nt, sum_partials, Mat, Window};
 use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
@@ -200,7 +201,8 @@ impl candle_core::CustomOp2 for Conv2dOp {
         _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        self.input_and_weight_grads(x, w, grad)
+        let (dx, dw) = self.input_and_weight_grads(x, w, grad)?;
+        Ok((hand_over(x, dx), hand_over(w, dw)))
     }
 }
 
@@ -237,7 +239,7 @@ impl candle_core::CustomOp3 for Conv2dOp {
         } else {
             None
         };
-        Ok((dx, dw, db))
+        Ok((hand_over(x, dx), hand_over(w, dw), hand_over(b, db)))
     }
 }
 

@@ -21,6 +21,7 @@
 //! of a window wins), up to rounding: the direct kernels sum in another order
 //! (`tests/kernels.rs` checks within 1e-5; exact on small integers, so ties stay ties).
 
+use super::backward::hand_over;
 use super::conv_kernel::{f32_slice, with_f32, Geometry};
 use super::kernels::{block, block_mut, col2im, matmul, matmul_nt, sum_partials, threads, Mat};
 use crate::util::sync::lock;
@@ -465,6 +466,6 @@ impl candle_core::CustomOp3 for ConvReluPoolOp {
         let db = want_db
             .then(|| Tensor::from_vec(db, g.c_out, &Device::Cpu))
             .transpose()?;
-        Ok((dx, dw, db))
+        Ok((hand_over(x, dx), hand_over(w, dw), hand_over(b, db)))
     }
 }

@@ -238,8 +238,33 @@ pub(super) fn matmul_nt(dst: &mut [f32], a: &[f32], b: &[f32], k: usize) {
     );
 }
 
-/// `dst = a . b`, or `dst += a . b` when `accumulate`.
+/// `dst = a . b`, or `dst += a . b` when `accumulate`, on the calling thread.
 pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accumulate: bool) {
+    product(dst, a, b, accumulate, Parallelism::None)
+}
+
+/// [`matmul`] split by `gemm` over candle's threads ([`threads`]): for a product of few rows
+/// and a large `b`, which a split by rows of `dst` would have every thread read whole.
+pub(super) fn matmul_threaded(
+    dst: Mat<&mut [f32]>,
+    a: Mat<&[f32]>,
+    b: Mat<&[f32]>,
+    accumulate: bool,
+) {
+    let parallelism = match threads() {
+        1 => Parallelism::None,
+        n => Parallelism::Rayon(n),
+    };
+    product(dst, a, b, accumulate, parallelism)
+}
+
+fn product(
+    dst: Mat<&mut [f32]>,
+    a: Mat<&[f32]>,
+    b: Mat<&[f32]>,
+    accumulate: bool,
+    parallelism: Parallelism,
+) {
     assert!(
         a.rows == dst.rows && b.cols == dst.cols && a.cols == b.rows,
         "matmul of {}x{} by {}x{} into {}x{}",
@@ -286,7 +311,7 @@ pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accum
             false,
             false,
             false,
-            Parallelism::None,
+            parallelism,
         );
     }
 }

@@ -36,8 +36,9 @@
 //! ```
 
 use super::accumulate::{self, empty_output};
+use super::backward::hand_over;
 use super::conv_kernel::{f32_slice, with_f32};
-use super::kernels::{for_each_chunk, matmul, ours_in_f32, Mat};
+use super::kernels::{for_each_chunk, matmul, matmul_threaded, ours_in_f32, Mat};
 use crate::util::sync::lock;
 use candle_core::{CpuStorage, DType, Device, Layout, Module, Result, Shape, Tensor};
 use candle_nn::Linear;
@@ -176,7 +177,18 @@ impl candle_core::CustomOp3 for LinearOp {
         let b = f32_slice(bs, bl, "bias")?;
         let (k, o) = (self.k, self.o);
         let mut y = vec![0f32; self.n * o];
-        if k > 0 {
+        if k > 0 && self.n < o {
+            // Few rows: split over the weight, which each thread would otherwise read whole.
+            for row in y.chunks_mut(o) {
+                row.copy_from_slice(b);
+            }
+            matmul_threaded(
+                Mat::rows(&mut y, o),
+                Mat::rows_of(x, k),
+                Mat::transposed(w, k),
+                true,
+            );
+        } else if k > 0 {
             for_each_chunk(&mut y, o, |first, rows| {
                 for row in rows.chunks_mut(o) {
                     row.copy_from_slice(b);
@@ -266,6 +278,16 @@ impl LinearOp {
                 if o == 0 {
                     return Ok(()); // no outputs: a zero gradient
                 }
+                if n < k {
+                    // Few rows: split over the weight, as in the forward.
+                    matmul_threaded(
+                        Mat::rows(&mut dx, k),
+                        Mat::rows_of(g, o),
+                        Mat::rows_of(w, k),
+                        false,
+                    );
+                    return Ok(());
+                }
                 for_each_chunk(&mut dx, k, |first, rows| {
                     let g_rows = &g[first * o..first * o + rows.len() / k * o];
                     // dx_rows (r x k) = g_rows (r x o) . w (o x k)
@@ -286,7 +308,7 @@ impl LinearOp {
             // Each thread takes whole rows of the weight's gradient: rows of gᵀ, read as
             // columns of g where they lie (gemm packs them; a transposed copy of g cost more
             // than the product at the transformer's sizes).
-            let mut dw = vec![0f32; o * k];
+            let mut dw = crate::memory::zeroed_f32(o * k);
             with_f32(x, |x| {
                 if n == 0 {
                     return Ok(()); // an empty batch: a zero gradient
@@ -312,7 +334,7 @@ impl LinearOp {
         } else {
             None
         };
-        Ok((dx, dw, db))
+        Ok((hand_over(x, dx), hand_over(w, dw), hand_over(b, db)))
     }
 }
 

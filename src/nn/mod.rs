@@ -63,6 +63,7 @@
 
 mod accumulate;
 pub mod attention;
+mod backward;
 mod conv;
 #[cfg(feature = "cuda")]
 mod conv_cuda;
@@ -81,6 +82,7 @@ mod rows;
 mod simd;
 mod sync_batch_norm;
 
+pub use backward::backward;
 pub use candle_nn::LayerNormConfig;
 pub use conv::{conv2d, conv2d_forward, Conv2d};
 pub use kernels::{own_cpu_kernels, own_cuda_kernels, use_own_cpu_kernels, use_own_cuda_kernels};

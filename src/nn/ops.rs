@@ -38,6 +38,7 @@
 //! ```
 
 use super::accumulate::{empty_output, wide, widen};
+use super::backward::hand_over;
 use super::kernels::own_cpu_kernels;
 use super::rows::{self, values, with_float_slices};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
@@ -311,7 +312,7 @@ impl candle_core::CustomOp2 for Norm {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, da, _) = self.backward(x, alpha, grad, false)?;
-        Ok((Some(dx), Some(da)))
+        Ok((hand_over(x, Some(dx)), hand_over(alpha, Some(da))))
     }
 }
 
@@ -349,12 +350,13 @@ impl candle_core::CustomOp3 for Norm {
         &self,
         x: &Tensor,
         alpha: &Tensor,
-        _beta: &Tensor,
+        beta: &Tensor,
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, da, db) = self.backward(x, alpha, grad, true)?;
-        Ok((Some(dx), Some(da), db))
+        let (da, db) = (hand_over(alpha, Some(da)), hand_over(beta, db));
+        Ok((hand_over(x, Some(dx)), da, db))
     }
 }
 

@@ -253,6 +253,13 @@ impl Optimizer for Sgd {
         })
     }
 
+    /// `step` over [`crate::nn::backward`]'s gradients of `loss` (candle's `loss.backward()`,
+    /// with this crate's layers' variable gradients stored as made).
+    fn backward_step(&mut self, loss: &Tensor) -> candle_core::Result<()> {
+        let grads = crate::nn::backward(loss)?;
+        self.step(&grads)
+    }
+
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
         managed::check_vars(&self.vars).map_err(Error::into_candle)?;
         check_grads("Sgd", &self.vars, grads).map_err(Error::into_candle)?;

@@ -415,7 +415,7 @@ impl<M: ModuleT> Run<'_, M> {
                     }
                 };
                 let start = self.started.elapsed();
-                let grads = root.backward()?;
+                let grads = crate::nn::backward(&root)?;
                 for (_, var) in stage.named_parameters() {
                     if let Some(g) = grads.get(var.as_tensor()) {
                         let sum = match self.sums.remove(&var.id()) {
