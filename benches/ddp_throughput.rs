@@ -6,8 +6,8 @@
 //!     cargo bench --bench ddp_throughput -- --models net,big --plot ddp_scaling.svg
 //!
 //! For each model (the CIFAR-10 tutorial `Net`; `big`, an MLP of 25.2 M parameters, where
-//! communication matters; and `tf`, the transformer of `examples/transformer_ddp.rs` at 8
-//! blocks of width 512, 25.2 M parameters in 102 tensors, where bucketing and overlap matter)
+//! communication matters; `bignn`, the same MLP after the swap of `docs/CPU_SPEED.md`; and
+//! `tf`, the transformer of `examples/transformer_ddp.rs` at 8 blocks of width 512, 25.2 M parameters in 102 tensors, where bucketing and overlap matter)
 //! and one global batch, every setup runs in processes of its own, one after the other, in
 //! this one run:
 //!
@@ -46,7 +46,7 @@ use candle_parallel::init::seeded_var_builder;
 use candle_parallel::launch::{self, LaunchConfig};
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::DistributedDataParallel;
-use common::{big, big_batch};
+use common::{big, big_batch, big_nn};
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -74,6 +74,8 @@ enum Model {
     /// The Net with BatchNorm after each convolution (`cifar::NetBn`).
     NetBn,
     Big,
+    /// `Big` after the swap to `candle_parallel::nn::{linear_relu, linear}` (docs/CPU_SPEED.md).
+    BigNn,
     /// The transformer of `examples/transformer_ddp.rs`, 25.2 M parameters.
     Tf,
 }
@@ -101,8 +103,9 @@ impl Model {
             "net" => Ok(Self::Net),
             "netbn" => Ok(Self::NetBn),
             "big" => Ok(Self::Big),
+            "bignn" => Ok(Self::BigNn),
             "tf" => Ok(Self::Tf),
-            other => bail!("unknown model {other:?}: net, netbn, big or tf"),
+            other => bail!("unknown model {other:?}: net, netbn, big, bignn or tf"),
         }
     }
 
@@ -111,6 +114,7 @@ impl Model {
             Self::Net => "net",
             Self::NetBn => "netbn",
             Self::Big => "big",
+            Self::BigNn => "bignn",
             Self::Tf => "tf",
         }
     }
@@ -119,14 +123,14 @@ impl Model {
     fn global_batch(self) -> usize {
         match self {
             Self::Net | Self::NetBn => 128,
-            Self::Big => 64,
+            Self::Big | Self::BigNn => 64,
             Self::Tf => 16,
         }
     }
 
     /// A batch of `n` inputs and labels, on `device`.
     fn batch(self, n: usize, device: &Device) -> Result<(Tensor, Tensor)> {
-        if self == Self::Big {
+        if matches!(self, Self::Big | Self::BigNn) {
             return Ok(big_batch(n, device)?);
         }
         if self == Self::Tf {
@@ -419,10 +423,13 @@ fn child(job: &Job) -> Result<()> {
         (Model::NetBn, Kind::Ddp) => ddp(job, NetBn::new)?,
         (Model::NetBn, Kind::Overhead) => overhead(job, NetBn::new)?,
         (Model::Big, Kind::Plain) => plain(job, big)?,
+        (Model::BigNn, Kind::Plain) => plain(job, big_nn)?,
         (Model::Net, Kind::Ddp) => ddp(job, Net::new)?,
         (Model::Big, Kind::Ddp) => ddp(job, big)?,
+        (Model::BigNn, Kind::Ddp) => ddp(job, big_nn)?,
         (Model::Net, Kind::Overhead) => overhead(job, Net::new)?,
         (Model::Big, Kind::Overhead) => overhead(job, big)?,
+        (Model::BigNn, Kind::Overhead) => overhead(job, big_nn)?,
         (Model::Tf, Kind::Plain) => plain(job, tf)?,
         (Model::Tf, Kind::Ddp) => ddp(job, tf)?,
         (Model::Tf, Kind::Overhead) => overhead(job, tf)?,
@@ -570,7 +577,7 @@ fn main() -> Result<()> {
         let global = model.global_batch();
         let (steps, warmup) = match model {
             Model::Net | Model::NetBn => (o.steps.unwrap_or(30), 3),
-            Model::Big | Model::Tf => (o.steps.unwrap_or(10), 2),
+            Model::Big | Model::BigNn | Model::Tf => (o.steps.unwrap_or(10), 2),
         };
         let job = |kind: Kind, batch: usize, bucket_mb: f64| Job {
             model,
@@ -584,7 +591,7 @@ fn main() -> Result<()> {
         let params = match model {
             Model::Net => "62,006",
             Model::NetBn => "62,050",
-            Model::Big => "25.2 M",
+            Model::Big | Model::BigNn => "25.2 M",
             Model::Tf => "25.2 M",
         };
         println!(

@@ -27,6 +27,24 @@ impl Module for Big {
     }
 }
 
+/// [`Big`] after the swap of `docs/CPU_SPEED.md`: the same variables, its layers through
+/// `candle_parallel::nn::{linear_relu, linear}`.
+pub struct BigNn(Big);
+
+/// Builds [`BigNn`] from `vb`.
+pub fn big_nn(vb: VarBuilder) -> candle_core::Result<BigNn> {
+    Ok(BigNn(big(vb)?))
+}
+
+impl Module for BigNn {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let layers = &self.0.layers;
+        let h = candle_parallel::nn::linear_relu(x, &layers[0])?;
+        let h = candle_parallel::nn::linear_relu(&h, &layers[1])?;
+        candle_parallel::nn::linear(&h, &layers[2])
+    }
+}
+
 /// A batch of `n` random inputs for [`Big`] and labels among its 1024 classes, on `device`.
 pub fn big_batch(n: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
     let x = Tensor::randn(0f32, 1.0, (n, 1024), device)?;
