@@ -14,7 +14,7 @@
 mod common;
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module};
 use candle_nn::{loss, Optimizer, VarBuilder, VarMap};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::nn;

@@ -102,4 +102,6 @@ pub mod guides {
     pub struct Pipeline;
     #[doc = include_str!("../docs/TENSOR_PARALLEL.md")]
     pub struct TensorParallel;
+    #[doc = include_str!("../docs/CPU_SPEED.md")]
+    pub struct CpuSpeed;
 }

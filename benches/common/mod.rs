@@ -29,9 +29,11 @@ impl Module for Big {
 
 /// [`Big`] after the swap of `docs/CPU_SPEED.md`: the same variables, its layers through
 /// `candle_parallel::nn::{linear_relu, linear}`.
+#[allow(dead_code)] // not every bench that includes this module uses it
 pub struct BigNn(Big);
 
 /// Builds [`BigNn`] from `vb`.
+#[allow(dead_code)]
 pub fn big_nn(vb: VarBuilder) -> candle_core::Result<BigNn> {
     Ok(BigNn(big(vb)?))
 }
