@@ -4,6 +4,7 @@
 //!     cargo bench --bench ddp_throughput
 //!     cargo bench --bench ddp_throughput -- --models net --procs 2,4 --steps 30 --repeat 5
 //!     cargo bench --bench ddp_throughput -- --models net,big --plot ddp_scaling.svg
+//!     cargo bench --bench ddp_throughput -- --models tf,bignn --in-pool
 //!
 //! For each model (the CIFAR-10 tutorial `Net`; `big`, an MLP of 25.2 M parameters, where
 //! communication matters; `bignn`, the same MLP after the swap of `docs/CPU_SPEED.md`; and
@@ -24,6 +25,8 @@
 //!   processes without communication;
 //! - for `big`, DDP on 2 processes with other bucket sizes.
 //!
+//! With `--in-pool` every job runs as `transformer_ddp` does: on a worker of rayon's pool, with
+//! candle's elementwise ops on the calling thread (`candle_parallel::threads`).
 //! With `--cuda` (and the `cuda,nccl` features) the jobs compute on GPU 0 and DDP runs on NCCL:
 //! only the one-process rows, as one GPU holds one NCCL rank. `scripts/torch_ddp_bench.py`
 //! measures PyTorch on the same models and setups. With `--plot FILE.svg`, also draws each
@@ -58,6 +61,8 @@ const JOB_VAR: &str = "CP_BENCH_JOB";
 const OUT_VAR: &str = "CP_BENCH_OUT";
 /// Set when the jobs run on GPU 0.
 const CUDA_VAR: &str = "CP_BENCH_CUDA";
+/// Set for the jobs by `--in-pool`.
+const IN_POOL_VAR: &str = "CP_BENCH_IN_POOL";
 
 /// The device a job computes on: GPU 0 under `--cuda`, else the CPU.
 fn device() -> Result<Device> {
@@ -505,6 +510,9 @@ struct Options {
     buckets: Vec<f64>,
     repeat: usize,
     cuda: bool,
+    /// Whether the jobs run as `transformer_ddp` does: on a worker of rayon's pool, candle's
+    /// elementwise ops on the calling thread (`candle_parallel::threads`).
+    in_pool: bool,
     /// Where to draw the scaling chart.
     plot: Option<PathBuf>,
 }
@@ -517,6 +525,7 @@ fn parse() -> Result<Options> {
         buckets: vec![1.0, 5.0, 25.0, 100.0],
         repeat: 3,
         cuda: false,
+        in_pool: false,
         plot: None,
     };
     let mut args = std::env::args().skip(1);
@@ -538,6 +547,7 @@ fn parse() -> Result<Options> {
             "--steps" => o.steps = Some(value("--steps")?.parse()?),
             "--repeat" => o.repeat = value("--repeat")?.parse()?,
             "--cuda" => o.cuda = true,
+            "--in-pool" => o.in_pool = true,
             "--plot" => {
                 let path = value("--plot")?;
                 plot::check_path(path.as_ref())?;
@@ -565,12 +575,20 @@ fn main() -> Result<()> {
     // Freed tensor memory stays for the next step (see candle_parallel::memory).
     candle_parallel::memory::keep_freed_memory();
     if let Ok(job) = std::env::var(JOB_VAR) {
-        return child(&Job::decode(&job)?);
+        let job = Job::decode(&job)?;
+        if std::env::var_os(IN_POOL_VAR).is_some() {
+            candle_parallel::threads::one_pool();
+            return candle_parallel::threads::in_pool(|| child(&job));
+        }
+        return child(&job);
     }
     let o = parse()?;
     if o.cuda {
         // The jobs read it; one GPU holds one NCCL rank, so only the one-process rows run.
         std::env::set_var(CUDA_VAR, "1");
+    }
+    if o.in_pool {
+        std::env::set_var(IN_POOL_VAR, "1");
     }
     let mut series = Vec::new();
     for &model in &o.models {

@@ -6,6 +6,7 @@
 //!
 //!     cargo bench --bench mlp_phases
 //!     cargo bench --bench mlp_phases -- --threads 1 --batch 64 --steps 10 --models nn
+//!     cargo bench --bench mlp_phases -- --threads 2 --in-pool   # as transformer_ddp runs
 //!
 //! Medians over `--steps` repetitions after 3 warm-up ones. `scripts/torch_mlp_phases.py`
 //! times the same in PyTorch with the same threads; this bench runs it when `python3 -c
@@ -28,6 +29,7 @@ struct Options {
     steps: usize,
     threads: Option<usize>,
     models: String,
+    in_pool: bool,
 }
 
 fn parse() -> Result<Options> {
@@ -36,6 +38,7 @@ fn parse() -> Result<Options> {
         steps: 10,
         threads: None,
         models: "candle-nn,nn".into(),
+        in_pool: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -50,6 +53,7 @@ fn parse() -> Result<Options> {
             "--steps" => o.steps = value("--steps")?,
             "--threads" => o.threads = Some(value("--threads")?),
             "--models" => o.models = args.next().context("--models needs a value")?,
+            "--in-pool" => o.in_pool = true,
             "--bench" => {}
             other => anyhow::bail!("unknown argument {other}"),
         }
@@ -119,14 +123,23 @@ fn main() -> Result<()> {
         "the 25.2 M MLP, batch {}, {threads} threads, ms (median of {})",
         o.batch, o.steps
     );
-    let mut rows = Vec::new();
-    for model in o.models.split(',') {
-        rows.push(match model {
-            "candle-nn" => ("candle-nn Linear", phases(&o, common::big)?),
-            "nn" => ("nn::linear_relu", phases(&o, common::big_nn)?),
-            other => anyhow::bail!("unknown model {other:?}: candle-nn or nn"),
-        });
-    }
+    let measure = || -> Result<Vec<(&str, [f64; 3])>> {
+        let mut rows = Vec::new();
+        for model in o.models.split(',') {
+            rows.push(match model {
+                "candle-nn" => ("candle-nn Linear", phases(&o, common::big)?),
+                "nn" => ("nn::linear_relu", phases(&o, common::big_nn)?),
+                other => anyhow::bail!("unknown model {other:?}: candle-nn or nn"),
+            });
+        }
+        Ok(rows)
+    };
+    let rows = if o.in_pool {
+        candle_parallel::threads::one_pool();
+        candle_parallel::threads::in_pool(measure)?
+    } else {
+        measure()?
+    };
 
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/torch_mlp_phases.py");
     let torch = Command::new("python3")

@@ -123,6 +123,7 @@ fn main() -> Result<()> {
     // As transformer_ddp does: freed tensor memory stays for the next step, rather than being
     // returned to the kernel and faulted in again (which costs most with several threads).
     candle_parallel::memory::keep_freed_memory();
+    candle_parallel::threads::one_pool();
     let o = parse()?;
     if let Some(n) = o.threads {
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
@@ -158,10 +159,10 @@ fn main() -> Result<()> {
         Ok(())
     })?;
     let backward = time(o.steps, || {
-        sort_loss(&model.forward(&tokens)?, &answers)?.backward()?;
+        nn::backward(&sort_loss(&model.forward(&tokens)?, &answers)?)?;
         Ok(())
     })? - forward;
-    let grads = sort_loss(&model.forward(&tokens)?, &answers)?.backward()?;
+    let grads = nn::backward(&sort_loss(&model.forward(&tokens)?, &answers)?)?;
     let step = time(o.steps, || Ok(opt.step(&grads)?))?;
     ours.insert("step: forward + loss", (forward, 0.0));
     ours.insert("step: backward", (backward.max(0.0), 0.0));

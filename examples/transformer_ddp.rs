@@ -236,6 +236,15 @@ fn main() -> Result<()> {
     candle_parallel::logging::init();
     // Freed tensor memory stays for the next step (see candle_parallel::memory).
     candle_parallel::memory::keep_freed_memory();
+    // candle's elementwise ops on the calling thread, and the program on a worker of rayon's
+    // pool, so that each split of a product starts on the training thread
+    // (see candle_parallel::threads).
+    candle_parallel::threads::one_pool();
+    candle_parallel::threads::in_pool(run)
+}
+
+/// The program, on a worker of rayon's pool.
+fn run() -> Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
     anyhow::ensure!(args.accumulate > 0, "--accumulate must be at least 1");

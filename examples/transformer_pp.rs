@@ -166,6 +166,15 @@ impl Args {
 fn main() -> Result<()> {
     candle_parallel::logging::init();
     candle_parallel::memory::keep_freed_memory();
+    // candle's elementwise ops on the calling thread, and the program on a worker of rayon's
+    // pool, so that each split of a product starts on the training thread
+    // (see candle_parallel::threads).
+    candle_parallel::threads::one_pool();
+    candle_parallel::threads::in_pool(run)
+}
+
+/// The program, on a worker of rayon's pool.
+fn run() -> Result<()> {
     let args = Args::parse();
     anyhow::ensure!(
         args.pipeline > 0 && args.data_parallel > 0 && args.tensor_parallel > 0,

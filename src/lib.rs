@@ -79,6 +79,7 @@ pub mod rng;
 pub mod sampler;
 pub mod shard;
 pub mod tensor_parallel;
+pub mod threads;
 mod util;
 
 pub use ddp::{vars_without_gradient, DdpConfig, DistributedDataParallel};

@@ -20,6 +20,7 @@ const LAYERS: &[&[&str]] = &[
         "init",
         "checkpoint",
         "memory",
+        "threads",
         "sampler",
         "shard",
         "amp",

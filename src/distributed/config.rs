@@ -239,6 +239,7 @@ pub fn honour_omp_num_threads() -> Option<usize> {
     std::env::set_var(THREADS_VAR, n.to_string());
     if rayon::ThreadPoolBuilder::new()
         .num_threads(n)
+        .stack_size(WORKER_STACK)
         .build_global()
         .is_err()
         && rayon::current_num_threads() != n
@@ -253,6 +254,11 @@ pub fn honour_omp_num_threads() -> Option<usize> {
     }
     Some(n)
 }
+
+/// The stack of each worker of rayon's global pool when this crate builds it: the main thread's
+/// 8 MiB, as a training loop may run on a worker ([`crate::threads::in_pool`]) and candle's
+/// backward walks the graph recursively. Reserved, not touched, until used.
+pub const WORKER_STACK: usize = 8 << 20;
 
 /// The environment variable choosing the TCP backend's all-reduce algorithm (`auto`, `ring`,
 /// `hierarchical`).

@@ -74,6 +74,7 @@ pub use config::InitOptions;
 pub use config::{
     check_threads_var, honour_omp_num_threads, omp_threads, Algorithm, Backend, InitConfig,
     ALGORITHM_VAR, BACKEND_VAR, OMP_THREADS_VAR, RENDEZVOUS_TIMEOUT_VAR, THREADS_VAR, TOKEN_VAR,
+    WORKER_STACK,
 };
 pub use device_mesh::{DeviceMesh, MeshLayout};
 pub use group::{P2pOp, ProcessGroup};
