@@ -47,9 +47,9 @@ use candle_parallel::ddp::DdpConfig;
 use candle_parallel::distributed::{ProcessGroup, ReduceOp};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::launch::{self, LaunchConfig};
-use candle_parallel::optim::{Sgd, SgdConfig};
+use candle_parallel::optim::Sgd;
 use candle_parallel::DistributedDataParallel;
-use common::{big, big_batch, big_nn};
+use common::{big, big_batch, big_nn, SGD};
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -271,15 +271,6 @@ impl Measured {
         )
     }
 }
-
-const SGD: SgdConfig = SgdConfig {
-    lr: 0.01,
-    momentum: 0.9,
-    dampening: 0.0,
-    weight_decay: 0.0,
-    nesterov: false,
-    maximize: false,
-};
 
 /// Times `steps` calls of `step` after `warmup` untimed ones, until the device has run them.
 fn timed(warmup: usize, steps: usize, mut step: impl FnMut() -> Result<()>) -> Result<Duration> {

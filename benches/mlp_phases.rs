@@ -1,8 +1,9 @@
 //! Where a training step of the 25.2 M-parameter MLP (`ddp_throughput`'s `big`: 1024 → 4096 →
 //! 4096 → 1024, ReLU, cross-entropy, SGD with momentum) spends its time, ours beside PyTorch's:
-//! forward with the loss, backward ([`candle_parallel::nn::backward`]), and the SGD step, for the model as candle-nn's `Linear`
-//! runs it and after the one-line swap to [`candle_parallel::nn::linear_relu`] and
-//! [`candle_parallel::nn::linear`] (the same variables).
+//! forward with the loss, backward ([`candle_parallel::nn::backward`]) and the SGD step, for the
+//! model as candle-nn's `Linear` runs it and after the one-line swap to
+//! [`candle_parallel::nn::linear_relu`] and [`candle_parallel::nn::linear`] (the same
+//! variables).
 //!
 //!     cargo bench --bench mlp_phases
 //!     cargo bench --bench mlp_phases -- --threads 1 --batch 64 --steps 10 --models nn
@@ -14,15 +15,18 @@
 
 mod common;
 
+#[path = "common/timing.rs"]
+mod timing;
+
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module};
 use candle_nn::{loss, Optimizer, VarBuilder, VarMap};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::nn;
-use candle_parallel::optim::{Sgd, SgdConfig};
+use candle_parallel::optim::Sgd;
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Instant;
+use timing::time;
 
 struct Options {
     batch: usize,
@@ -61,34 +65,6 @@ fn parse() -> Result<Options> {
     Ok(o)
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
-/// Median seconds of `f` over `steps` runs, after 3 warm-up runs.
-fn time(steps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..3 {
-        f()?;
-    }
-    let mut t = Vec::with_capacity(steps);
-    for _ in 0..steps {
-        let started = Instant::now();
-        f()?;
-        t.push(started.elapsed().as_secs_f64());
-    }
-    Ok(median(t))
-}
-
-const SGD: SgdConfig = SgdConfig {
-    lr: 0.01,
-    momentum: 0.9,
-    dampening: 0.0,
-    weight_decay: 0.0,
-    nesterov: false,
-    maximize: false,
-};
-
 /// Forward with the loss, backward, and SGD step times of the model `build` makes.
 fn phases<M: Module>(
     o: &Options,
@@ -97,7 +73,7 @@ fn phases<M: Module>(
     let varmap = VarMap::new();
     let model = build(seeded_var_builder(&varmap, 0, DType::F32, &Device::Cpu))?;
     let (x, y) = common::big_batch(o.batch, &Device::Cpu)?;
-    let mut opt = Sgd::new(varmap.all_vars(), SGD)?;
+    let mut opt = Sgd::new(varmap.all_vars(), common::SGD)?;
     let forward = time(o.steps, || {
         loss::cross_entropy(&model.forward(&x)?, &y)?;
         Ok(())

@@ -11,6 +11,9 @@
 //! with the same shapes and threads, when `python3 -c "import torch"` works. Reports; asserts
 //! nothing.
 
+#[path = "common/timing.rs"]
+mod timing;
+
 use anyhow::{Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
@@ -18,29 +21,10 @@ use candle_nn::Optimizer;
 use candle_parallel::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Instant;
+use timing::time;
 
 const SHAPE: (usize, usize) = (2048, 3072);
 const MATRICES: usize = 4;
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
-/// The median time of `steps` steps of `step`, after 3 warm-up steps.
-fn time(steps: usize, mut step: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..3 {
-        step()?;
-    }
-    let mut t = Vec::with_capacity(steps);
-    for _ in 0..steps {
-        let started = Instant::now();
-        step()?;
-        t.push(started.elapsed().as_secs_f64());
-    }
-    Ok(median(t))
-}
 
 fn setup() -> Result<(Vec<Var>, GradStore)> {
     let vars = (0..MATRICES)

@@ -19,6 +19,9 @@
 #[path = "../examples/common/transformer.rs"]
 mod transformer;
 
+#[path = "common/timing.rs"]
+mod timing;
+
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{embedding, linear, Optimizer, VarBuilder, VarMap};
@@ -30,7 +33,7 @@ use candle_parallel::optim::{AdamW, AdamWConfig};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Instant;
+use timing::time;
 use transformer::{sort_loss, Config, SortTask, Transformer};
 
 struct Options {
@@ -74,25 +77,6 @@ fn parse() -> Result<Options> {
         }
     }
     Ok(o)
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
-/// Median seconds of `f` over `steps` runs, after 3 warm-up runs.
-fn time(steps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..3 {
-        f()?;
-    }
-    let mut t = Vec::with_capacity(steps);
-    for _ in 0..steps {
-        let started = Instant::now();
-        f()?;
-        t.push(started.elapsed().as_secs_f64());
-    }
-    Ok(median(t))
 }
 
 /// Forward and backward times of `layer` on `x` (made a variable when `grad_x`).

@@ -2,6 +2,7 @@
 
 use candle_core::{Device, Module, Tensor};
 use candle_nn::{linear, Linear, VarBuilder};
+use candle_parallel::optim::SgdConfig;
 
 /// An MLP of 25.2 M parameters: 1024 → 4096 → 4096 → 1024.
 pub struct Big {
@@ -53,3 +54,14 @@ pub fn big_batch(n: usize, device: &Device) -> candle_core::Result<(Tensor, Tens
     let y = Tensor::from_vec((0..n as u32).map(|i| i % 1024).collect(), n, device)?;
     Ok((x, y))
 }
+
+/// The optimizer the MLP benches train with, as PyTorch's twins do: SGD, lr 0.01, momentum 0.9.
+#[allow(dead_code)] // not every bench that includes this module uses it
+pub const SGD: SgdConfig = SgdConfig {
+    lr: 0.01,
+    momentum: 0.9,
+    dampening: 0.0,
+    weight_decay: 0.0,
+    nesterov: false,
+    maximize: false,
+};
