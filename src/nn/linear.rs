@@ -9,9 +9,12 @@
 //! three products split over candle's thread pool (after the GELU's derivative, in place, for
 //! [`linear_gelu`], whose forward keeps the layer's output before the GELU for it: the
 //! transformer MLP's wide activation then never becomes a node of candle's graph, whose
-//! backward would add its gradient to a tensor of zeros): the input gradient by rows of the batch, the
-//! weight gradient by rows of the weight (no partial sums to add). Inputs of any rank from 2 are
-//! taken as rows of their last dimension; a layer without a bias adds zeros.
+//! backward would add its gradient to a tensor of zeros): the input gradient by rows of the
+//! batch, the weight gradient by rows of the weight (no partial sums to add). A batch of fewer
+//! rows than the output (for the input gradient: the input) is wide is split over the weight
+//! instead, which each thread would otherwise read whole. Under `nn::backward` the weight and
+//! bias gradients go into the store as made. Inputs of any rank from 2 are taken as rows of
+//! their last dimension; a layer without a bias adds zeros.
 //!
 //! f16 and bf16 run the same f32 kernels and round their results once: their products and
 //! sums accumulate in f32, as torch's do (the crate's rule, see the [`nn` module docs](super)),
