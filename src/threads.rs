@@ -55,17 +55,31 @@ pub fn one_pool() -> bool {
 /// `f` comes back as a panic here); on a worker already, runs it in place. Before that it sizes
 /// the pool as the process group will ([`crate::distributed::honour_omp_num_threads`], so that
 /// `OMP_NUM_THREADS` from torchrun still counts) and gives each worker the main thread's stack
-/// ([`crate::distributed::WORKER_STACK`]), where this call is the first to start the pool.
+/// ([`crate::distributed::WORKER_STACK`]), where this call is the first to start the pool. Where
+/// tensor work started the pool before (workers of rayon's 2 MiB stack, on which the backward
+/// of a graph some thousands of ops deep overflows), it says so in the log: call it first thing
+/// in `main`.
+///
+/// One training loop per process: `f` holds its worker while it waits, so threads that wait
+/// for each other (the ranks of [`crate::distributed::spawn_threads`], each in its own
+/// `in_pool`) hang when the pool has fewer workers than they are.
 pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if rayon::current_thread_index().is_some() {
         return f();
     }
     crate::distributed::honour_omp_num_threads();
-    // Fails, harmlessly, where the pool is running already (its workers keep their stacks).
-    let _ = rayon::ThreadPoolBuilder::new()
-        .num_threads(candle_core::utils::get_num_threads())
-        .stack_size(crate::distributed::WORKER_STACK)
-        .build_global();
+    let started_here = crate::distributed::build_global_pool(candle_core::utils::get_num_threads());
+    if !started_here && !crate::distributed::global_pool_built_here() {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            log::warn!(
+                "threads::in_pool: rayon's pool was started before it, by tensor work, with \
+                 rayon's default 2 MiB stacks; the training loop runs on one of them, where the \
+                 backward of a graph some thousands of ops deep overflows the stack (the main \
+                 thread has 8 MiB): call in_pool first thing in main"
+            )
+        });
+    }
     rayon::join(f, || ()).0
 }
 

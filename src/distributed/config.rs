@@ -237,13 +237,8 @@ pub fn honour_omp_num_threads() -> Option<usize> {
     };
     // Before any other thread reads the environment: this runs first thing in a rank.
     std::env::set_var(THREADS_VAR, n.to_string());
-    if rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .stack_size(WORKER_STACK)
-        .build_global()
-        .is_err()
-        && rayon::current_num_threads() != n
-    {
+    let built = build_global_pool(n);
+    if !built && rayon::current_num_threads() != n {
         log::warn!(
             "{OMP_THREADS_VAR}={n}, but rayon's global pool already runs {} threads (tensor work \
              started before the process group was made): it sizes candle's own pool and \
@@ -253,6 +248,29 @@ pub fn honour_omp_num_threads() -> Option<usize> {
         );
     }
     Some(n)
+}
+
+/// Whether this crate started rayon's global pool (with [`WORKER_STACK`]).
+static POOL_BUILT_HERE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Starts rayon's global pool with `n` workers of [`WORKER_STACK`]; `false` where it runs
+/// already.
+pub fn build_global_pool(n: usize) -> bool {
+    let built = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .stack_size(WORKER_STACK)
+        .build_global()
+        .is_ok();
+    if built {
+        POOL_BUILT_HERE.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    built
+}
+
+/// Whether [`build_global_pool`] started rayon's global pool (its workers have
+/// [`WORKER_STACK`]); `false` where something else started it first.
+pub fn global_pool_built_here() -> bool {
+    POOL_BUILT_HERE.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 /// The stack of each worker of rayon's global pool when this crate builds it: the main thread's

@@ -72,9 +72,9 @@ pub mod work;
 #[allow(deprecated)]
 pub use config::InitOptions;
 pub use config::{
-    check_threads_var, honour_omp_num_threads, omp_threads, Algorithm, Backend, InitConfig,
-    ALGORITHM_VAR, BACKEND_VAR, OMP_THREADS_VAR, RENDEZVOUS_TIMEOUT_VAR, THREADS_VAR, TOKEN_VAR,
-    WORKER_STACK,
+    build_global_pool, check_threads_var, global_pool_built_here, honour_omp_num_threads,
+    omp_threads, Algorithm, Backend, InitConfig, ALGORITHM_VAR, BACKEND_VAR, OMP_THREADS_VAR,
+    RENDEZVOUS_TIMEOUT_VAR, THREADS_VAR, TOKEN_VAR, WORKER_STACK,
 };
 pub use device_mesh::{DeviceMesh, MeshLayout};
 pub use group::{P2pOp, ProcessGroup};

@@ -34,28 +34,44 @@
 //! ```
 
 use candle_core::backprop::GradStore;
-use candle_core::{Result, Tensor};
+use candle_core::{Result, Tensor, TensorId};
 use std::cell::RefCell;
+use std::collections::HashSet;
+
+/// What one [`backward`] collects: the nodes of its graph, and the gradients handed over by
+/// layers whose output is one of them.
+struct Collected {
+    nodes: HashSet<TensorId>,
+    handed: Vec<(Tensor, Tensor)>,
+}
 
 thread_local! {
-    /// One frame per [`backward`] running on this thread, innermost last: the variables'
-    /// gradients handed over by the layers.
-    static FRAMES: RefCell<Vec<Vec<(Tensor, Tensor)>>> = const { RefCell::new(Vec::new()) };
+    /// One per [`backward`] running on this thread, innermost last.
+    static FRAMES: RefCell<Vec<Collected>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Pops this thread's innermost frame when dropped, whatever happened in between.
 struct Frame;
 
 impl Frame {
-    fn open() -> Self {
-        FRAMES.with(|f| f.borrow_mut().push(Vec::new()));
+    fn open(loss: &Tensor) -> Self {
+        let nodes = loss.sorted_nodes().iter().map(|n| n.id()).collect();
+        let collected = Collected {
+            nodes,
+            handed: Vec::new(),
+        };
+        FRAMES.with(|f| f.borrow_mut().push(collected));
         Frame
     }
 
     /// The gradients handed over so far.
     fn take(&self) -> Vec<(Tensor, Tensor)> {
         FRAMES
-            .with(|f| f.borrow_mut().last_mut().map(std::mem::take))
+            .with(|f| {
+                f.borrow_mut()
+                    .last_mut()
+                    .map(|c| std::mem::take(&mut c.handed))
+            })
             .unwrap_or_default()
     }
 }
@@ -70,7 +86,7 @@ impl Drop for Frame {
 /// with the gradients of the variables of this crate's layers stored as made rather than added
 /// to zeros (see the [module documentation](self)). Use it wherever `loss.backward()` would be.
 pub fn backward(loss: &Tensor) -> Result<GradStore> {
-    let frame = Frame::open();
+    let frame = Frame::open(loss);
     let walked = loss.backward();
     let handed = frame.take();
     drop(frame);
@@ -85,19 +101,22 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
     Ok(grads)
 }
 
-/// What a layer's backward returns to candle for `input`'s gradient `grad`: nothing, when
-/// `input` is a variable and a [`backward`] runs on this thread (which stores `grad` itself
-/// after candle's walk), `grad` otherwise.
-pub(super) fn hand_over(input: &Tensor, grad: Option<Tensor>) -> Option<Tensor> {
+/// What a layer's backward returns to candle for `input`'s gradient `grad`, the layer's output
+/// being `output`: nothing, when `input` is a variable and `output` is a node of the graph of
+/// the innermost [`backward`] running on this thread (which stores `grad` itself after
+/// candle's walk); `grad` otherwise. A plain `backward()` of another graph on this thread
+/// meanwhile (inside an op's backward, or a rayon job run while this thread waits) gets its
+/// gradients from candle as always.
+pub(super) fn hand_over(output: &Tensor, input: &Tensor, grad: Option<Tensor>) -> Option<Tensor> {
     let grad = grad?;
     if !input.is_variable() {
         return Some(grad);
     }
     FRAMES.with(|f| match f.borrow_mut().last_mut() {
-        Some(frame) => {
-            frame.push((input.clone(), grad));
+        Some(frame) if frame.nodes.contains(&output.id()) => {
+            frame.handed.push((input.clone(), grad));
             None
         }
-        None => Some(grad),
+        _ => Some(grad),
     })
 }

@@ -198,11 +198,11 @@ impl candle_core::CustomOp2 for Conv2dOp {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _: &Tensor,
+        out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw) = self.input_and_weight_grads(x, w, grad)?;
-        Ok((hand_over(x, dx), hand_over(w, dw)))
+        Ok((hand_over(out, x, dx), hand_over(out, w, dw)))
     }
 }
 
@@ -230,7 +230,7 @@ impl candle_core::CustomOp3 for Conv2dOp {
         x: &Tensor,
         w: &Tensor,
         b: &Tensor,
-        _: &Tensor,
+        out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw) = self.input_and_weight_grads(x, w, grad)?;
@@ -239,7 +239,11 @@ impl candle_core::CustomOp3 for Conv2dOp {
         } else {
             None
         };
-        Ok((hand_over(x, dx), hand_over(w, dw), hand_over(b, db)))
+        Ok((
+            hand_over(out, x, dx),
+            hand_over(out, w, dw),
+            hand_over(out, b, db),
+        ))
     }
 }
 

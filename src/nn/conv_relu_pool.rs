@@ -423,7 +423,7 @@ impl candle_core::CustomOp3 for ConvReluPoolOp {
         x: &Tensor,
         w: &Tensor,
         b: &Tensor,
-        _: &Tensor,
+        out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let g = self.geometry;
@@ -466,6 +466,10 @@ impl candle_core::CustomOp3 for ConvReluPoolOp {
         let db = want_db
             .then(|| Tensor::from_vec(db, g.c_out, &Device::Cpu))
             .transpose()?;
-        Ok((hand_over(x, dx), hand_over(w, dw), hand_over(b, db)))
+        Ok((
+            hand_over(out, x, dx),
+            hand_over(out, w, dw),
+            hand_over(out, b, db),
+        ))
     }
 }

@@ -257,10 +257,15 @@ impl candle_core::CustomOp3 for LinearOp {
                 Saved::Nothing => None,
             })
         };
-        with_f32(grad, |g| match through(g)? {
+        let (dx, dw, db) = with_f32(grad, |g| match through(g)? {
             Some(g) => self.products(x, w, b, &g),
             None => self.products(x, w, b, g),
-        })
+        })?;
+        Ok((
+            hand_over(y, x, dx),
+            hand_over(y, w, dw),
+            hand_over(y, b, db),
+        ))
     }
 }
 
@@ -337,7 +342,7 @@ impl LinearOp {
         } else {
             None
         };
-        Ok((hand_over(x, dx), hand_over(w, dw), hand_over(b, db)))
+        Ok((dx, dw, db))
     }
 }
 

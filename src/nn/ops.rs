@@ -308,11 +308,11 @@ impl candle_core::CustomOp2 for Norm {
         &self,
         x: &Tensor,
         alpha: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, da, _) = self.backward(x, alpha, grad, false)?;
-        Ok((hand_over(x, Some(dx)), hand_over(alpha, Some(da))))
+        Ok((hand_over(res, x, Some(dx)), hand_over(res, alpha, Some(da))))
     }
 }
 
@@ -351,12 +351,12 @@ impl candle_core::CustomOp3 for Norm {
         x: &Tensor,
         alpha: &Tensor,
         beta: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, da, db) = self.backward(x, alpha, grad, true)?;
-        let (da, db) = (hand_over(alpha, Some(da)), hand_over(beta, db));
-        Ok((hand_over(x, Some(dx)), da, db))
+        let (da, db) = (hand_over(res, alpha, Some(da)), hand_over(res, beta, db));
+        Ok((hand_over(res, x, Some(dx)), da, db))
     }
 }
 
