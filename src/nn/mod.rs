@@ -4,8 +4,8 @@
 //! transformer layers with a backward, at candle-nn's paths: [`LayerNorm`], [`RmsNorm`],
 //! [`layer_norm`], [`rms_norm`], [`ops`]`::{layer_norm, rms_norm, softmax_last_dim}` and
 //! [`rotary_emb`]`::{rope, rope_i, rope_thd}` (candle 0.11's have none: see [`ops`]).
-//! [`backward`](fn@backward) is candle's backward with these layers' variable gradients stored as made rather
-//! than added to zeros (`docs/CPU_SPEED.md`).
+//! [`backward`](fn@backward) is candle's backward with these layers' variable gradients stored
+//! as made rather than added to zeros (`docs/CPU_SPEED.md`).
 //!
 //! # One rule for every reduction, in every dtype
 //!
