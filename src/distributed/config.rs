@@ -231,7 +231,9 @@ pub fn honour_omp_num_threads() -> Option<usize> {
     let n = match omp_threads(&value) {
         Ok(n) => n,
         Err(e) => {
-            log::warn!("{e}; ignored");
+            // Said once: every process group, launch and `threads::in_pool` asks again.
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| log::warn!("{e}; ignored"));
             return None;
         }
     };
