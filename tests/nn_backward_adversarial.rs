@@ -538,6 +538,35 @@ fn sharded(vb: VarBuilder) -> candle_core::Result<Sharded> {
     })
 }
 
+/// Each variable of `varmap` after one SGD step of lr 1 on `mean(out²)` by one process's
+/// plain backward.
+fn after_one_step_of_lr_1(varmap: &VarMap, out: &Tensor) -> Vec<(String, Vec<f64>)> {
+    let g = out.sqr().unwrap().mean_all().unwrap().backward().unwrap();
+    let data = varmap.data().lock().unwrap();
+    data.iter()
+        .map(|(n, v)| {
+            let stepped = (v.as_tensor() - g.get(v.as_tensor()).unwrap()).unwrap();
+            (n.clone(), flat(&stepped))
+        })
+        .collect()
+}
+
+/// Every rank's parameters (by name) within 1e-5 of `want`.
+fn assert_ranks_match(got: Vec<Vec<(String, Vec<f64>)>>, want: &[(String, Vec<f64>)]) {
+    for rank in got {
+        for (name, w) in want {
+            let p = &rank
+                .iter()
+                .find(|(n, _)| n == name)
+                .unwrap_or_else(|| panic!("{name}"))
+                .1;
+            for (p, q) in p.iter().zip(w) {
+                assert!((p - q).abs() < 1e-5 * (1.0 + q.abs()), "{name}: {p} vs {q}");
+            }
+        }
+    }
+}
+
 /// FSDP over 2 thread ranks (a unit whose weight is used twice, a root layer), inside in_pool:
 /// one SGD step of lr 1 moves each parameter by one process's plain-backward gradient.
 #[test]
@@ -556,27 +585,7 @@ fn fsdp_step_matches_plain_backward() {
         &Device::Cpu,
     ))
     .unwrap();
-    let g = model
-        .forward(&x)
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .mean_all()
-        .unwrap()
-        .backward()
-        .unwrap();
-    let want: Vec<(String, Vec<f64>)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(n, v)| {
-            (
-                n.clone(),
-                flat(&(v.as_tensor() - g.get(v.as_tensor()).unwrap()).unwrap()),
-            )
-        })
-        .collect();
+    let want = after_one_step_of_lr_1(&varmap, &model.forward(&x).unwrap());
     let got = threads::in_pool(|| {
         distributed::spawn_threads(2, |pg| {
             let config = FsdpConfig {
@@ -607,18 +616,7 @@ fn fsdp_step_matches_plain_backward() {
         })
         .unwrap()
     });
-    for rank in got {
-        for (name, w) in &want {
-            let p = &rank
-                .iter()
-                .find(|(n, _)| n == name)
-                .unwrap_or_else(|| panic!("{name}"))
-                .1;
-            for (p, q) in p.iter().zip(w) {
-                assert!((p - q).abs() < 1e-5 * (1.0 + q.abs()), "{name}: {p} vs {q}");
-            }
-        }
-    }
+    assert_ranks_match(got, &want);
 }
 
 /// ZeRO-2 over 2 thread ranks inside in_pool: one SGD step of lr 1 (a weight used twice).
@@ -633,27 +631,7 @@ fn zero2_step_matches_plain_backward() {
     let x = Tensor::randn(0f32, 1.0, (12, 8), &Device::Cpu).unwrap();
     let varmap = VarMap::new();
     let model = net(seeded_var_builder(&varmap, 7, DType::F32, &Device::Cpu)).unwrap();
-    let g = model
-        .forward(&x)
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .mean_all()
-        .unwrap()
-        .backward()
-        .unwrap();
-    let want: Vec<(String, Vec<f64>)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(n, v)| {
-            (
-                n.clone(),
-                flat(&(v.as_tensor() - g.get(v.as_tensor()).unwrap()).unwrap()),
-            )
-        })
-        .collect();
+    let want = after_one_step_of_lr_1(&varmap, &model.forward(&x).unwrap());
     let got = threads::in_pool(|| {
         distributed::spawn_threads(2, |pg| {
             let varmap = VarMap::new();
@@ -687,14 +665,7 @@ fn zero2_step_matches_plain_backward() {
         })
         .unwrap()
     });
-    for rank in got {
-        for (name, w) in &want {
-            let p = &rank.iter().find(|(n, _)| n == name).unwrap().1;
-            for (p, q) in p.iter().zip(w) {
-                assert!((p - q).abs() < 1e-5 * (1.0 + q.abs()), "{name}: {p} vs {q}");
-            }
-        }
-    }
+    assert_ranks_match(got, &want);
 }
 
 /// The norms and the convolution: bit for bit where each variable gets one gradient; a norm
