@@ -38,10 +38,12 @@ use candle_core::{Result, Tensor, TensorId};
 use std::cell::RefCell;
 use std::collections::HashSet;
 
-/// What one [`backward`] collects: the nodes of its graph, and the gradients handed over by
-/// layers whose output is one of them.
+/// What one [`backward`] collects: the gradients handed over by layers whose output is a node
+/// of its loss's graph (the nodes found on the first hand-over: a graph without such layers
+/// is not walked twice).
 struct Collected {
-    nodes: HashSet<TensorId>,
+    loss: Tensor,
+    nodes: Option<HashSet<TensorId>>,
     handed: Vec<(Tensor, Tensor)>,
 }
 
@@ -55,9 +57,9 @@ struct Frame;
 
 impl Frame {
     fn open(loss: &Tensor) -> Self {
-        let nodes = loss.sorted_nodes().iter().map(|n| n.id()).collect();
         let collected = Collected {
-            nodes,
+            loss: loss.clone(),
+            nodes: None,
             handed: Vec::new(),
         };
         FRAMES.with(|f| f.borrow_mut().push(collected));
@@ -112,11 +114,19 @@ pub(super) fn hand_over(output: &Tensor, input: &Tensor, grad: Option<Tensor>) -
     if !input.is_variable() {
         return Some(grad);
     }
-    FRAMES.with(|f| match f.borrow_mut().last_mut() {
-        Some(frame) if frame.nodes.contains(&output.id()) => {
-            frame.handed.push((input.clone(), grad));
-            None
+    FRAMES.with(|f| {
+        let mut frames = f.borrow_mut();
+        let Some(frame) = frames.last_mut() else {
+            return Some(grad);
+        };
+        let loss = &frame.loss;
+        let nodes = frame
+            .nodes
+            .get_or_insert_with(|| loss.sorted_nodes().iter().map(|n| n.id()).collect());
+        if !nodes.contains(&output.id()) {
+            return Some(grad);
         }
-        _ => Some(grad),
+        frame.handed.push((input.clone(), grad));
+        None
     })
 }
