@@ -16,9 +16,17 @@
 //! `get_with_hints_dtype`) is a buffer whatever its name: nothing trains it, and collectives
 //! cannot reduce it (torch's parameters are float too). A variable of a dtype no collective
 //! carries (f8, f6, f4) is refused, by name.
+//!
+//! candle adds the copy's gradient to a fresh tensor of zeros (the copy is no variable), two
+//! tensors as large as the weight every step. So a copy in the variable's dtype is also
+//! watched ([`GradientHook`]): this crate's layers (`nn::linear`, the norms, the convolutions)
+//! compute from the variable behind it and hand the variable's gradient to the reducer as they
+//! make it, summed with any part candle's ops on the copy sent through `GradReady`, once every
+//! part is in. A mixed-precision copy (a cast) is not watched.
 
 use super::reducer::Reducer;
 use crate::error::{device_name, Error};
+use crate::nn::{self, GradientHook};
 use crate::util::sync::lock;
 use candle_core::{CpuStorage, DType, Device, Layout, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
@@ -54,9 +62,13 @@ impl candle_core::CustomOp1 for GradReady {
     }
 
     /// Hands the gradient to the reducer, which from now on owns it: the variable itself gets
-    /// its gradient from `DistributedDataParallel::backward`, averaged over the world.
-    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        self.reducer.mark_ready(self.index, grad);
+    /// its gradient from `DistributedDataParallel::backward`, averaged over the world. A
+    /// watched copy's gradient goes through its [`GradientHook`], which adds the parts this
+    /// crate's layers computed from the variable directly.
+    fn bwd(&self, _: &Tensor, copy: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        if !nn::copy_gradient(copy, grad) {
+            self.reducer.mark_ready(self.index, grad);
+        }
         Ok(None)
     }
 }
@@ -101,6 +113,9 @@ pub(crate) struct Entry {
     pub kind: Kind,
     /// What the model holds: the `GradReady` copy for a parameter, the variable for a buffer.
     pub held: Tensor,
+    /// For a parameter whose copy has its dtype: the hook through which this crate's layers
+    /// compute from the variable itself and hand its gradient to the reducer as made.
+    pub hook: Option<Arc<GradientHook>>,
 }
 
 /// The `VarBuilder` backend DDP builds the model through: it takes (or creates) each variable
@@ -162,19 +177,31 @@ impl Registry {
         }
         let kind =
             Kind::of(name, var.dtype(), (self.is_buffer)(name)).map_err(Error::into_candle)?;
-        let (kind, held) = if kind == Kind::Buffer {
-            (Kind::Buffer, var.as_tensor().clone())
+        let (kind, held, hook) = if kind == Kind::Buffer {
+            (Kind::Buffer, var.as_tensor().clone(), None)
         } else {
             // Parameters are numbered in the order the model asks for them.
             let index = entries.iter().filter(|e| e.kind == Kind::Parameter).count();
+            let cast = self
+                .compute
+                .filter(|&d| var.dtype().is_float() && var.dtype() != d);
             let op = GradReady {
                 index,
                 reducer: self.reducer.clone(),
-                dtype: self
-                    .compute
-                    .filter(|&d| var.dtype().is_float() && var.dtype() != d),
+                dtype: cast,
             };
-            (Kind::Parameter, var.as_tensor().apply_op1(op)?)
+            let held = var.as_tensor().apply_op1(op)?;
+            let hook = match cast {
+                Some(_) => None,
+                None => {
+                    let reducer = self.reducer.clone();
+                    GradientHook::new(&held, &var, index, move |grad| {
+                        reducer.mark_ready(index, &grad)
+                    })
+                    .map(Arc::new)
+                }
+            };
+            (Kind::Parameter, held, hook)
         };
         by_name.insert(name.to_string(), entries.len());
         entries.push(Entry {
@@ -182,6 +209,7 @@ impl Registry {
             var,
             kind,
             held: held.clone(),
+            hook,
         });
         Ok(held)
     }

@@ -550,7 +550,13 @@ impl<M> DistributedDataParallel<M> {
     /// backward through one forward's graph).
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         let started = Instant::now();
-        let mut grads = nn::backward(loss)?;
+        let grads = nn::backward(loss);
+        for e in &self.params {
+            if let Some(hook) = &e.hook {
+                hook.reset_uses();
+            }
+        }
+        let mut grads = grads?;
         for group in &self.sync_groups {
             nn::finish_backward(group)?;
         }

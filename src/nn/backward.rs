@@ -6,9 +6,16 @@
 //! once, as a layer's weight is, that is a tensor of zeros and a second copy of the gradient,
 //! each as large as the weight, every step (64 MB each for a 4096 × 4096 layer, about a tenth
 //! of the 25 M-parameter MLP's backward). Inside [`backward`], [`linear`](super::linear) and
-//! its siblings, the norms and the convolutions hand the gradients of their variables here instead; after candle's walk they go
-//! into the store as they are (summed where a variable got several, or also one from candle).
-//! The result is the same gradients, to the bit where a variable gets one gradient.
+//! its siblings, the norms and the convolutions hand the gradients of their variables here
+//! instead; after candle's walk they go into the store as they are (summed where a variable got
+//! several, or also one from candle). The result is the same gradients, to the bit where a
+//! variable gets one gradient.
+//!
+//! A wrapper that builds the model over identity copies of its variables, to learn when each
+//! gradient is complete (DistributedDataParallel), watches them with a [`GradientHook`]: the
+//! layers then compute from the variable behind the copy, and its gradient goes to the hook,
+//! whole, as soon as its last part is made (the parts: one per use by these layers since the
+//! hook's last reset, and the copy's own when the copy is in the graph).
 //!
 //! Outside [`backward`] (a plain `loss.backward()`) the layers return their gradients to candle
 //! as before. This crate's optimizers' `backward_step`, `DistributedDataParallel::backward` and
@@ -34,17 +41,37 @@
 //! ```
 
 use candle_core::backprop::GradStore;
-use candle_core::{Result, Tensor, TensorId};
+use candle_core::{Result, Tensor, TensorId, Var};
 use std::cell::RefCell;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// What one [`backward`] collects: the gradients handed over by layers whose output is a node
 /// of its loss's graph (the nodes found on the first hand-over: a graph without such layers
-/// is not walked twice).
+/// is not walked twice), and the parts of watched variables' gradients still incomplete.
 struct Collected {
     loss: Tensor,
     nodes: Option<HashSet<TensorId>>,
     handed: Vec<(Tensor, Tensor)>,
+    parts: HashMap<TensorId, Part>,
+    /// The first failure to sum two parts, reported when the walk ends.
+    error: Option<candle_core::Error>,
+}
+
+impl Collected {
+    fn nodes(&mut self) -> &HashSet<TensorId> {
+        let loss = &self.loss;
+        self.nodes
+            .get_or_insert_with(|| loss.sorted_nodes().iter().map(|n| n.id()).collect())
+    }
+}
+
+/// The gradient of a watched variable so far, and how many parts made it.
+struct Part {
+    watched: Arc<Watched>,
+    sum: Tensor,
+    count: usize,
 }
 
 thread_local! {
@@ -61,18 +88,22 @@ impl Frame {
             loss: loss.clone(),
             nodes: None,
             handed: Vec::new(),
+            parts: HashMap::new(),
+            error: None,
         };
         FRAMES.with(|f| f.borrow_mut().push(collected));
         Frame
     }
 
-    /// The gradients handed over so far.
-    fn take(&self) -> Vec<(Tensor, Tensor)> {
+    /// The gradients handed over so far, the watched variables' incomplete sums, and the
+    /// first failure.
+    fn take(&self) -> (Vec<(Tensor, Tensor)>, Vec<Part>, Option<candle_core::Error>) {
         FRAMES
             .with(|f| {
-                f.borrow_mut()
-                    .last_mut()
-                    .map(|c| std::mem::take(&mut c.handed))
+                f.borrow_mut().last_mut().map(|c| {
+                    let parts = std::mem::take(&mut c.parts).into_values().collect();
+                    (std::mem::take(&mut c.handed), parts, c.error.take())
+                })
             })
             .unwrap_or_default()
     }
@@ -90,9 +121,18 @@ impl Drop for Frame {
 pub fn backward(loss: &Tensor) -> Result<GradStore> {
     let frame = Frame::open(loss);
     let walked = loss.backward();
-    let handed = frame.take();
+    let (handed, mut parts, error) = frame.take();
     drop(frame);
     let mut grads = walked?;
+    if let Some(e) = error {
+        return Err(e);
+    }
+    // Parts of watched gradients the walk left incomplete (a use counted that was not in this
+    // graph) are complete now: the hooks get them, in the order of the variables.
+    parts.sort_by_key(|p| p.watched.order);
+    for p in parts {
+        (p.watched.hook)(p.sum);
+    }
     for (var, grad) in handed {
         let grad = match grads.remove(&var) {
             Some(before) => (before + grad)?,
@@ -106,27 +146,262 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
 /// What a layer's backward returns to candle for `input`'s gradient `grad`, the layer's output
 /// being `output`: nothing, when `input` is a variable and `output` is a node of the graph of
 /// the innermost [`backward`] running on this thread (which stores `grad` itself after
-/// candle's walk); `grad` otherwise. A plain `backward()` of another graph on this thread
-/// meanwhile (inside an op's backward, or a rayon job run while this thread waits) gets its
-/// gradients from candle as always.
+/// candle's walk, or hands it to the variable's hook when it is [watched](GradientHook));
+/// `grad` otherwise. A plain `backward()` of another graph on this thread meanwhile (inside an
+/// op's backward, or a rayon job run while this thread waits) gets its gradients from candle as
+/// always. A watched variable's gradient goes to its hook in a plain `backward()` too.
 pub(super) fn hand_over(output: &Tensor, input: &Tensor, grad: Option<Tensor>) -> Option<Tensor> {
     let grad = grad?;
     if !input.is_variable() {
         return Some(grad);
     }
-    FRAMES.with(|f| {
+    let watched = watched(input.id());
+    let complete = FRAMES.with(|f| {
         let mut frames = f.borrow_mut();
         let Some(frame) = frames.last_mut() else {
-            return Some(grad);
+            return match &watched {
+                Some(_) => Ok(grad),
+                None => Err(Some(grad)),
+            };
         };
-        let loss = &frame.loss;
-        let nodes = frame
-            .nodes
-            .get_or_insert_with(|| loss.sorted_nodes().iter().map(|n| n.id()).collect());
-        if !nodes.contains(&output.id()) {
-            return Some(grad);
+        if !frame.nodes().contains(&output.id()) {
+            return Err(Some(grad));
         }
-        frame.handed.push((input.clone(), grad));
-        None
-    })
+        match &watched {
+            Some(w) => add_part(frame, w, grad).ok_or(None),
+            None => {
+                frame.handed.push((input.clone(), grad));
+                Err(None)
+            }
+        }
+    });
+    match (complete, watched) {
+        (Ok(sum), Some(w)) => {
+            (w.hook)(sum);
+            None
+        }
+        (Ok(_), None) => unreachable!("only a watched variable's gradient completes"),
+        (Err(back), _) => back,
+    }
+}
+
+/// Adds `grad` to `w`'s gradient in `frame`; the sum, once every part expected is in (one per
+/// use by this crate's layers since the last reset, and one from the copy when the copy is in
+/// the graph).
+fn add_part(frame: &mut Collected, w: &Arc<Watched>, grad: Tensor) -> Option<Tensor> {
+    let expected = w.uses.load(Ordering::Relaxed) + usize::from(frame.nodes().contains(&w.copy));
+    let key = w.var.id();
+    let count = match frame.parts.get_mut(&key) {
+        Some(part) => {
+            match &part.sum + &grad {
+                Ok(sum) => part.sum = sum,
+                Err(e) => {
+                    frame.error.get_or_insert(e);
+                }
+            }
+            part.count += 1;
+            part.count
+        }
+        None => {
+            frame.parts.insert(
+                key,
+                Part {
+                    watched: w.clone(),
+                    sum: grad,
+                    count: 1,
+                },
+            );
+            1
+        }
+    };
+    if count < expected {
+        return None;
+    }
+    frame.parts.remove(&key).map(|p| p.sum)
+}
+
+/// A variable whose gradient a wrapper takes from [`backward`] as soon as it is complete
+/// (DistributedDataParallel's parameters), through an identity copy of it that the model
+/// holds.
+struct Watched {
+    var: Var,
+    /// The copy the model holds (made by the wrapper's identity op).
+    copy: TensorId,
+    /// Where it came in among the watched variables (the order incomplete sums are handed on).
+    order: usize,
+    /// The times this crate's layers used the variable in place of the copy since the last
+    /// [`GradientHook::reset_uses`]: how many parts its gradient may come in.
+    uses: AtomicUsize,
+    hook: Box<dyn Fn(Tensor) + Send + Sync>,
+}
+
+/// The watched variables, by the ids of the variable and of its copy.
+fn registry() -> &'static Mutex<HashMap<TensorId, Arc<Watched>>> {
+    static WATCHED: OnceLock<Mutex<HashMap<TensorId, Arc<Watched>>>> = OnceLock::new();
+    WATCHED.get_or_init(Mutex::default)
+}
+
+/// How many variables are watched: none, and a layer does not look.
+static WATCHING: AtomicUsize = AtomicUsize::new(0);
+
+fn watched(id: TensorId) -> Option<Arc<Watched>> {
+    if WATCHING.load(Ordering::Relaxed) == 0 {
+        return None;
+    }
+    crate::util::sync::lock(registry()).get(&id).cloned()
+}
+
+/// While it lives, `var`'s gradient goes to `hook` in one piece, as soon as it is complete,
+/// instead of into the [`backward`]'s store: a wrapper's gradient hook (DistributedDataParallel
+/// averages each parameter's gradient over the world as backward completes it).
+///
+/// The model holds `copy`, the output of the wrapper's identity op over `var` (whose backward
+/// calls [`copy_gradient`]). In f32 the copy holds `var`'s values, and this crate's layers
+/// compute from `var` itself instead ([`through`]): `var`'s gradient from them is then stored
+/// as they make it, where candle would add the copy's to a fresh tensor of zeros. The wrapper
+/// must refresh the copy from `var` before each forward and call
+/// [`reset_uses`](Self::reset_uses) after each backward.
+pub(crate) struct GradientHook {
+    watched: Arc<Watched>,
+}
+
+impl GradientHook {
+    /// Watches `var` through `copy` (of its dtype and shape); `order` ranks it among the
+    /// variables its wrapper watches. `None` when another hook watches `var` already (two
+    /// wrappers over one variable): the copy is then not watched.
+    pub(crate) fn new(
+        copy: &Tensor,
+        var: &Var,
+        order: usize,
+        hook: impl Fn(Tensor) + Send + Sync + 'static,
+    ) -> Option<Self> {
+        let mut map = crate::util::sync::lock(registry());
+        if map.contains_key(&var.id()) {
+            return None;
+        }
+        let watched = Arc::new(Watched {
+            var: var.clone(),
+            copy: copy.id(),
+            order,
+            uses: AtomicUsize::new(0),
+            hook: Box::new(hook),
+        });
+        map.insert(var.id(), watched.clone());
+        map.insert(copy.id(), watched.clone());
+        WATCHING.fetch_add(1, Ordering::Relaxed);
+        Some(Self { watched })
+    }
+
+    /// Forgets the uses counted so far: call it when a backward ended.
+    pub(crate) fn reset_uses(&self) {
+        self.watched.uses.store(0, Ordering::Relaxed);
+    }
+}
+
+impl Drop for GradientHook {
+    fn drop(&mut self) {
+        let mut map = crate::util::sync::lock(registry());
+        for id in [self.watched.var.id(), self.watched.copy] {
+            if map.get(&id).is_some_and(|w| Arc::ptr_eq(w, &self.watched)) {
+                map.remove(&id);
+            }
+        }
+        WATCHING.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// `t` as this crate's layers record it as an input: the variable behind a watched copy
+/// (counting a use), `t` itself otherwise.
+pub(super) fn through(t: &Tensor) -> Tensor {
+    match watched(t.id()) {
+        Some(w) if w.copy == t.id() => {
+            w.uses.fetch_add(1, Ordering::Relaxed);
+            w.var.as_tensor().clone()
+        }
+        _ => t.clone(),
+    }
+}
+
+/// What a wrapper's identity op does in backward with the gradient of its output `copy`:
+/// `false` when `copy` is not watched (the op hands `grad` on itself); otherwise it goes to the
+/// hook, at once, or once the parts from this crate's layers are in too.
+pub(crate) fn copy_gradient(copy: &Tensor, grad: &Tensor) -> bool {
+    let Some(w) = watched(copy.id()).filter(|w| w.copy == copy.id()) else {
+        return false;
+    };
+    let complete = FRAMES.with(|f| match f.borrow_mut().last_mut() {
+        Some(frame) if w.uses.load(Ordering::Relaxed) > 0 => add_part(frame, &w, grad.clone()),
+        _ => Some(grad.clone()),
+    });
+    if let Some(sum) = complete {
+        (w.hook)(sum);
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{CpuStorage, CustomOp1, Device, Layout, Module, Shape};
+    use candle_nn::Linear;
+
+    type Events = Arc<Mutex<Vec<&'static str>>>;
+
+    /// An identity whose backward notes that it ran.
+    struct Probe(Events);
+
+    impl CustomOp1 for Probe {
+        fn name(&self) -> &'static str {
+            "probe"
+        }
+
+        fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+            crate::util::pass_through::cpu(s, l)
+        }
+
+        fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+            self.0.lock().unwrap().push("probe");
+            Ok(Some(grad.clone()))
+        }
+    }
+
+    /// The overlap DDP relies on: the hook gets a layer's weight gradient when the layer's
+    /// backward made it, before the ops under the layer run theirs.
+    #[test]
+    fn a_watched_weight_reaches_its_hook_as_its_layer_finishes() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 3), &dev)?)?;
+        let copy = w.as_tensor().copy()?;
+        let events: Events = Arc::default();
+        let got = Arc::new(Mutex::new(None));
+        let (e, g) = (events.clone(), got.clone());
+        let hook = GradientHook::new(&copy, &w, 0, move |grad| {
+            e.lock().unwrap().push("hook");
+            *g.lock().unwrap() = Some(grad);
+        })
+        .expect("nothing else watches w");
+        assert!(
+            GradientHook::new(&copy, &w, 0, |_| {}).is_none(),
+            "a second hook on one variable"
+        );
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 3), &dev)?)?;
+        let probed = x.as_tensor().apply_op1(Probe(events.clone()))?;
+        let layer = Linear::new(copy.clone(), None);
+        let grads = backward(&super::super::linear(&probed, &layer)?.sqr()?.sum_all()?)?;
+        assert_eq!(*events.lock().unwrap(), ["hook", "probe"]);
+        assert!(grads.get(w.as_tensor()).is_none(), "the hook took it");
+        assert!(grads.get(x.as_tensor()).is_some());
+        let plain = Linear::new(w.as_tensor().clone(), None)
+            .forward(x.as_tensor())?
+            .sqr()?
+            .sum_all()?
+            .backward()?;
+        let hooked = got.lock().unwrap().take().expect("the hook ran");
+        let want = plain.get(w.as_tensor()).expect("w has a gradient");
+        let diff = hooked.sub(want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{diff}");
+        drop(hook);
+        assert_eq!(through(&copy).id(), copy.id(), "unwatched once dropped");
+        Ok(())
+    }
 }

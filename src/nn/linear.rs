@@ -39,7 +39,7 @@
 //! ```
 
 use super::accumulate::{self, empty_output};
-use super::backward::hand_over;
+use super::backward::{hand_over, through};
 use super::conv_kernel::{f32_slice, with_f32};
 use super::kernels::{for_each_chunk, matmul, matmul_threaded, ours_in_f32, Mat};
 use crate::util::sync::lock;
@@ -118,7 +118,9 @@ fn fused(
             b.map(|b| b.dims())
         )
     }
-    let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
+    // A watched copy (DistributedDataParallel's) is read through to its variable.
+    let f32 =
+        |t: &Tensor| Ok::<_, candle_core::Error>(through(&t.to_dtype(DType::F32)?.contiguous()?));
     let b = match b {
         Some(b) => f32(b)?,
         None => Tensor::zeros(o, DType::F32, &Device::Cpu)?,

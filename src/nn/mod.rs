@@ -85,6 +85,7 @@ mod simd;
 mod sync_batch_norm;
 
 pub use backward::backward;
+pub(crate) use backward::{copy_gradient, GradientHook};
 pub use candle_nn::LayerNormConfig;
 pub use conv::{conv2d, conv2d_forward, Conv2d};
 pub use kernels::{own_cpu_kernels, own_cuda_kernels, use_own_cpu_kernels, use_own_cuda_kernels};

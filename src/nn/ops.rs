@@ -38,7 +38,7 @@
 //! ```
 
 use super::accumulate::{empty_output, wide, widen};
-use super::backward::hand_over;
+use super::backward::{hand_over, through};
 use super::kernels::own_cpu_kernels;
 use super::rows::{self, values, with_float_slices};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
@@ -61,8 +61,8 @@ pub fn layer_norm(xs: &Tensor, alpha: &Tensor, beta: &Tensor, eps: f32) -> Resul
     if xs.elem_count() == 0 {
         return empty_output(xs.shape(), &[xs, alpha, beta]);
     }
-    xs.contiguous()?
-        .apply_op3(&alpha.contiguous()?, &beta.contiguous()?, op)
+    let (alpha, beta) = (through(&alpha.contiguous()?), through(&beta.contiguous()?));
+    xs.contiguous()?.apply_op3(&alpha, &beta, op)
 }
 
 /// Layer normalisation without a shift: `(x - mean) / sqrt(var + eps) * alpha`.
@@ -112,7 +112,7 @@ fn norm2(what: &str, xs: &Tensor, alpha: &Tensor, eps: f32, remove_mean: bool) -
         return empty_output(xs.shape(), &[xs, alpha]);
     }
     xs.contiguous()?
-        .apply_op2(&alpha.contiguous()?, Norm { eps, remove_mean })
+        .apply_op2(&through(&alpha.contiguous()?), Norm { eps, remove_mean })
 }
 
 /// Fails unless every tensor has one float dtype the fused layers take; `what` names the layer.
