@@ -51,7 +51,8 @@
 //!         --sequence-parallel --batch-size 16
 //!
 //! For `scripts/torch_transformer_bench.py`: `--dump-step FILE` writes the initial weights, one
-//! batch, its loss and every gradient, and exits; `--time-steps N` times N training steps.
+//! batch, its loss and every gradient, and exits; `--time-steps N` times N training steps (with
+//! `--precision bf16`, through DDP on the one process, where mixed precision lives).
 
 use anyhow::{Context, Result};
 use candle_core::backprop::GradStore;
@@ -405,7 +406,7 @@ fn rank_main(args: &Args) -> Result<()> {
             world == 1,
             "--time-steps measures one process: drop --nproc"
         );
-        return time_steps(args, &train, steps, &device);
+        return time_steps(args, &pg, &train, steps, &device);
     }
     if rank == 0 {
         if world > 1 {
@@ -1112,20 +1113,50 @@ fn dump_step(
     Ok(())
 }
 
-/// Times `steps` plain training steps (no DDP) on one batch, after 3 untimed ones.
-fn time_steps(args: &Args, train: &SortTask, steps: usize, device: &Device) -> Result<()> {
+/// Times `steps` training steps on one batch, after 3 untimed ones: plain steps (no DDP) in
+/// f32; under `--precision bf16` or `f16`, DDP on this one process (`pg`) with that mixed
+/// precision, which is where this crate's mixed precision lives (f32 weights and AdamW, bf16
+/// compute, as `torch.autocast`). f16 runs without a loss scaler here.
+fn time_steps(
+    args: &Args,
+    pg: &ProcessGroup,
+    train: &SortTask,
+    steps: usize,
+    device: &Device,
+) -> Result<()> {
     let varmap = VarMap::new();
-    let model = Transformer::new(
-        args.config(),
-        seeded_var_builder(&varmap, args.seed, DType::F32, device),
-    )?;
+    let config = args.config();
+    let build = |vb: VarBuilder| Transformer::new(config, vb);
+    let model = build(seeded_var_builder(&varmap, args.seed, DType::F32, device))?;
+    let mixed = match args.precision {
+        Precision::F32 => None,
+        _ => Some(DistributedDataParallel::with_config(
+            &varmap,
+            pg,
+            device,
+            DdpConfig {
+                mixed_precision: args.mixed_precision(),
+                ..DdpConfig::default()
+            },
+            build,
+        )?),
+    };
     let mut opt = AdamW::new(varmap.all_vars(), args.adamw())?;
     let batch: Vec<usize> = (0..args.batch_size.min(train.size())).collect();
     let (inputs, answers) = train.batch(&batch, device)?;
     let mut step = || -> Result<Tensor> {
-        let loss = sort_loss(&model.forward(&inputs)?, &answers)?;
-        opt.backward_step(&loss)?;
-        Ok(loss)
+        match &mixed {
+            None => {
+                let loss = sort_loss(&model.forward(&inputs)?, &answers)?;
+                opt.backward_step(&loss)?;
+                Ok(loss)
+            }
+            Some(ddp) => {
+                let loss = sort_loss(&ddp.forward_t(&inputs, true)?, &answers)?;
+                opt.step(&ddp.backward(&loss)?)?;
+                Ok(loss)
+            }
+        }
     };
     for _ in 0..3 {
         step()?;
@@ -1141,11 +1172,12 @@ fn time_steps(args: &Args, train: &SortTask, steps: usize, device: &Device) -> R
     let seconds = started.elapsed().as_secs_f64();
     let tokens = (steps * batch.len() * train.context()) as f64;
     println!(
-        "candle: {:.0} tokens/s training ({steps} steps of {} x {} tokens, {:.2} ms/step)",
+        "candle: {:.0} tokens/s training ({steps} steps of {} x {} tokens, {:.2} ms/step, {:?})",
         tokens / seconds,
         batch.len(),
         train.context(),
-        1e3 * seconds / steps.max(1) as f64
+        1e3 * seconds / steps.max(1) as f64,
+        args.precision
     );
     Ok(())
 }

@@ -13,7 +13,8 @@ loss and each gradient (pass: max |difference| <= 1e-5 x max(1, max |candle's va
 
 Training speed, side by side: tokens/s of training steps (forward, loss, backward, AdamW) on
 one batch, PyTorch with 1 and 2 threads, and with --rust the example's `--time-steps` for
-candle with the same threads (RAYON_NUM_THREADS), same model flags and batch:
+candle with the same threads (RAYON_NUM_THREADS), same model flags and batch (`--precision
+bf16`: PyTorch under `torch.autocast`, candle's DDP on one process with bf16 compute):
 
     python3 scripts/torch_transformer_bench.py --speed \
         --rust target/release/examples/transformer_ddp [--layers 2 --dim 64 --heads 4]
@@ -156,9 +157,14 @@ def torch_tokens_per_s(a, threads):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     tokens, answers = sort_batch(a.batch_size, a.digits, device, torch.Generator().manual_seed(0))
 
+    # Mixed precision as torch users write it: the forward (and so the backward) under autocast,
+    # f32 weights and AdamW; no scaler for bf16.
+    dtype = {"bf16": torch.bfloat16, "f32": None}[a.precision]
+
     def step():
         opt.zero_grad()
-        loss = sort_loss(model(tokens), answers)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = sort_loss(model(tokens), answers)
         loss.backward()
         opt.step()
         return loss
@@ -176,7 +182,8 @@ def torch_tokens_per_s(a, threads):
 
 def candle_tokens_per_s(a, threads):
     cmd = [a.rust, "--time-steps", str(a.steps), "--layers", str(a.layers), "--dim", str(a.dim),
-           "--heads", str(a.heads), "--digits", str(a.digits), "--batch-size", str(a.batch_size)]
+           "--heads", str(a.heads), "--digits", str(a.digits), "--batch-size", str(a.batch_size),
+           "--precision", a.precision]
     if a.device == "cpu":
         cmd.append("--cpu")
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
@@ -191,7 +198,7 @@ def speed(a):
     params = sum(p.numel() for p in Transformer(a.layers, a.dim, a.heads, 2 * a.digits).parameters())
     print(f"training tokens/s: {a.layers} layers, dim {a.dim}, {a.heads} heads ({params:,} "
           f"parameters), batch {a.batch_size} x {2 * a.digits} tokens, AdamW, {a.steps} steps "
-          f"after 3, on {a.device}; PyTorch {torch.__version__}")
+          f"after 3, {a.precision}, on {a.device}; PyTorch {torch.__version__}")
     print(f"{'threads':>7} {'PyTorch':>10} {'candle':>10} {'candle/PyTorch':>15}")
     for threads in (1, 2) if a.device == "cpu" else (1,):
         t = torch_tokens_per_s(a, threads)
@@ -215,6 +222,9 @@ def main():
     p.add_argument("--digits", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                   help="bf16: torch.autocast against the example's DDP on one process with "
+                        "MixedPrecision::bf16() (f32 weights and AdamW in both)")
     a = p.parse_args()
     if not a.parity:
         a.speed = True  # the default: what runs without a file from the Rust side
