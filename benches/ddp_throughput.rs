@@ -382,13 +382,15 @@ fn ddp<M: ModuleT>(job: &Job, build: fn(VarBuilder) -> candle_core::Result<M>) -
     }
     pg.barrier()?;
     let took = timed(0, job.steps, || step(true))?;
-    // The buckets' all-reduces as DDP issues them, with nothing else running.
+    // The buckets' all-reduces as DDP issues them, with nothing else running, over copies of
+    // the parameters (tensors of zeros would be read from the kernel's one zero page, from
+    // cache, and flatter the all-reduce).
     let buckets: Vec<Vec<Tensor>> = model
         .buckets()
         .iter()
         .map(|names| {
             let vars = varmap.data().lock().unwrap();
-            names.iter().map(|n| vars[n].zeros_like()).collect()
+            names.iter().map(|n| vars[n].as_tensor().copy()).collect()
         })
         .collect::<candle_core::Result<_>>()?;
     let rounds = 5;
