@@ -3,7 +3,8 @@
 //! (no zeros to add to). These tests use a weight several ways at once (twice by our layers,
 //! once by a candle op through the copy), forwards whose outputs are not in the loss, two
 //! forwards in one loss, evaluation between steps, two wrappers over one `VarMap` and a plain
-//! `loss.backward()`, over 2 thread ranks, against one process's plain backward.
+//! `loss.backward()`, over 2 thread ranks, and over 2 and 3 processes (where each lone
+//! gradient is averaged in its own storage), against one process's plain backward.
 
 mod common;
 
@@ -13,6 +14,8 @@ use candle_parallel::ddp::DdpConfig;
 use candle_parallel::distributed::{self, ProcessGroup};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::{nn, DistributedDataParallel, Error};
+use common::{done, is_child, join_child, Ranks};
+use std::time::Duration;
 
 /// A weight used three ways (twice by `nn::linear`, once by candle's `matmul` through the
 /// copy), a head used by `nn::linear_gelu` and by candle-nn's `Linear::forward`.
@@ -93,9 +96,18 @@ fn reference<M: Module>(
     build: fn(VarBuilder) -> candle_core::Result<M>,
     make: impl Fn(&M, &Tensor) -> candle_core::Result<Tensor>,
 ) -> Grads {
+    reference_on(build, &batch(), make)
+}
+
+/// One process's plain backward of `make(model, x)`.
+fn reference_on<M: Module>(
+    build: fn(VarBuilder) -> candle_core::Result<M>,
+    x: &Tensor,
+    make: impl Fn(&M, &Tensor) -> candle_core::Result<Tensor>,
+) -> Grads {
     let varmap = VarMap::new();
     let model = build(seeded_var_builder(&varmap, SEED, DType::F32, &Device::Cpu)).unwrap();
-    let grads = make(&model, &batch()).unwrap().backward().unwrap();
+    let grads = make(&model, x).unwrap().backward().unwrap();
     by_name(&varmap, &grads)
 }
 
@@ -148,6 +160,41 @@ fn a_weight_used_by_our_layers_and_by_a_candle_op_averages_like_one_process() {
         Ok(by_name(varmap, &g))
     });
     assert_close(&got, &want);
+}
+
+/// Over real processes the host backend averages each bucket's lone gradient in place, in the
+/// gradient's own storage: the ranks' results (and what they then train) must still be one
+/// process's. Two steps, so that the second runs on the rebuilt buckets.
+#[test]
+fn over_2_and_3_processes_lone_gradients_are_averaged_in_place_like_one_process() {
+    let test = "over_2_and_3_processes_lone_gradients_are_averaged_in_place_like_one_process";
+    if is_child() {
+        let pg = join_child();
+        let world = pg.world_size();
+        let x = Tensor::cat(&(0..world).map(|_| batch()).collect::<Vec<_>>(), 0).unwrap();
+        let want = reference_on(tied, &x, |m, x| loss(&m.forward(x)?));
+        let varmap = VarMap::new();
+        tied(seeded_var_builder(&varmap, SEED, DType::F32, &Device::Cpu)).unwrap();
+        // A bucket per parameter: each travels alone.
+        let config = DdpConfig {
+            bucket_cap_mb: 1e-4,
+            first_bucket_mb: 1e-4,
+            ..DdpConfig::default()
+        };
+        let model =
+            DistributedDataParallel::with_config(&varmap, &pg, &Device::Cpu, config, tied).unwrap();
+        let mine = x.narrow(0, ROWS * pg.rank(), ROWS).unwrap();
+        for _ in 0..2 {
+            let l = loss(&model.forward_t(&mine, true).unwrap()).unwrap();
+            let got = by_name(&varmap, &model.backward(&l).unwrap());
+            assert_close(&[got], &want);
+        }
+        done();
+        return;
+    }
+    for world in [2, 3] {
+        Ranks::world(test, world).assert_all_pass(Duration::from_secs(120));
+    }
 }
 
 #[test]

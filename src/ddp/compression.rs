@@ -21,7 +21,9 @@ pub enum Compression {
 impl Compression {
     /// Issues the average of `grads` over `group`'s world: one asynchronous all-reduce of all
     /// of them (coalesced by the backend, on its own thread). The averages come back in the
-    /// travelling dtype; the caller converts them to the parameters' own.
+    /// travelling dtype; the caller converts them to the parameters' own. The caller owns
+    /// `grads` (the reducer: the gradients handed to it): a lone gradient that travels as it is
+    /// is averaged in its own storage where the backend can.
     pub(crate) fn all_reduce_async(
         self,
         group: &ProcessGroup,
@@ -32,7 +34,12 @@ impl Compression {
             grads.iter().map(|g| (g / world)?.to_dtype(dtype)).collect()
         };
         match self {
-            Compression::None => group.all_reduce_many_async(grads, ReduceOp::Avg),
+            Compression::None => match grads {
+                [one] => Ok(group
+                    .all_reduce_owned_async(one.clone(), ReduceOp::Avg)?
+                    .map(|t| Ok(vec![t]))),
+                _ => group.all_reduce_many_async(grads, ReduceOp::Avg),
+            },
             Compression::Bf16 => {
                 group.all_reduce_many_async(&compressed(DType::BF16)?, ReduceOp::Sum)
             }

@@ -97,6 +97,17 @@ pub(crate) trait Communicator: Send + Sync {
         Ok(None)
     }
     fn all_reduce(&self, call: Call, ts: &[Tensor], op: ReduceOp) -> Result<Finished<Vec<Tensor>>>;
+    /// All-reduces `t`, which the caller owns (nothing reads or writes its storage meanwhile):
+    /// the same collective as [`all_reduce`](Self::all_reduce) of `[t]`, on the wire and in
+    /// its result, written into `t`'s own storage where the backend can (the host backend, for
+    /// a contiguous CPU tensor) instead of into fresh memory. Returns the result.
+    fn all_reduce_owned(&self, call: Call, t: Tensor, op: ReduceOp) -> Result<Finished<Tensor>> {
+        let reduced = self.all_reduce(call, std::slice::from_ref(&t), op)?;
+        Ok(Finished {
+            value: reduced.value.into_iter().next().unwrap_or(t),
+            device: reduced.device,
+        })
+    }
     fn broadcast(&self, call: Call, t: &Tensor, root: usize) -> Result<Finished<Tensor>>;
     fn all_gather(&self, call: Call, t: &Tensor) -> Result<Finished<Vec<Tensor>>>;
     fn reduce_scatter(&self, call: Call, t: &Tensor, op: ReduceOp) -> Result<Finished<Tensor>>;

@@ -340,6 +340,20 @@ impl ProcessGroup {
         Ok(work.map(|mut v| Ok(v.remove(0))))
     }
 
+    /// [`ProcessGroup::all_reduce_async`] of a tensor the caller gives up (nothing else reads
+    /// or writes its storage until the work is waited for): the host backend reduces it in its
+    /// own storage, with no new buffer. The result is `t` itself there, a new tensor elsewhere.
+    pub(crate) fn all_reduce_owned_async(&self, t: Tensor, op: ReduceOp) -> Result<Work<Tensor>> {
+        if matches!(op, ReduceOp::Max | ReduceOp::Min) && !self.state.comm.max_min_propagate_nan() {
+            return self.all_reduce_async(&t, op);
+        }
+        let desc = format!("all_reduce({op}) {}", describe_tensor(&t));
+        let inputs = [t.clone()];
+        self.issue(desc, check_dtype(t.dtype()), &inputs, move |comm, call| {
+            comm.all_reduce_owned(call, t, op)
+        })
+    }
+
     /// All-reduces several tensors of one dtype as one collective (one NCCL group, one
     /// coalesced transfer over TCP); returns them in order.
     pub fn all_reduce_many(&self, ts: &[Tensor], op: ReduceOp) -> Result<Vec<Tensor>> {

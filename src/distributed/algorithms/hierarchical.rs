@@ -177,7 +177,13 @@ pub(crate) fn all_reduce(
     if stripe.len() > 1 && !chunk.is_empty() {
         let across = SubLinks::new(links, stripe, 2)?;
         let mut mine = out.slice(chunk.clone());
-        ring::all_reduce_in_place(&across, seq, &mut mine, op)?;
+        // The ring would average over the machines alone: the caller divides the sum.
+        let sum = if op == ReduceOp::Avg {
+            ReduceOp::Sum
+        } else {
+            op
+        };
+        ring::all_reduce_in_place(&across, seq, &mut mine, sum)?;
         out.bytes_mut(chunk.clone())
             .copy_from_slice(mine.bytes(0..chunk.len()));
     }

@@ -13,14 +13,15 @@
 //! steps.
 
 use super::{bounds, data, expect_len, segments, Links};
-use crate::distributed::transport::host_buf::HostBuf;
+use crate::distributed::transport::host_buf::{HostBuf, HostSlice};
 use crate::distributed::ReduceOp;
 use crate::error::Result;
 use std::ops::Range;
 
 /// Reduces `input` (the bytes of this rank's elements) across all ranks with `op` into `out`, a
-/// buffer of the same length: every element of `out` is written once. `Avg` leaves the sum;
-/// the caller divides.
+/// buffer of the same length: every element of `out` is written once. `Avg` averages: each
+/// chunk is divided by the world size where its reduction completes, before it travels on (no
+/// pass of its own over the buffer).
 pub(crate) fn all_reduce(
     links: &impl Links,
     seq: u64,
@@ -29,15 +30,25 @@ pub(crate) fn all_reduce(
     op: ReduceOp,
 ) -> Result<()> {
     let b = bounds(out.len(), links.world());
-    Ring::all_reduce(links, op).run(links, seq, out, Some(input), &b)
+    Ring::all_reduce(links, op).run(links, seq, &mut out.view(), Some(input), &b)
 }
 
-/// Reduces `buf` (this rank's elements) across all ranks with `op`, in place. `Avg` leaves the
-/// sum; the caller divides.
+/// Reduces `buf` (this rank's elements) across all ranks with `op`, in place. `Avg` averages,
+/// as in [`all_reduce`].
 pub(crate) fn all_reduce_in_place(
     links: &impl Links,
     seq: u64,
     buf: &mut HostBuf,
+    op: ReduceOp,
+) -> Result<()> {
+    all_reduce_slice(links, seq, &mut buf.view(), op)
+}
+
+/// [`all_reduce_in_place`] over borrowed elements (a CPU tensor's own storage).
+pub(crate) fn all_reduce_slice(
+    links: &impl Links,
+    seq: u64,
+    buf: &mut HostSlice<'_>,
     op: ReduceOp,
 ) -> Result<()> {
     let b = bounds(buf.len(), links.world());
@@ -48,7 +59,7 @@ pub(crate) fn all_reduce_in_place(
 
 /// Reduces `input` (length divisible by the world size) across ranks into `out`; afterwards
 /// rank `r`'s chunk of `out`, elements `[r * len / n, (r + 1) * len / n)`, holds the reduced
-/// values (the other chunks hold partial results).
+/// values (the other chunks hold partial results). `Avg` leaves the sum; the caller divides.
 pub(crate) fn reduce_scatter(
     links: &impl Links,
     seq: u64,
@@ -58,12 +69,14 @@ pub(crate) fn reduce_scatter(
 ) -> Result<()> {
     let (n, r) = (links.world(), links.rank());
     let b = bounds(out.len(), n);
+    let out = &mut out.view();
     // Starting one chunk behind leaves rank r holding the fully reduced chunk r.
     let ring = Ring {
         start: (r + n - 1) % n,
         steps: n - 1,
         reduce_steps: n - 1,
         op,
+        average: false,
     };
     ring.run(links, seq, out, Some(input), &b)
 }
@@ -77,8 +90,9 @@ pub(crate) fn all_gather(links: &impl Links, seq: u64, buf: &mut HostBuf) -> Res
         steps: n - 1,
         reduce_steps: 0,
         op: ReduceOp::Sum,
+        average: false,
     };
-    ring.run(links, seq, buf, None, &b)
+    ring.run(links, seq, &mut buf.view(), None, &b)
 }
 
 /// First-step segments a rank sends ahead of the segment it is reducing.
@@ -87,12 +101,13 @@ pub(crate) const WINDOW: usize = 4;
 /// `steps` ring steps over chunks delimited by bounds. Step 0 sends chunk `start`; step `s`
 /// receives chunk `start - s - 1` from the predecessor, combines it with `op` and this rank's
 /// own values for the first `reduce_steps` steps (copies it afterwards), and forwards the result
-/// at the next step.
+/// at the next step. With `average`, the last reducing step divides its chunk by the world size.
 struct Ring {
     start: usize,
     steps: usize,
     reduce_steps: usize,
     op: ReduceOp,
+    average: bool,
 }
 
 impl Ring {
@@ -105,6 +120,7 @@ impl Ring {
             steps: 2 * (n - 1),
             reduce_steps: n - 1,
             op,
+            average: op == ReduceOp::Avg,
         }
     }
 
@@ -114,7 +130,7 @@ impl Ring {
         &self,
         links: &impl Links,
         seq: u64,
-        out: &mut HostBuf,
+        out: &mut HostSlice<'_>,
         input: Option<&[u8]>,
         b: &[usize],
     ) -> Result<()> {
@@ -135,7 +151,7 @@ impl Ring {
         // The chunk received at step `s` (and forwarded at step `s + 1`).
         let chunk_at = |s: usize| (self.start + n * self.steps - s - 1) % n;
         let tag = |s: usize, k: usize| data(seq, ((s as u64) << 32) | k as u64);
-        let send_first = |out: &HostBuf, k: usize| -> Result<()> {
+        let send_first = |out: &HostSlice<'_>, k: usize| -> Result<()> {
             let Some(seg) = segs[self.start].get(k) else {
                 return Ok(());
             };
@@ -161,6 +177,10 @@ impl Ring {
                                 out.reduce_pair(seg.clone(), mine, bytes, self.op);
                             }
                             None => out.reduce_from(seg.clone(), bytes, self.op),
+                        }
+                        if self.average && s + 1 == self.reduce_steps {
+                            // The chunk is complete here: the average travels on.
+                            out.divide_range(seg.clone(), n);
                         }
                     } else {
                         out.bytes_mut(seg.clone()).copy_from_slice(bytes);
@@ -230,6 +250,29 @@ mod tests {
                 let want = summed(world, len);
                 for got in results {
                     assert_eq!(got, want, "world {world} len {len}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_average_divides_every_element_once_out_of_place_and_in_place() {
+        let long = 2 * SEGMENT_BYTES / 8 * WINDOW + 7;
+        for world in 1..=5 {
+            for len in [0, 1, 3, 17, long] {
+                let results = run_ranks(world, |l| {
+                    let input = HostBuf::F64(values(l.rank(), len));
+                    let mut out = HostBuf::zeros(candle_core::DType::F64, len);
+                    all_reduce(l, 1, &mut out, input.bytes(0..len), ReduceOp::Avg).unwrap();
+                    let mut buf = input.clone();
+                    all_reduce_in_place(l, 2, &mut buf, ReduceOp::Avg).unwrap();
+                    (out, buf)
+                });
+                let mut want = summed(world, len);
+                want.divide(world);
+                for (out, buf) in results {
+                    assert_eq!(out, want, "world {world} len {len}");
+                    assert_eq!(buf, want, "in place, world {world} len {len}");
                 }
             }
         }

@@ -18,7 +18,7 @@ use crate::distributed::rendezvous::world::{join_world, MeshContext};
 use crate::distributed::rendezvous::GroupPath;
 use crate::distributed::rendezvous::Rendezvous;
 use crate::distributed::transport::conn::host_identity;
-use crate::distributed::transport::host_buf::{with_bytes, HostBuf};
+use crate::distributed::transport::host_buf::{with_bytes, with_slice_mut, HostBuf};
 use crate::distributed::transport::mesh::Mesh;
 use crate::distributed::transport::wire::FrameKind;
 use crate::distributed::work::Finished;
@@ -134,7 +134,8 @@ impl Communicator for HostComm {
             }
             buf
         };
-        if op == ReduceOp::Avg {
+        // The ring averages as it goes; the hierarchical all-reduce leaves the sum.
+        if op == ReduceOp::Avg && self.hierarchy.is_some() {
             out.divide(self.mesh.world());
         }
         let all = out.into_tensor(&Shape::from(len), first.device())?;
@@ -149,6 +150,28 @@ impl Communicator for HostComm {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Finished::ready(parts))
+    }
+
+    /// The ring in `t`'s own storage (no output buffer to fault in and zero); as
+    /// [`all_reduce`](Communicator::all_reduce) where the all-reduce is hierarchical or `t` is
+    /// not a contiguous CPU tensor.
+    fn all_reduce_owned(&self, call: Call, t: Tensor, op: ReduceOp) -> Result<Finished<Tensor>> {
+        if self.hierarchy.is_some() || !t.device().is_cpu() || !t.is_contiguous() {
+            let mut reduced = self.all_reduce(call, std::slice::from_ref(&t), op)?.value;
+            return Ok(Finished::ready(reduced.remove(0)));
+        }
+        consensus::check(&self.mesh, call.seq, &call.desc)?;
+        let seq = call.seq;
+        match with_slice_mut(&t, |s| ring::all_reduce_slice(&self.mesh, seq, s, op))? {
+            Some(()) => Ok(Finished::ready(t)),
+            None => Err(Error::InvalidArgument {
+                what: "all_reduce tensor",
+                detail: format!(
+                    "{:?} is not a dtype collectives carry in place; use f32, f64, f16 or bf16",
+                    t.dtype()
+                ),
+            }),
+        }
     }
 
     fn broadcast(&self, call: Call, t: &Tensor, root: usize) -> Result<Finished<Tensor>> {

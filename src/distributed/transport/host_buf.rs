@@ -79,6 +79,51 @@ pub(crate) fn with_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> Result<R>) -> R
     f(host.bytes(0..host.len()))
 }
 
+/// Runs `f` on the elements of `t` in its own storage, for writing (under the storage's write
+/// lock, as candle's in-place ops): `None`, without running `f`, unless `t` is a contiguous CPU
+/// tensor of a float dtype the collectives carry. Whatever else shares `t`'s storage sees the
+/// writes: the caller must own it.
+pub(crate) fn with_slice_mut<R>(
+    t: &Tensor,
+    f: impl FnOnce(&mut HostSlice<'_>) -> Result<R>,
+) -> Result<Option<R>> {
+    struct InPlace<F, R> {
+        f: std::cell::RefCell<Option<F>>,
+        out: std::cell::RefCell<Option<Result<R>>>,
+    }
+    impl<F: FnOnce(&mut HostSlice<'_>) -> Result<R>, R> candle_core::InplaceOp1 for InPlace<F, R> {
+        fn name(&self) -> &'static str {
+            "host-slice"
+        }
+
+        fn cpu_fwd(&self, s: &mut CpuStorage, l: &candle_core::Layout) -> candle_core::Result<()> {
+            let Some((start, end)) = l.contiguous_offsets() else {
+                return Ok(());
+            };
+            let mut slice = match s {
+                CpuStorage::F32(v) => HostSlice::F32(&mut v[start..end]),
+                CpuStorage::F64(v) => HostSlice::F64(&mut v[start..end]),
+                CpuStorage::F16(v) => HostSlice::F16(&mut v[start..end]),
+                CpuStorage::BF16(v) => HostSlice::BF16(&mut v[start..end]),
+                _ => return Ok(()),
+            };
+            if let Some(f) = self.f.borrow_mut().take() {
+                *self.out.borrow_mut() = Some(f(&mut slice));
+            }
+            Ok(())
+        }
+    }
+    if !t.device().is_cpu() || !t.is_contiguous() {
+        return Ok(None);
+    }
+    let op = InPlace {
+        f: std::cell::RefCell::new(Some(f)),
+        out: std::cell::RefCell::new(None),
+    };
+    t.inplace_op1(&op)?;
+    op.out.into_inner().transpose()
+}
+
 /// Asks the kernel to back large, not yet touched buffers with huge pages: a 64 MiB collective
 /// output then takes 32 page faults instead of 16384, which on a small machine is a fifth of
 /// the time of the collective. Only advice: nothing changes where it is not followed.
@@ -265,19 +310,25 @@ impl HostBuf {
         dispatch!(self, v => bytes_of_mut(&mut v[range]))
     }
 
-    /// Reduces the little-endian elements in `src` into elements `range`.
-    pub fn reduce_from(&mut self, range: Range<usize>, src: &[u8], op: ReduceOp) {
-        dispatch!(self, v => reduce_into(&mut v[range], src, op))
+    /// The elements, borrowed for writing: what the ring algorithms work on.
+    pub fn view(&mut self) -> HostSlice<'_> {
+        match self {
+            Self::F32(v) => HostSlice::F32(v),
+            Self::F64(v) => HostSlice::F64(v),
+            Self::F16(v) => HostSlice::F16(v),
+            Self::BF16(v) => HostSlice::BF16(v),
+        }
     }
 
-    /// Writes `op(a, b)` of the little-endian elements `a` and `b` into elements `range`.
-    pub fn reduce_pair(&mut self, range: Range<usize>, a: &[u8], b: &[u8], op: ReduceOp) {
-        dispatch!(self, v => reduce_pair_into(&mut v[range], a, b, op))
+    /// Reduces the little-endian elements in `src` into elements `range`.
+    pub fn reduce_from(&mut self, range: Range<usize>, src: &[u8], op: ReduceOp) {
+        self.view().reduce_from(range, src, op)
     }
 
     /// Divides every element by the number of ranks `n` (the last step of an average).
     pub fn divide(&mut self, n: usize) {
-        dispatch!(self, v => v.iter_mut().for_each(|x| *x = x.average(n)))
+        let mut all = self.view();
+        all.divide_range(0..all.len(), n)
     }
 
     /// Elements `range` as a new buffer.
@@ -288,6 +339,65 @@ impl HostBuf {
             Self::F16(v) => Self::F16(v[range].to_vec()),
             Self::BF16(v) => Self::BF16(v[range].to_vec()),
         }
+    }
+}
+
+/// Elements on the host, borrowed for writing: a [`HostBuf`]'s, or a CPU tensor's own storage
+/// (an all-reduce in place in the tensor).
+pub(crate) enum HostSlice<'a> {
+    F32(&'a mut [f32]),
+    F64(&'a mut [f64]),
+    F16(&'a mut [f16]),
+    BF16(&'a mut [bf16]),
+}
+
+macro_rules! dispatch_slice {
+    ($self:expr, $v:ident => $body:expr) => {
+        match $self {
+            HostSlice::F32($v) => $body,
+            HostSlice::F64($v) => $body,
+            HostSlice::F16($v) => $body,
+            HostSlice::BF16($v) => $body,
+        }
+    };
+}
+
+impl HostSlice<'_> {
+    pub fn len(&self) -> usize {
+        dispatch_slice!(self, v => v.len())
+    }
+
+    pub fn elem_size(&self) -> usize {
+        match self {
+            Self::F32(_) => 4,
+            Self::F64(_) => 8,
+            Self::F16(_) | Self::BF16(_) => 2,
+        }
+    }
+
+    /// The bytes of elements `range`.
+    pub fn bytes(&self, range: Range<usize>) -> &[u8] {
+        dispatch_slice!(self, v => bytes_of(&v[range]))
+    }
+
+    /// The bytes of elements `range`, for writing.
+    pub fn bytes_mut(&mut self, range: Range<usize>) -> &mut [u8] {
+        dispatch_slice!(self, v => bytes_of_mut(&mut v[range]))
+    }
+
+    /// Reduces the little-endian elements in `src` into elements `range`.
+    pub fn reduce_from(&mut self, range: Range<usize>, src: &[u8], op: ReduceOp) {
+        dispatch_slice!(self, v => reduce_into(&mut v[range], src, op))
+    }
+
+    /// Writes `op(a, b)` of the little-endian elements `a` and `b` into elements `range`.
+    pub fn reduce_pair(&mut self, range: Range<usize>, a: &[u8], b: &[u8], op: ReduceOp) {
+        dispatch_slice!(self, v => reduce_pair_into(&mut v[range], a, b, op))
+    }
+
+    /// Divides elements `range` by the number of ranks `n` (the last step of an average).
+    pub fn divide_range(&mut self, range: Range<usize>, n: usize) {
+        dispatch_slice!(self, v => v[range].iter_mut().for_each(|x| *x = x.average(n)))
     }
 }
 
