@@ -18,14 +18,17 @@ use common::{done, is_child, join_child, Ranks};
 use std::time::Duration;
 
 /// A weight used three ways (twice by `nn::linear`, once by candle's `matmul` through the
-/// copy), a head used by `nn::linear_gelu` and by candle-nn's `Linear::forward`.
+/// copy), a head used by `nn::linear_gelu` and by candle-nn's `Linear::forward`, and a layer
+/// norm (whose weight and bias gradients are views of one buffer with the input's).
 struct Tied {
     a: Linear,
     b: Linear,
+    ln: nn::LayerNorm,
 }
 
 impl Module for Tied {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x = &self.ln.forward(x)?;
         let h = nn::linear_relu(x, &self.a)?;
         let h2 = nn::linear(&h, &self.a)?;
         let h3 = h2.matmul(&self.a.weight().t()?)?;
@@ -37,6 +40,7 @@ fn tied(vb: VarBuilder) -> candle_core::Result<Tied> {
     Ok(Tied {
         a: candle_nn::linear(8, 8, vb.pp("a"))?,
         b: candle_nn::linear(8, 4, vb.pp("b"))?,
+        ln: nn::layer_norm(8, 1e-5, vb.pp("ln"))?,
     })
 }
 

@@ -152,26 +152,25 @@ impl Communicator for HostComm {
         Ok(Finished::ready(parts))
     }
 
-    /// The ring in `t`'s own storage (no output buffer to fault in and zero); as
-    /// [`all_reduce`](Communicator::all_reduce) where the all-reduce is hierarchical or `t` is
-    /// not a contiguous CPU tensor.
+    /// The ring in `t`'s own storage (no output buffer to fault in and zero) where `t` is a CPU
+    /// tensor that spans its storage; else the same ring into a fresh buffer (the ranks may
+    /// differ in this: the frames are the same); as [`all_reduce`](Communicator::all_reduce)
+    /// where the all-reduce is hierarchical.
     fn all_reduce_owned(&self, call: Call, t: Tensor, op: ReduceOp) -> Result<Finished<Tensor>> {
-        if self.hierarchy.is_some() || !t.device().is_cpu() || !t.is_contiguous() {
+        if self.hierarchy.is_some() {
             let mut reduced = self.all_reduce(call, std::slice::from_ref(&t), op)?.value;
             return Ok(Finished::ready(reduced.remove(0)));
         }
         consensus::check(&self.mesh, call.seq, &call.desc)?;
         let seq = call.seq;
-        match with_slice_mut(&t, |s| ring::all_reduce_slice(&self.mesh, seq, s, op))? {
-            Some(()) => Ok(Finished::ready(t)),
-            None => Err(Error::InvalidArgument {
-                what: "all_reduce tensor",
-                detail: format!(
-                    "{:?} is not a dtype collectives carry in place; use f32, f64, f16 or bf16",
-                    t.dtype()
-                ),
-            }),
+        if let Some(()) = with_slice_mut(&t, |s| ring::all_reduce_slice(&self.mesh, seq, s, op))? {
+            return Ok(Finished::ready(t));
         }
+        let mut out = HostBuf::zeros(t.dtype(), t.elem_count());
+        with_bytes(&t, |input| {
+            ring::all_reduce(&self.mesh, seq, &mut out, input, op)
+        })?;
+        Ok(Finished::ready(out.into_tensor(t.shape(), t.device())?))
     }
 
     fn broadcast(&self, call: Call, t: &Tensor, root: usize) -> Result<Finished<Tensor>> {

@@ -81,8 +81,9 @@ pub(crate) fn with_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> Result<R>) -> R
 
 /// Runs `f` on the elements of `t` in its own storage, for writing (under the storage's write
 /// lock, as candle's in-place ops): `None`, without running `f`, unless `t` is a contiguous CPU
-/// tensor of a float dtype the collectives carry. Whatever else shares `t`'s storage sees the
-/// writes: the caller must own it.
+/// tensor of a float dtype the collectives carry that spans its whole storage (a view of part
+/// of a larger buffer, whose other parts may still be read meanwhile, is left alone). The
+/// caller must own `t`: nothing else may read it until `f` is done.
 pub(crate) fn with_slice_mut<R>(
     t: &Tensor,
     f: impl FnOnce(&mut HostSlice<'_>) -> Result<R>,
@@ -97,7 +98,14 @@ pub(crate) fn with_slice_mut<R>(
         }
 
         fn cpu_fwd(&self, s: &mut CpuStorage, l: &candle_core::Layout) -> candle_core::Result<()> {
-            let Some((start, end)) = l.contiguous_offsets() else {
+            let len = match s {
+                CpuStorage::F32(v) => v.len(),
+                CpuStorage::F64(v) => v.len(),
+                CpuStorage::F16(v) => v.len(),
+                CpuStorage::BF16(v) => v.len(),
+                _ => return Ok(()),
+            };
+            let Some((start, end)) = l.contiguous_offsets().filter(|&r| r == (0, len)) else {
                 return Ok(());
             };
             let mut slice = match s {
