@@ -12,7 +12,9 @@ use candle_nn::{Conv2dConfig, Linear, Optimizer, VarBuilder, VarMap};
 use candle_parallel::activation_checkpointing::{checkpoint, Checkpointed};
 use candle_parallel::amp::MixedPrecision;
 use candle_parallel::ddp::{DdpConfig, JoinDivisor, Sharding};
-use candle_parallel::distributed::{self, Backend, InitConfig, Launcher, ProcessGroup, Rendezvous};
+use candle_parallel::distributed::{
+    self, Algorithm, Backend, InitConfig, Launcher, ProcessGroup, Rendezvous,
+};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::{nn, DistributedDataParallel};
@@ -127,9 +129,19 @@ fn one_process<M: Module>(
 /// Runs `f` on `world` host-backend ranks (TCP and shared memory over 127.0.0.1), threads of
 /// this process: the backend that averages lone gradients in their own storage.
 fn host_ranks<T: Send>(world: usize, f: impl Fn(ProcessGroup) -> T + Sync) -> Vec<T> {
+    host_ranks_with(world, Algorithm::Ring, f)
+}
+
+/// [`host_ranks`] with the all-reduce `algorithm`.
+fn host_ranks_with<T: Send>(
+    world: usize,
+    algorithm: Algorithm,
+    f: impl Fn(ProcessGroup) -> T + Sync,
+) -> Vec<T> {
     let port = common::free_port();
     let config = InitConfig {
         rendezvous_timeout: Duration::from_secs(30),
+        algorithm,
         ..InitConfig::default()
     };
     std::thread::scope(|s| {
@@ -240,6 +252,27 @@ fn host_ranks_train_every_layer_kind_like_one_process_with_lone_gradients() {
         let got = host_ranks(world, |pg| ddp_steps(&pg, lone_buckets(), mixed, 3, batch));
         for (rank, g) in got.iter().enumerate() {
             assert_close(g, &want, 1e-5, &format!("world {world}, rank {rank}"));
+        }
+    }
+}
+
+/// The hierarchical all-reduce (forced: one machine, so a reduce-scatter and an all-gather
+/// within it) leaves the sum and the backend divides; lone gradients take that path too, in
+/// buckets of one and of several.
+#[test]
+fn hierarchical_all_reduce_with_lone_and_shared_buckets_trains_like_one_process() {
+    let batch = |step| images(6, step + 5);
+    let want = one_process(mixed, DType::F32, 2, batch);
+    for config in [lone_buckets(), DdpConfig::default()] {
+        let got = host_ranks_with(2, Algorithm::Hierarchical, |pg| {
+            ddp_steps(&pg, config.clone(), mixed, 2, batch)
+        });
+        for (rank, g) in got.iter().enumerate() {
+            let what = format!(
+                "hierarchical, cap {} MiB, rank {rank}",
+                config.bucket_cap_mb
+            );
+            assert_close(g, &want, 1e-5, &what);
         }
     }
 }
