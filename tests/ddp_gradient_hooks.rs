@@ -212,13 +212,15 @@ fn a_forward_left_out_of_the_loss_and_two_forwards_in_one_loss() {
         loss(&m.forward(&first)?)? + loss(&m.forward(&second)?)?
     });
     let got = on_two_ranks(tied, |model, varmap, x| {
-        // A forward whose output no loss uses: its uses of the weights are counted, and their
-        // gradients must still come out whole.
-        model.forward_t(x, true)?;
+        // A forward whose output no loss uses, kept alive: its uses of the weights are
+        // counted, and their gradients must still come out whole (at the end of the walk).
+        let kept = model.forward_t(x, true)?;
         let first = model.forward_t(&x.narrow(0, 0, 3)?, true)?;
         let second = model.forward_t(&x.narrow(0, 3, 3)?, true)?;
         let l = (loss(&first)? + loss(&second)?)?;
-        Ok(by_name(varmap, &model.backward(&l)?))
+        let grads = model.backward(&l)?;
+        drop(kept);
+        Ok(by_name(varmap, &grads))
     });
     assert_close(&got, &want);
 }

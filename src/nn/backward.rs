@@ -189,7 +189,7 @@ pub(super) fn hand_over(output: &Tensor, input: &Tensor, grad: Option<Tensor>) -
 /// use by this crate's layers since the last reset, and one from the copy when the copy is in
 /// the graph).
 fn add_part(frame: &mut Collected, w: &Arc<Watched>, grad: Tensor) -> Option<Tensor> {
-    let expected = w.uses.load(Ordering::Relaxed) + usize::from(frame.nodes().contains(&w.copy));
+    let expected = w.live_uses() + usize::from(frame.nodes().contains(&w.copy));
     let key = w.var.id();
     let count = match frame.parts.get_mut(&key) {
         Some(part) => {
@@ -229,9 +229,11 @@ struct Watched {
     copy: TensorId,
     /// Where it came in among the watched variables (the order incomplete sums are handed on).
     order: usize,
-    /// The times this crate's layers used the variable in place of the copy since the last
-    /// [`GradientHook::reset_uses`]: how many parts its gradient may come in.
-    uses: AtomicUsize,
+    /// One reference per use of the variable by this crate's layers in place of the copy since
+    /// the last [`GradientHook::reset_uses`] whose op still lives (its graph was not dropped:
+    /// an evaluation's forward releases its uses with its output): how many parts its gradient
+    /// may come in.
+    uses: Mutex<Arc<()>>,
     hook: Box<dyn Fn(Tensor) + Send + Sync>,
 }
 
@@ -283,7 +285,7 @@ impl GradientHook {
             var: var.clone(),
             copy: copy.id(),
             order,
-            uses: AtomicUsize::new(0),
+            uses: Mutex::default(),
             hook: Box::new(hook),
         });
         map.insert(var.id(), watched.clone());
@@ -292,9 +294,10 @@ impl GradientHook {
         Some(Self { watched })
     }
 
-    /// Forgets the uses counted so far: call it when a backward ended.
+    /// Forgets the uses counted so far (graphs still held count no more): call it when a
+    /// backward ended.
     pub(crate) fn reset_uses(&self) {
-        self.watched.uses.store(0, Ordering::Relaxed);
+        *crate::util::sync::lock(&self.watched.uses) = Arc::new(());
     }
 }
 
@@ -310,15 +313,118 @@ impl Drop for GradientHook {
     }
 }
 
-/// `t` as this crate's layers record it as an input: the variable behind a watched copy
-/// (counting a use), `t` itself otherwise.
-pub(super) fn through(t: &Tensor) -> Tensor {
+impl Watched {
+    /// The uses by this crate's layers whose ops still live.
+    fn live_uses(&self) -> usize {
+        Arc::strong_count(&crate::util::sync::lock(&self.uses)) - 1
+    }
+}
+
+/// One use of a watched variable by a layer's op, counted while it lives: the op keeps it
+/// ([`Held`]), so the use ends with the op's graph.
+pub(super) struct Use(#[allow(dead_code)] Arc<()>);
+
+/// `t` as this crate's layers record it as an input: the variable behind a watched copy (its
+/// use added to `uses`, for the op to hold), `t` itself otherwise.
+pub(super) fn through(t: &Tensor, uses: &mut Vec<Use>) -> Tensor {
     match watched(t.id()) {
         Some(w) if w.copy == t.id() => {
-            w.uses.fetch_add(1, Ordering::Relaxed);
+            uses.push(Use(crate::util::sync::lock(&w.uses).clone()));
             w.var.as_tensor().clone()
         }
         _ => t.clone(),
+    }
+}
+
+/// A layer's op with the [`Use`]s of the watched variables it reads: candle's graph owns it,
+/// so the uses end with the graph. Everything else is the op's.
+pub(super) struct Held<O> {
+    op: O,
+    _uses: Vec<Use>,
+}
+
+impl<O> Held<O> {
+    pub(super) fn new(op: O, uses: Vec<Use>) -> Self {
+        Self { op, _uses: uses }
+    }
+}
+
+impl<O: candle_core::CustomOp2> candle_core::CustomOp2 for Held<O> {
+    fn name(&self) -> &'static str {
+        self.op.name()
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        self.op.cpu_fwd(s1, l1, s2, l2)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        self.op.cuda_fwd(s1, l1, s2, l2)
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        self.op.bwd(a, b, res, grad)
+    }
+}
+
+impl<O: candle_core::CustomOp3> candle_core::CustomOp3 for Held<O> {
+    fn name(&self) -> &'static str {
+        self.op.name()
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+        s3: &candle_core::CpuStorage,
+        l3: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        self.op.cpu_fwd(s1, l1, s2, l2, s3, l3)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &candle_core::Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        self.op.cuda_fwd(s1, l1, s2, l2, s3, l3)
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.op.bwd(a, b, c, res, grad)
     }
 }
 
@@ -330,7 +436,7 @@ pub(crate) fn copy_gradient(copy: &Tensor, grad: &Tensor) -> bool {
         return false;
     };
     let complete = FRAMES.with(|f| match f.borrow_mut().last_mut() {
-        Some(frame) if w.uses.load(Ordering::Relaxed) > 0 => add_part(frame, &w, grad.clone()),
+        Some(frame) if w.live_uses() > 0 => add_part(frame, &w, grad.clone()),
         _ => Some(grad.clone()),
     });
     if let Some(sum) = complete {
@@ -401,7 +507,13 @@ mod tests {
         let diff = hooked.sub(want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(diff < 1e-5, "{diff}");
         drop(hook);
-        assert_eq!(through(&copy).id(), copy.id(), "unwatched once dropped");
+        let mut uses = Vec::new();
+        assert_eq!(
+            through(&copy, &mut uses).id(),
+            copy.id(),
+            "unwatched once dropped"
+        );
+        assert!(uses.is_empty());
         Ok(())
     }
 }

@@ -2,7 +2,7 @@
 //! tensors, forward and backward, built on [`kernels`](super::kernels)' im2col, col2im and
 //! matrix products, with the batch split over candle's thread pool.
 
-use super::backward::{hand_over, through};
+use super::backward::{hand_over, through, Held};
 use super::kernels::{block, block_mut, col2im, for_each_chunk, im2col, map_chunks, matmul};
 use super::kernels::{matmul_nt, sum_partials, Mat, Window};
 use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
@@ -18,9 +18,10 @@ pub(super) fn conv2d(
 ) -> Result<Tensor> {
     let geometry = Geometry::new(x.dims(), w.dims(), cfg)?;
     let op = Conv2dOp { geometry };
-    let (x, w) = (x.contiguous()?, through(&w.contiguous()?));
+    let mut uses = Vec::new();
+    let (x, w) = (x.contiguous()?, through(&w.contiguous()?, &mut uses));
     match bias {
-        None => x.apply_op2(&w, op),
+        None => x.apply_op2(&w, Held::new(op, uses)),
         Some(b) => {
             if b.dims() != [geometry.c_out] {
                 candle_core::bail!(
@@ -29,7 +30,8 @@ pub(super) fn conv2d(
                     geometry.c_out
                 )
             }
-            x.apply_op3(&w, &through(&b.contiguous()?), op)
+            let b = through(&b.contiguous()?, &mut uses);
+            x.apply_op3(&w, &b, Held::new(op, uses))
         }
     }
 }

@@ -21,7 +21,7 @@
 //! of a window wins), up to rounding: the direct kernels sum in another order
 //! (`tests/kernels.rs` checks within 1e-5; exact on small integers, so ties stay ties).
 
-use super::backward::{hand_over, through};
+use super::backward::{hand_over, through, Held};
 use super::conv_kernel::{f32_slice, with_f32, Geometry};
 use super::kernels::{block, block_mut, col2im, matmul, matmul_nt, sum_partials, threads, Mat};
 use crate::util::sync::lock;
@@ -74,8 +74,10 @@ pub(super) fn conv2d_relu_max_pool2d(
         layout,
         from: Mutex::new(Vec::new()),
     };
-    let (w, bias) = (through(&w.contiguous()?), through(&bias.contiguous()?));
-    x.contiguous()?.apply_op3(&w, &bias, op)
+    let mut uses = Vec::new();
+    let w = through(&w.contiguous()?, &mut uses);
+    let bias = through(&bias.contiguous()?, &mut uses);
+    x.contiguous()?.apply_op3(&w, &bias, Held::new(op, uses))
 }
 
 /// How the op holds an image's convolution output, one plane per output channel.

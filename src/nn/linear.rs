@@ -39,7 +39,7 @@
 //! ```
 
 use super::accumulate::{self, empty_output};
-use super::backward::{hand_over, through};
+use super::backward::{hand_over, through, Held};
 use super::conv_kernel::{f32_slice, with_f32};
 use super::kernels::{for_each_chunk, matmul, matmul_threaded, ours_in_f32, Mat};
 use crate::util::sync::lock;
@@ -119,14 +119,17 @@ fn fused(
         )
     }
     // A watched copy (DistributedDataParallel's) is read through to its variable.
-    let f32 =
-        |t: &Tensor| Ok::<_, candle_core::Error>(through(&t.to_dtype(DType::F32)?.contiguous()?));
+    let mut uses = Vec::new();
+    let mut f32 = |t: &Tensor| -> Result<Tensor> {
+        Ok(through(&t.to_dtype(DType::F32)?.contiguous()?, &mut uses))
+    };
     let b = match b {
         Some(b) => f32(b)?,
         None => Tensor::zeros(o, DType::F32, &Device::Cpu)?,
     };
     let n = dims[..dims.len() - 1].iter().product();
     let rows = f32(x)?.reshape((n, k))?;
+    let w = f32(w)?;
     let op = LinearOp {
         n,
         k,
@@ -136,7 +139,7 @@ fn fused(
     };
     let mut out_dims = dims.to_vec();
     *out_dims.last_mut().expect("rank >= 2") = o;
-    rows.apply_op3(&f32(w)?, &b, op)?
+    rows.apply_op3(&w, &b, Held::new(op, uses))?
         .reshape(out_dims)?
         .to_dtype(dtype)
 }

@@ -38,7 +38,7 @@
 //! ```
 
 use super::accumulate::{empty_output, wide, widen};
-use super::backward::{hand_over, through};
+use super::backward::{hand_over, through, Held};
 use super::kernels::own_cpu_kernels;
 use super::rows::{self, values, with_float_slices};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
@@ -61,8 +61,11 @@ pub fn layer_norm(xs: &Tensor, alpha: &Tensor, beta: &Tensor, eps: f32) -> Resul
     if xs.elem_count() == 0 {
         return empty_output(xs.shape(), &[xs, alpha, beta]);
     }
-    let (alpha, beta) = (through(&alpha.contiguous()?), through(&beta.contiguous()?));
-    xs.contiguous()?.apply_op3(&alpha, &beta, op)
+    let mut uses = Vec::new();
+    let alpha = through(&alpha.contiguous()?, &mut uses);
+    let beta = through(&beta.contiguous()?, &mut uses);
+    xs.contiguous()?
+        .apply_op3(&alpha, &beta, Held::new(op, uses))
 }
 
 /// Layer normalisation without a shift: `(x - mean) / sqrt(var + eps) * alpha`.
@@ -111,8 +114,10 @@ fn norm2(what: &str, xs: &Tensor, alpha: &Tensor, eps: f32, remove_mean: bool) -
     if xs.elem_count() == 0 {
         return empty_output(xs.shape(), &[xs, alpha]);
     }
-    xs.contiguous()?
-        .apply_op2(&through(&alpha.contiguous()?), Norm { eps, remove_mean })
+    let mut uses = Vec::new();
+    let alpha = through(&alpha.contiguous()?, &mut uses);
+    let op = Held::new(Norm { eps, remove_mean }, uses);
+    xs.contiguous()?.apply_op2(&alpha, op)
 }
 
 /// Fails unless every tensor has one float dtype the fused layers take; `what` names the layer.
