@@ -321,10 +321,12 @@ pub enum Error {
     },
 
     /// A parameter's gradient came in twice after one DistributedDataParallel forward: two
-    /// backwards through one forward's graph.
+    /// backwards through one forward's graph, or the variable itself (not the model's copy of
+    /// it) used in the loss.
     #[error(
         "DistributedDataParallel: the gradient of `{parameter}` came in twice in one iteration: \
-         run forward_t once before each DistributedDataParallel::backward"
+         run forward_t once before each DistributedDataParallel::backward, and compute the loss \
+         from the wrapped model only (a variable of the VarMap used directly bypasses DDP)"
     )]
     GradientTwice {
         /// The parameter.
