@@ -15,7 +15,9 @@
 //! gradient is complete (DistributedDataParallel), watches them with a [`GradientHook`]: the
 //! layers then compute from the variable behind the copy, and its gradient goes to the hook,
 //! whole, as soon as its last part is made (the parts: one per use by these layers since the
-//! hook's last reset, and the copy's own when the copy is in the graph).
+//! hook's last reset whose graph still lives, and the copy's own when the copy is in the
+//! graph; a part expected but not made, from a graph kept beside the loss's, holds the
+//! gradient to the end of the walk).
 //!
 //! Outside [`backward`] (a plain `loss.backward()`) the layers return their gradients to candle
 //! as before. This crate's optimizers' `backward_step`, `DistributedDataParallel::backward` and
@@ -186,8 +188,8 @@ pub(super) fn hand_over(output: &Tensor, input: &Tensor, grad: Option<Tensor>) -
 }
 
 /// Adds `grad` to `w`'s gradient in `frame`; the sum, once every part expected is in (one per
-/// use by this crate's layers since the last reset, and one from the copy when the copy is in
-/// the graph).
+/// live use by this crate's layers since the last reset, and one from the copy when the copy
+/// is in the graph).
 fn add_part(frame: &mut Collected, w: &Arc<Watched>, grad: Tensor) -> Option<Tensor> {
     let expected = w.live_uses() + usize::from(frame.nodes().contains(&w.copy));
     let key = w.var.id();
