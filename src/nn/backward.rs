@@ -255,6 +255,11 @@ fn watched(id: TensorId) -> Option<Arc<Watched>> {
     crate::util::sync::lock(registry()).get(&id).cloned()
 }
 
+/// What watches `t` when `t` is a watched copy (not a watched variable).
+fn watched_copy(t: &Tensor) -> Option<Arc<Watched>> {
+    watched(t.id()).filter(|w| w.copy == t.id())
+}
+
 /// While it lives, `var`'s gradient goes to `hook` in one piece, as soon as it is complete,
 /// instead of into the [`backward`]'s store: a wrapper's gradient hook (DistributedDataParallel
 /// averages each parameter's gradient over the world as backward completes it).
@@ -329,12 +334,12 @@ pub(super) struct Use(#[allow(dead_code)] Arc<()>);
 /// `t` as this crate's layers record it as an input: the variable behind a watched copy (its
 /// use added to `uses`, for the op to hold), `t` itself otherwise.
 pub(super) fn through(t: &Tensor, uses: &mut Vec<Use>) -> Tensor {
-    match watched(t.id()) {
-        Some(w) if w.copy == t.id() => {
+    match watched_copy(t) {
+        Some(w) => {
             uses.push(Use(crate::util::sync::lock(&w.uses).clone()));
             w.var.as_tensor().clone()
         }
-        _ => t.clone(),
+        None => t.clone(),
     }
 }
 
@@ -434,7 +439,7 @@ impl<O: candle_core::CustomOp3> candle_core::CustomOp3 for Held<O> {
 /// `false` when `copy` is not watched (the op hands `grad` on itself); otherwise it goes to the
 /// hook, at once, or once the parts from this crate's layers are in too.
 pub(crate) fn copy_gradient(copy: &Tensor, grad: &Tensor) -> bool {
-    let Some(w) = watched(copy.id()).filter(|w| w.copy == copy.id()) else {
+    let Some(w) = watched_copy(copy) else {
         return false;
     };
     let complete = FRAMES.with(|f| match f.borrow_mut().last_mut() {

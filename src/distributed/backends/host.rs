@@ -92,6 +92,25 @@ impl HostComm {
             hierarchy,
         })
     }
+
+    /// `t` reduced with `op` across the group into a new buffer, `t` read where it lies.
+    fn reduce_into_new(&self, seq: u64, t: &Tensor, op: ReduceOp) -> Result<HostBuf> {
+        let mut out = HostBuf::zeros(t.dtype(), t.elem_count());
+        with_bytes(t, |input| match &self.hierarchy {
+            Some(h) => hierarchical::all_reduce(&self.mesh, h, seq, &mut out, input, op),
+            None => ring::all_reduce(&self.mesh, seq, &mut out, input, op),
+        })?;
+        Ok(self.finish_average(out, op))
+    }
+
+    /// A reduced buffer as `op` wants it: the ring averages as it goes; the hierarchical
+    /// all-reduce leaves the sum, divided here.
+    fn finish_average(&self, mut out: HostBuf, op: ReduceOp) -> HostBuf {
+        if op == ReduceOp::Avg && self.hierarchy.is_some() {
+            out.divide(self.mesh.world());
+        }
+        out
+    }
 }
 
 /// Every rank's machine, as a hash of its identity (boot id and network namespace); a rank
@@ -117,13 +136,8 @@ impl Communicator for HostComm {
         // Coalesce: one transfer for all tensors. Several are gathered into a buffer of our
         // own and reduced in it; a single one is read where it lies (it is the caller's).
         let len = ts.iter().map(Tensor::elem_count).sum::<usize>();
-        let mut out = if ts.len() == 1 {
-            let mut out = HostBuf::zeros(first.dtype(), len);
-            with_bytes(first, |input| match &self.hierarchy {
-                Some(t) => hierarchical::all_reduce(&self.mesh, t, call.seq, &mut out, input, op),
-                None => ring::all_reduce(&self.mesh, call.seq, &mut out, input, op),
-            })?;
-            out
+        let out = if ts.len() == 1 {
+            self.reduce_into_new(call.seq, first, op)?
         } else {
             let mut buf = HostBuf::concat(ts)?;
             match &self.hierarchy {
@@ -132,12 +146,8 @@ impl Communicator for HostComm {
                 }
                 None => ring::all_reduce_in_place(&self.mesh, call.seq, &mut buf, op)?,
             }
-            buf
+            self.finish_average(buf, op)
         };
-        // The ring averages as it goes; the hierarchical all-reduce leaves the sum.
-        if op == ReduceOp::Avg && self.hierarchy.is_some() {
-            out.divide(self.mesh.world());
-        }
         let all = out.into_tensor(&Shape::from(len), first.device())?;
         let mut offset = 0;
         let parts = ts
@@ -153,23 +163,19 @@ impl Communicator for HostComm {
     }
 
     /// The ring in `t`'s own storage (no output buffer to fault in and zero) where `t` is a CPU
-    /// tensor that spans its storage; else the same ring into a fresh buffer (the ranks may
-    /// differ in this: the frames are the same); as [`all_reduce`](Communicator::all_reduce)
-    /// where the all-reduce is hierarchical.
+    /// tensor that spans its storage; else, as [`all_reduce`](Communicator::all_reduce) does
+    /// for one tensor, into a fresh buffer (the ranks may differ in this: the frames are the
+    /// same), and always so where the all-reduce is hierarchical.
     fn all_reduce_owned(&self, call: Call, t: Tensor, op: ReduceOp) -> Result<Finished<Tensor>> {
-        if self.hierarchy.is_some() {
-            let mut reduced = self.all_reduce(call, std::slice::from_ref(&t), op)?.value;
-            return Ok(Finished::ready(reduced.remove(0)));
-        }
         consensus::check(&self.mesh, call.seq, &call.desc)?;
         let seq = call.seq;
-        if let Some(()) = with_slice_mut(&t, |s| ring::all_reduce_slice(&self.mesh, seq, s, op))? {
-            return Ok(Finished::ready(t));
+        if self.hierarchy.is_none() {
+            let reduced = with_slice_mut(&t, |s| ring::all_reduce_slice(&self.mesh, seq, s, op))?;
+            if let Some(()) = reduced {
+                return Ok(Finished::ready(t));
+            }
         }
-        let mut out = HostBuf::zeros(t.dtype(), t.elem_count());
-        with_bytes(&t, |input| {
-            ring::all_reduce(&self.mesh, seq, &mut out, input, op)
-        })?;
+        let out = self.reduce_into_new(seq, &t, op)?;
         Ok(Finished::ready(out.into_tensor(t.shape(), t.device())?))
     }
 
