@@ -12,9 +12,7 @@ use candle_nn::{Conv2dConfig, Linear, Optimizer, VarBuilder, VarMap};
 use candle_parallel::activation_checkpointing::{checkpoint, Checkpointed};
 use candle_parallel::amp::MixedPrecision;
 use candle_parallel::ddp::{DdpConfig, JoinDivisor, Sharding};
-use candle_parallel::distributed::{
-    self, Algorithm, Backend, InitConfig, Launcher, ProcessGroup, Rendezvous,
-};
+use candle_parallel::distributed::{self, Algorithm, Backend, InitConfig, ProcessGroup};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{Sgd, SgdConfig};
 use candle_parallel::{nn, DistributedDataParallel};
@@ -149,15 +147,7 @@ fn host_ranks_with<T: Send>(
             .map(|rank| {
                 let (f, config) = (&f, config.clone());
                 s.spawn(move || {
-                    let rv = Rendezvous {
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                        rank,
-                        world_size: world,
-                        local_rank: rank,
-                        local_world_size: world,
-                        launcher: Launcher::Given,
-                    };
+                    let rv = common::local_rendezvous(rank, world, port);
                     let pg = ProcessGroup::new(&rv, &Device::Cpu, config).unwrap();
                     assert_eq!(pg.backend(), Backend::Tcp);
                     f(pg)

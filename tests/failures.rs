@@ -252,18 +252,6 @@ fn silent_holder() -> (TcpListener, u16, std::thread::JoinHandle<()>) {
     (l, port, h)
 }
 
-fn rendezvous(rank: usize, world: usize, port: u16) -> Rendezvous {
-    Rendezvous {
-        master_addr: "127.0.0.1".into(),
-        master_port: port,
-        rank,
-        world_size: world,
-        local_rank: rank,
-        local_world_size: world,
-        launcher: candle_parallel::distributed::Launcher::Given,
-    }
-}
-
 #[test]
 fn another_program_on_the_master_port_is_named_as_such_on_every_rank() {
     let quick = InitConfig {
@@ -274,14 +262,24 @@ fn another_program_on_the_master_port_is_named_as_such_on_every_rank() {
     // answers there.
     let (_l, port, _h) = silent_holder();
     let started = Instant::now();
-    let err = ProcessGroup::new(&rendezvous(0, 2, port), &Device::Cpu, quick.clone()).unwrap_err();
+    let err = ProcessGroup::new(
+        &common::local_rendezvous(0, 2, port),
+        &Device::Cpu,
+        quick.clone(),
+    )
+    .unwrap_err();
     assert!(matches!(err, Error::PortInUse { .. }), "{err}");
     assert!(
         started.elapsed() < Duration::from_secs(3),
         "{:?}",
         started.elapsed()
     );
-    let err = ProcessGroup::new(&rendezvous(1, 2, port), &Device::Cpu, quick.clone()).unwrap_err();
+    let err = ProcessGroup::new(
+        &common::local_rendezvous(1, 2, port),
+        &Device::Cpu,
+        quick.clone(),
+    )
+    .unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("another program holds MASTER_PORT"), "{msg}");
     assert!(msg.contains("never answered"), "{msg}");
@@ -293,7 +291,8 @@ fn another_program_on_the_master_port_is_named_as_such_on_every_rank() {
             let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n");
         }
     });
-    let err = ProcessGroup::new(&rendezvous(1, 2, port), &Device::Cpu, quick).unwrap_err();
+    let err =
+        ProcessGroup::new(&common::local_rendezvous(1, 2, port), &Device::Cpu, quick).unwrap_err();
     let msg = err.to_string();
     assert!(
         msg.contains("\"HTTP\"") && msg.contains("MASTER_PORT"),

@@ -153,13 +153,22 @@ pub fn as_f64(t: &candle_core::Tensor) -> Vec<f64> {
 
 /// A group of one rank meeting on a free port of 127.0.0.1.
 pub fn solo_rendezvous() -> candle_parallel::distributed::Rendezvous {
+    local_rendezvous(0, 1, free_port())
+}
+
+/// Rank `rank` of `world` ranks, all on this machine, meeting at 127.0.0.1:`port`.
+pub fn local_rendezvous(
+    rank: usize,
+    world: usize,
+    port: u16,
+) -> candle_parallel::distributed::Rendezvous {
     candle_parallel::distributed::Rendezvous {
         master_addr: "127.0.0.1".into(),
-        master_port: free_port(),
-        rank: 0,
-        world_size: 1,
-        local_rank: 0,
-        local_world_size: 1,
+        master_port: port,
+        rank,
+        world_size: world,
+        local_rank: rank,
+        local_world_size: world,
         launcher: candle_parallel::distributed::Launcher::Given,
     }
 }
