@@ -52,6 +52,7 @@
 //! ```
 
 mod crc32c;
+pub mod distributed;
 mod format;
 pub mod resume;
 pub(crate) mod sharded;
@@ -61,7 +62,7 @@ use crate::optim::{ElementwiseOptimizer, OptimizerState};
 use crate::util::sync::lock;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
 /// Saves every variable of `varmap` under its name to `path`, atomically.
@@ -76,11 +77,20 @@ pub fn save_varmap(varmap: &VarMap, path: impl AsRef<Path>) -> Result<()> {
 /// Saves `tensors` to `path` in the safetensors format, with a checksum of every tensor,
 /// atomically. Tensors on GPUs are copied to the host first.
 pub fn save(tensors: &HashMap<String, Tensor>, path: impl AsRef<Path>) -> Result<()> {
+    save_with_metadata(tensors, path, &BTreeMap::new())
+}
+
+/// As [`save`], with `metadata` in the file's header besides the checksums.
+pub(crate) fn save_with_metadata(
+    tensors: &HashMap<String, Tensor>,
+    path: impl AsRef<Path>,
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
     let host: HashMap<&str, Tensor> = tensors
         .iter()
         .map(|(k, t)| Ok((k.as_str(), t.to_device(&Device::Cpu)?)))
         .collect::<Result<_>>()?;
-    let prepared = format::prepare(&host)?;
+    let prepared = format::prepare_with(&host, metadata)?;
     let path = path.as_ref();
     write_atomically(path, |tmp| {
         // Flushed and synced here, so that a full disk found only then is named as one.
@@ -277,9 +287,9 @@ pub(crate) fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<
 }
 
 /// The prefix of every optimizer key in a training-state checkpoint.
-const OPTIMIZER: &str = "optimizer.";
+pub(crate) const OPTIMIZER: &str = "optimizer.";
 /// The prefix of the per-variable state tensors' keys.
-const OPTIMIZER_STATE: &str = "optimizer.state.";
+pub(crate) const OPTIMIZER_STATE: &str = "optimizer.state.";
 
 /// Saves the variables of `varmap` and the state of `opt` to `path`, atomically, in the format
 /// of the [module docs](self). Every variable of `opt` must be one of `varmap`'s (its name is
@@ -550,7 +560,7 @@ pub fn optimizer_state_from(
 }
 
 /// The name of each of `vars` in `varmap`.
-fn var_names(varmap: &VarMap, vars: &[Var]) -> Result<Vec<String>> {
+pub(crate) fn var_names(varmap: &VarMap, vars: &[Var]) -> Result<Vec<String>> {
     let by_id: HashMap<_, String> = lock(varmap.data())
         .iter()
         .map(|(name, var)| (var.as_tensor().id(), name.clone()))

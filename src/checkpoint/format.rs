@@ -17,8 +17,8 @@ use std::io::Write;
 use std::path::Path;
 
 /// The metadata entry that says the file carries checksums, and of which kind.
-const CHECKSUM: &str = "checksum";
-const CRC32C: &str = "crc32c";
+pub(crate) const CHECKSUM: &str = "checksum";
+pub(crate) const CRC32C: &str = "crc32c";
 
 /// Calls `f` with the bytes of `t`'s elements in row-major order: a view of its memory for a
 /// contiguous CPU tensor of a common dtype, else a copy.
@@ -51,7 +51,7 @@ fn with_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> R {
 }
 
 /// The checksum of a tensor of `dtype` and `shape` (as safetensors names them) with `data`.
-fn checksum(dtype: &str, shape: &[usize], data: &[u8]) -> u32 {
+pub(crate) fn checksum(dtype: &str, shape: &[usize], data: &[u8]) -> u32 {
     let head = format!("{dtype}{shape:?}");
     crc32c::extend(crc32c::extend(0, head.as_bytes()), data)
 }
@@ -86,15 +86,18 @@ pub(crate) struct Prepared {
 }
 
 /// Lays out `tensors` (on the host) as a safetensors file whose metadata holds each one's
-/// checksum.
-pub(crate) fn prepare(tensors: &HashMap<&str, Tensor>) -> Result<Prepared> {
+/// checksum, and the `extra` entries.
+pub(crate) fn prepare_with(
+    tensors: &HashMap<&str, Tensor>,
+    extra: &BTreeMap<String, String>,
+) -> Result<Prepared> {
     let mut named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
     named.sort_by_key(|(n, _)| *n);
     let sums: Vec<u32> = named
         .par_iter()
         .map(|(_, t)| with_bytes(t, |b| checksum(&dtype_name(t), t.dims(), b)))
         .collect();
-    let mut metadata: BTreeMap<String, String> = BTreeMap::new();
+    let mut metadata = extra.clone();
     metadata.insert(CHECKSUM.into(), CRC32C.into());
     for ((name, _), sum) in named.iter().zip(&sums) {
         metadata.insert(format!("{CRC32C}.{name}"), format!("{sum:08x}"));
@@ -223,7 +226,7 @@ mod tests {
     use candle_core::DType;
 
     fn round_trip(tensors: &HashMap<&str, Tensor>) -> Vec<u8> {
-        let prepared = prepare(tensors).unwrap();
+        let prepared = prepare_with(tensors, &BTreeMap::new()).unwrap();
         let mut bytes = Vec::new();
         prepared.write(&mut bytes).unwrap();
         assert_eq!(bytes.len() as u64, prepared.len);
