@@ -547,9 +547,14 @@ pub fn load_training_state(
             whole_wanted(var.as_tensor(), Some(var.dtype())),
         );
     }
-    wanted.extend(optimizer_wanted(&index, &names, &Device::Cpu));
+    wanted.extend(optimizer_wanted(
+        &index,
+        &names,
+        &Device::Cpu,
+        |_, shape| vec![Region::whole(shape)],
+    ));
     let loaded = checkpoints.load(&wanted, options)?;
-    let state = optimizer_state(&loaded, &names, |t| Ok(t.clone()))?;
+    let state = optimizer_state(&loaded, &names, |_, t| Ok(t.clone()))?;
     opt.load_state(&state)?;
     for (name, var) in &vars {
         if let Some(t) = loaded.get(name).and_then(ShardedTensor::piece) {
@@ -569,34 +574,38 @@ pub(crate) fn whole_wanted(t: &Tensor, dtype: Option<DType>) -> Wanted {
     }
 }
 
-/// The optimizer's keys of `index` for the parameters `names`: each per-parameter state
-/// (`optimizer.state.<name>.<state>`) whole, in the saved dtype, and every scalar.
+/// The optimizer's keys of `index` for the parameters `names` (in the optimizer's order):
+/// each per-parameter state (`optimizer.state.<name>.<state>`) as `regions(i, shape)` of it
+/// (`i`: the parameter's place in `names`; `shape`: the saved one), in the saved dtype on
+/// `device`; every scalar whole, on the host.
 pub(crate) fn optimizer_wanted(
     index: &Index,
     names: &[String],
     device: &Device,
+    regions: impl Fn(usize, &[usize]) -> Vec<Region>,
 ) -> BTreeMap<String, Wanted> {
     let mut out = BTreeMap::new();
     for key in index.keys() {
-        let whole = |key: &str| Wanted {
-            shape: index.shape(key).unwrap_or_default().to_vec(),
-            dtype: None,
-            device: device.clone(),
-            regions: vec![Region::whole(index.shape(key).unwrap_or_default())],
-        };
+        let shape = index.shape(key).unwrap_or_default().to_vec();
         if let Some(rest) = key.strip_prefix(OPTIMIZER_STATE) {
-            if state_of(rest, names).is_some() {
-                out.insert(key.to_string(), whole(key));
+            if let Some((i, _)) = state_of(rest, names) {
+                let wanted = Wanted {
+                    regions: regions(i, &shape),
+                    shape,
+                    dtype: None,
+                    device: device.clone(),
+                };
+                out.insert(key.to_string(), wanted);
             }
         } else if let Some(scalar) = key.strip_prefix(OPTIMIZER) {
             if !scalar.contains('.') {
-                out.insert(
-                    key.to_string(),
-                    Wanted {
-                        device: Device::Cpu,
-                        ..whole(key)
-                    },
-                );
+                let wanted = Wanted {
+                    regions: vec![Region::whole(&shape)],
+                    shape,
+                    dtype: None,
+                    device: Device::Cpu,
+                };
+                out.insert(key.to_string(), wanted);
             }
         }
     }
@@ -612,12 +621,13 @@ fn state_of<'a>(rest: &'a str, names: &[String]) -> Option<(usize, &'a str)> {
     })
 }
 
-/// The optimizer state of the parameters `names` in `loaded` (whole tensors), each state
-/// passed through `cut` (to this rank's piece of it).
+/// The optimizer state of the parameters `names` (in the optimizer's order) in `loaded`: each
+/// state's one piece passed through `finish(i, piece)` (to the form the optimizer keeps, e.g.
+/// a padded chunk), and every scalar.
 pub(crate) fn optimizer_state(
     loaded: &StateDict,
     names: &[String],
-    cut: impl Fn(&Tensor) -> Result<Tensor>,
+    finish: impl Fn(usize, &Tensor) -> Result<Tensor>,
 ) -> Result<OptimizerState> {
     let mut state = OptimizerState {
         scalars: BTreeMap::new(),
@@ -627,7 +637,7 @@ pub(crate) fn optimizer_state(
         let Some(piece) = t.piece() else { continue };
         if let Some(rest) = key.strip_prefix(OPTIMIZER_STATE) {
             if let Some((i, s)) = state_of(rest, names) {
-                state.per_var[i].insert(s.to_string(), cut(piece)?);
+                state.per_var[i].insert(s.to_string(), finish(i, piece)?);
             }
         } else if let Some(scalar) = key.strip_prefix(OPTIMIZER) {
             if !scalar.contains('.') {
@@ -637,4 +647,43 @@ pub(crate) fn optimizer_state(
         }
     }
     Ok(state)
+}
+
+/// The flat region of rank `rank`'s chunk of a tensor of `numel` elements cut over `world`
+/// ranks ([`crate::shard`]), without its padding.
+pub(crate) fn chunk_region(numel: usize, world: usize, rank: usize) -> Region {
+    let within = crate::shard::chunk_elements(numel, world, rank);
+    Region::Flat {
+        start: within.start,
+        len: within.len(),
+    }
+}
+
+/// A rank's padded chunk ([`crate::shard::chunk_of`]) as the piece of a [`chunk_region`]: the
+/// real elements, flat.
+pub(crate) fn chunk_piece(
+    chunk: &Tensor,
+    numel: usize,
+    world: usize,
+    rank: usize,
+) -> Result<(Region, Tensor)> {
+    let region = chunk_region(numel, world, rank);
+    let real = chunk.flatten_all()?.narrow(0, 0, region.elem_count())?;
+    Ok((region, real))
+}
+
+/// The padded chunk of a rank from its real elements `real` (a loaded [`chunk_region`]).
+pub(crate) fn padded_chunk(real: &Tensor, numel: usize, world: usize) -> Result<Tensor> {
+    let c = crate::shard::chunk_len(numel, world);
+    let real = real.flatten_all()?;
+    match c - real.elem_count() {
+        0 => Ok(real),
+        pad => Ok(Tensor::cat(
+            &[
+                real.clone(),
+                Tensor::zeros(pad, real.dtype(), real.device())?,
+            ],
+            0,
+        )?),
+    }
 }

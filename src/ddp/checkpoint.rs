@@ -11,6 +11,10 @@
 //! optimizer state (frozen, or never stepped) has none in either file.
 
 use super::DistributedDataParallel;
+use crate::checkpoint::distributed::{
+    chunk_piece, chunk_region, optimizer_state, optimizer_wanted, padded_chunk, whole_wanted,
+    Checkpointer, Region, ShardedTensor, StateDict, Wanted,
+};
 use crate::checkpoint::sharded::{
     agree_on, put_part, read_sharded, read_whole, whole_states, write_share, write_whole, STATE,
 };
@@ -116,6 +120,114 @@ impl<M> DistributedDataParallel<M> {
         let whole = read_sharded(dir, &shapes);
         let whole = self.agree_on(whole, dir)?;
         self.apply(opt, &whole, dir, options)
+    }
+
+    /// This rank's training state for [`Checkpointer`] (the distributed checkpoint: one format
+    /// for every layout, loaded at any world size): every parameter and its optimizer states
+    /// whole (plain DDP: replicated, each written once), or under ZeRO-2 this rank's flat chunk
+    /// of each; the buffers whole; the optimizer's scalars. `opt` is the optimizer made over
+    /// [`parameters`](Self::parameters). Every rank calls it, then
+    /// [`Checkpointer::save`] or [`Checkpointer::save_async`].
+    pub fn state_dict(&self, opt: &impl ElementwiseOptimizer) -> Result<StateDict> {
+        self.refuse_inside_join("state_dict")?;
+        let (rank, world) = (self.group.rank(), self.group.world_size());
+        let pieces = self.reducer.pieces();
+        let state = opt.state();
+        let slots = self.optimizer_slots(opt)?;
+        let parameters: Vec<&str> = self.params.iter().map(|e| e.name.as_str()).collect();
+        let mut out = StateDict::new();
+        for (name, t) in self.variables() {
+            if !parameters.contains(&name.as_str()) {
+                out.insert(name, ShardedTensor::whole(t));
+            }
+        }
+        // A parameter (or its state) as this rank holds it: whole, or its chunk under ZeRO-2.
+        let held = |shape: &[usize], t: &Tensor| -> Result<ShardedTensor> {
+            match pieces.is_empty() {
+                true => Ok(ShardedTensor::whole(t.clone())),
+                false => {
+                    let numel = shape.iter().product();
+                    let piece = chunk_piece(t, numel, world, rank)?;
+                    ShardedTensor::new(shape, t.dtype(), vec![piece])
+                }
+            }
+        };
+        for (i, e) in self.params.iter().enumerate() {
+            let value = pieces.get(i).map_or(e.var.as_tensor(), |p| p.as_tensor());
+            out.insert(e.name.clone(), held(e.var.dims(), value)?);
+        }
+        for (j, &i) in slots.iter().enumerate() {
+            let p = &self.params[i];
+            for (name, t) in &state.per_var[j] {
+                out.insert(format!("{STATE}{}.{name}", p.name), held(p.var.dims(), t)?);
+            }
+        }
+        let scalars_only = OptimizerState {
+            scalars: state.scalars,
+            per_var: Vec::new(),
+        };
+        for (name, t) in optimizer_tensors(&[], &scalars_only)? {
+            out.insert(name, ShardedTensor::whole(t));
+        }
+        Ok(out)
+    }
+
+    /// Loads the distributed checkpoint of `checkpoints` (saved under any layout at any world
+    /// size: plain DDP, ZeRO-2, fully sharded, tensor parallel, one process) into the
+    /// variables, this rank's pieces and `opt`: every variable must be in it, with its shape
+    /// (and dtype, unless `options` converts); each rank reads the whole parameters (which DDP
+    /// holds on every rank) and, under ZeRO-2, only its chunk of each optimizer state. Every
+    /// rank calls it; nothing changes on any rank unless every rank could load.
+    pub fn load_state_dict(
+        &self,
+        opt: &mut impl ElementwiseOptimizer,
+        checkpoints: &Checkpointer,
+        options: LoadOptions,
+    ) -> Result<()> {
+        self.refuse_inside_join("load_state_dict")?;
+        let (rank, world) = (self.group.rank(), self.group.world_size());
+        let index = checkpoints.index()?;
+        let vars: Vec<(String, Var)> = lock(self.varmap.data())
+            .iter()
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+        let mut wanted: BTreeMap<String, Wanted> = vars
+            .iter()
+            .map(|(name, var)| {
+                (
+                    name.clone(),
+                    whole_wanted(var.as_tensor(), Some(var.dtype())),
+                )
+            })
+            .collect();
+        let slots = self.optimizer_slots(opt)?;
+        let names: Vec<String> = slots.iter().map(|&i| self.params[i].name.clone()).collect();
+        let sharded = !self.reducer.pieces().is_empty();
+        wanted.extend(optimizer_wanted(
+            &index,
+            &names,
+            &self.device,
+            |_, shape| match sharded {
+                true => vec![chunk_region(shape.iter().product(), world, rank)],
+                false => vec![Region::whole(shape)],
+            },
+        ));
+        let loaded = checkpoints.load(&wanted, options)?;
+        let state = optimizer_state(&loaded, &names, |j, t| {
+            let shape = self.params[slots[j]].var.dims();
+            match sharded {
+                true => padded_chunk(t, shape.iter().product(), world),
+                false => Ok(t.clone()),
+            }
+        })?;
+        // The optimizer checks its state before taking it; the variables cannot fail.
+        opt.load_state(&state)?;
+        for (name, var) in &vars {
+            if let Some(t) = loaded.get(name).and_then(ShardedTensor::piece) {
+                var.set(t)?;
+            }
+        }
+        self.reducer.recut_pieces()
     }
 
     /// Every variable of the model's `VarMap` (under ZeRO-2, as of the last gather), by name.

@@ -6,6 +6,10 @@
 //! DDP, load back.
 
 use super::FullyShardedDataParallel;
+use crate::checkpoint::distributed::{
+    chunk_piece, chunk_region, optimizer_state, optimizer_wanted, padded_chunk, whole_wanted,
+    Checkpointer, ShardedTensor, StateDict, Wanted,
+};
 use crate::checkpoint::sharded::{
     agree_on, put_part, read_sharded, read_whole, whole_states, write_share, write_whole, STATE,
 };
@@ -123,6 +127,109 @@ impl<M> FullyShardedDataParallel<M> {
         let whole = read_sharded(dir, &shapes);
         let whole = self.agree_on(whole, dir)?;
         self.apply(opt, &whole, dir, options)
+    }
+
+    /// This rank's training state for [`Checkpointer`] (the distributed checkpoint: one format
+    /// for every layout, loaded at any world size): its flat chunk of every parameter and of
+    /// each of its optimizer states (without padding), the buffers whole, the optimizer's
+    /// scalars. Every rank calls it, then [`Checkpointer::save`] or
+    /// [`Checkpointer::save_async`]; nothing is gathered.
+    pub fn state_dict(&self, opt: &impl ElementwiseOptimizer) -> Result<StateDict> {
+        let group = &self.shared.group;
+        let (rank, world) = (group.rank(), group.world_size());
+        let state = opt.state();
+        let slots = self.slots();
+        let chunk = |shape: &[usize], t: &Tensor| -> Result<ShardedTensor> {
+            let piece = chunk_piece(t, shape.iter().product(), world, rank)?;
+            ShardedTensor::new(shape, t.dtype(), vec![piece])
+        };
+        let mut out = StateDict::new();
+        for s in &slots {
+            out.insert(s.name.clone(), chunk(&s.shape, s.piece.as_tensor())?);
+        }
+        for (j, &i) in self.optimizer_slots(opt)?.iter().enumerate() {
+            let s = &slots[i];
+            for (name, t) in &state.per_var[j] {
+                out.insert(format!("{STATE}{}.{name}", s.name), chunk(&s.shape, t)?);
+            }
+        }
+        for (name, var) in self.buffers() {
+            out.insert(name, ShardedTensor::whole(var.as_tensor().clone()));
+        }
+        let scalars_only = OptimizerState {
+            scalars: state.scalars,
+            per_var: Vec::new(),
+        };
+        for (name, t) in optimizer_tensors(&[], &scalars_only)? {
+            out.insert(name, ShardedTensor::whole(t));
+        }
+        Ok(out)
+    }
+
+    /// Loads the distributed checkpoint of `checkpoints` (saved under any layout at any world
+    /// size) into this rank's pieces, the buffers and `opt`: each rank reads only the elements
+    /// of its chunks. Every rank calls it; nothing changes on any rank unless every rank could
+    /// load.
+    pub fn load_state_dict(
+        &self,
+        opt: &mut impl ElementwiseOptimizer,
+        checkpoints: &Checkpointer,
+        options: LoadOptions,
+    ) -> Result<()> {
+        let group = &self.shared.group;
+        let (rank, world) = (group.rank(), group.world_size());
+        let device = &self.shared.device;
+        let index = checkpoints.index()?;
+        let slots = self.slots();
+        let mut wanted = BTreeMap::new();
+        for s in &slots {
+            let numel = s.shape.iter().product();
+            let want = Wanted {
+                shape: s.shape.clone(),
+                dtype: Some(s.piece.dtype()),
+                device: device.clone(),
+                regions: vec![chunk_region(numel, world, rank)],
+            };
+            wanted.insert(s.name.clone(), want);
+        }
+        let buffers = self.buffers();
+        for (name, var) in &buffers {
+            wanted.insert(
+                name.clone(),
+                whole_wanted(var.as_tensor(), Some(var.dtype())),
+            );
+        }
+        let order = self.optimizer_slots(opt)?;
+        let names: Vec<String> = order.iter().map(|&i| slots[i].name.clone()).collect();
+        wanted.extend(optimizer_wanted(&index, &names, device, |_, shape| {
+            vec![chunk_region(shape.iter().product(), world, rank)]
+        }));
+        let loaded = checkpoints.load(&wanted, options)?;
+        let numel = |i: usize| slots[i].shape.iter().product::<usize>();
+        let state = optimizer_state(&loaded, &names, |j, t| {
+            padded_chunk(t, numel(order[j]), world)
+        })?;
+        let mut pieces = Vec::with_capacity(slots.len());
+        for (i, s) in slots.iter().enumerate() {
+            let real = loaded.get(&s.name).and_then(ShardedTensor::piece);
+            let real = real.ok_or_else(|| Error::Checkpoint {
+                key: s.name.clone(),
+                path: checkpoints.dir().to_path_buf(),
+                detail: format!("`{}` did not load as one piece", s.name),
+            })?;
+            pieces.push(padded_chunk(real, numel(i), world)?);
+        }
+        // The optimizer checks its state before taking it; the variables cannot fail.
+        opt.load_state(&state)?;
+        for (s, t) in slots.iter().zip(pieces) {
+            s.piece.set(&t)?;
+        }
+        for (name, var) in buffers {
+            if let Some(t) = loaded.get(&name).and_then(ShardedTensor::piece) {
+                var.set(t)?;
+            }
+        }
+        Ok(())
     }
 
     /// Every parameter, in the order of [`parameters`](Self::parameters).

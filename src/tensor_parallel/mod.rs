@@ -39,6 +39,7 @@
 //! ```
 
 pub mod attention;
+mod checkpoint;
 pub mod comm;
 pub mod linear;
 pub mod mlp;

@@ -185,12 +185,15 @@ struct Opened {
     checksums: BTreeMap<String, String>,
 }
 
+/// A stored piece read from its file: its dtype and bytes.
+pub(crate) type StoredBytes = Arc<(DType, Vec<u8>)>;
+
 /// The ranks' files of a checkpoint, opened as they are first needed; each stored piece read
 /// once and checked against its checksum.
 pub(crate) struct Reader<'a> {
     index: &'a Index,
     opened: HashMap<usize, Opened>,
-    pieces: HashMap<(usize, String), Arc<(DType, Vec<u8>)>>,
+    pieces: HashMap<(usize, String), StoredBytes>,
 }
 
 impl<'a> Reader<'a> {
@@ -211,7 +214,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The bytes of stored piece `key` of file `file`, checked.
-    pub fn piece(&mut self, file: usize, key: &str) -> Result<Arc<(DType, Vec<u8>)>> {
+    pub fn piece(&mut self, file: usize, key: &str) -> Result<StoredBytes> {
         let id = (file, key.to_string());
         if let Some(p) = self.pieces.get(&id) {
             return Ok(p.clone());
