@@ -105,4 +105,6 @@ pub mod guides {
     pub struct TensorParallel;
     #[doc = include_str!("../docs/CPU_SPEED.md")]
     pub struct CpuSpeed;
+    #[doc = include_str!("../docs/DISTRIBUTED_CHECKPOINT.md")]
+    pub struct DistributedCheckpoint;
 }
