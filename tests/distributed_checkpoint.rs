@@ -1,7 +1,7 @@
 //! The distributed checkpoint: saved under one layout at one world size, loaded under every
 //! other (fully sharded at 4 into ZeRO-2 at 3, DDP at 2, fully sharded at 3 and 1, one
-//! process; tensor parallel at 2 into tensor parallel at 4 and one process; pipeline stages into
-//! one process), the loaded state equal bit for bit to what was saved and training going on as
+//! process; fully sharded at 4 into [dp 2, tp 2] parts; tensor parallel at 2 into tensor
+//! parallel at 4 and one process; pipeline stages into one process), the loaded state equal bit for bit to what was saved and training going on as
 //! if never stopped; a process killed while saving leaves the previous checkpoint; torn, foreign
 //! and corrupt files are errors naming the file and tensor; an asynchronous save holds the state
 //! of its step while training goes on. Over thread ranks (the host backend, real sockets) and
@@ -743,5 +743,118 @@ fn an_asynchronous_save_holds_its_steps_state_while_training_goes_on() {
         let files = std::fs::read_dir(&sub).unwrap().count();
         assert_eq!(files, index.files().count() + 1);
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The tensor-parallel test's variables as a model fully sharded training can run: `fc2` after
+/// `fc1`, plus the first columns of `qkv`.
+struct Cut {
+    fc1: candle_nn::Linear,
+    fc2: candle_nn::Linear,
+    qkv: candle_nn::Linear,
+}
+
+fn cut(vb: candle_nn::VarBuilder) -> candle_core::Result<Cut> {
+    Ok(Cut {
+        fc1: candle_nn::linear(4, 8, vb.pp("fc1"))?,
+        fc2: candle_nn::linear(8, 4, vb.pp("fc2"))?,
+        qkv: candle_nn::linear_no_bias(4, 12, vb.pp("qkv"))?,
+    })
+}
+
+impl Module for Cut {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let h = x.apply(&self.fc1)?.relu()?.apply(&self.fc2)?;
+        h + x.apply(&self.qkv)?.narrow(1, 0, 4)?
+    }
+}
+
+/// Each rank's parts of `whole` (by name) as `plan` cuts them over `tp`.
+fn parts_of(
+    plan: &ParallelPlan,
+    whole: &HashMap<String, Tensor>,
+    name: &str,
+    tp: &ProcessGroup,
+) -> Tensor {
+    plan.shard(name, &whole[name], tp).unwrap()
+}
+
+#[test]
+fn fully_sharded_at_4_loads_into_data_parallel_2_by_tensor_parallel_2() {
+    let dir = common::temp_dir("dcp-fsdp-tp");
+    distributed::spawn_threads(4, |pg| {
+        let config = FsdpConfig {
+            seed: Some(3),
+            ..FsdpConfig::default()
+        };
+        let f =
+            FullyShardedDataParallel::with_config(&VarMap::new(), &pg, &Device::Cpu, config, cut)?;
+        let mut opt = AdamW::new(f.parameters(), ADAMW)?;
+        for step in 0..3 {
+            let x = Tensor::randn(0f32, 1., (2, 4), &Device::Cpu)?.affine(1.0, step as f64)?;
+            let l = f.forward_t(&x, true)?.sqr()?.mean_all()?;
+            opt.step(&f.backward(&l)?)?;
+        }
+        Checkpointer::for_group(dir.join("dcp"), &pg, &Device::Cpu).save(&f.state_dict(&opt)?)?;
+        f.save_checkpoint(&opt, dir.join("whole.safetensors"))?;
+        Ok(())
+    })
+    .unwrap();
+    let whole = checkpoint::read(dir.join("whole.safetensors")).unwrap();
+    let plan = tp_plan();
+    distributed::spawn_threads(4, |pg| {
+        // [dp 2, tp 2]: ranks 0, 1 and 2, 3 are tensor-parallel pairs.
+        let first = pg.new_group(&[0, 1])?;
+        let second = pg.new_group(&[2, 3])?;
+        let tp = first.or(second).unwrap();
+        let names = [
+            "fc1.weight",
+            "fc1.bias",
+            "fc2.weight",
+            "fc2.bias",
+            "qkv.weight",
+        ];
+        let varmap = tp_varmap(
+            names
+                .iter()
+                .map(|n| {
+                    (
+                        n.to_string(),
+                        parts_of(&plan, &whole, n, &tp).zeros_like().unwrap(),
+                    )
+                })
+                .collect(),
+        );
+        let mut opt = AdamW::new(varmap.all_vars(), ADAMW)?;
+        let c = Checkpointer::for_group(dir.join("dcp"), &pg, &Device::Cpu);
+        plan.load_state_dict(&c, &varmap, &mut opt, &tp, LoadOptions::default())?;
+        let data = varmap.data().lock().unwrap();
+        for name in names {
+            let want = parts_of(&plan, &whole, name, &tp);
+            assert_eq!(
+                common::as_f64(data[name].as_tensor()),
+                common::as_f64(&want),
+                "{name}"
+            );
+        }
+        let state = opt.state();
+        for (v, states) in opt.vars().iter().zip(&state.per_var) {
+            let name = data
+                .iter()
+                .find(|(_, w)| w.as_tensor().id() == v.as_tensor().id())
+                .unwrap()
+                .0;
+            assert_eq!(states.len(), 2, "{name}: AdamW's two moments");
+            for (s, t) in states {
+                let key = format!("optimizer.state.{name}.{s}");
+                // Cut as its parameter is.
+                let want = plan.shard(name, &whole[&key], &tp)?;
+                assert_eq!(common::as_f64(t), common::as_f64(&want), "{key}");
+            }
+        }
+        assert_eq!(state.scalars["step"], 3.0);
+        Ok(())
+    })
+    .unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
