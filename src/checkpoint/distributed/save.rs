@@ -424,13 +424,14 @@ impl Pending {
         dir: &Path,
         committer: Option<Option<(ProcessGroup, Device)>>,
     ) -> Result<Self> {
-        let staged = planned.staged(state)?;
+        // A rank that cannot stage still takes part in the commit, which then fails everywhere.
+        let staged = planned.staged(state);
         let (dir, p) = (dir.to_path_buf(), planned.clone());
         let thread = std::thread::Builder::new()
             .name("checkpoint-save".into())
             .spawn(move || {
-                let written = write_file(&dir, p.file.as_deref(), &p.index.save_id, &staged);
-                drop(staged);
+                let written =
+                    staged.and_then(|s| write_file(&dir, p.file.as_deref(), &p.index.save_id, &s));
                 match committer {
                     Some(group) => Outcome::Committed(commit(group.as_ref(), &dir, &p, written)),
                     None => Outcome::Written(written),
