@@ -167,6 +167,18 @@ impl Model {
     }
 }
 
+/// Removes a test's folder, or with `CP_KEEP_DCP=FOLDER` moves it to `FOLDER/name`, for
+/// `scripts/torch_dcp_twin.py`.
+fn keep_or_remove(dir: &Path, name: &str) {
+    match std::env::var_os("CP_KEEP_DCP") {
+        Some(keep) => {
+            std::fs::create_dir_all(&keep).unwrap();
+            std::fs::rename(dir, Path::new(&keep).join(name)).unwrap()
+        }
+        None => std::fs::remove_dir_all(dir).unwrap(),
+    }
+}
+
 /// One process over the whole batches of `steps`, from weights of seed 7.
 fn one_process(steps: usize) -> Values {
     let varmap = VarMap::new();
@@ -285,7 +297,7 @@ fn fully_sharded_at_4_loads_into_zero2_at_3_ddp_at_2_fully_sharded_at_3_and_1_an
         Ok(())
     })
     .unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
+    keep_or_remove(&dir, "fully-sharded");
 }
 
 #[test]
@@ -528,7 +540,7 @@ fn tensor_parallel_at_2_loads_at_4_and_into_one_process_and_pipeline_stages_too(
             "{name}"
         );
     }
-    std::fs::remove_dir_all(&dir).unwrap();
+    keep_or_remove(&dir, "tensor-parallel");
 }
 
 /// A state of about 8 MB whose every element is `step`.
