@@ -1217,3 +1217,66 @@ fn the_fused_layers_on_the_gpu_equal_their_cpu_kernels() {
         }
     }
 }
+
+/// The distributed checkpoint with the state on the GPU: a ZeRO-2 DDP of the Net on NCCL (one
+/// rank) saved synchronously and asynchronously (the commit then waits for `wait`, as the
+/// collectives run on the GPU), loaded back onto the GPU by a fresh model and by one process on
+/// the CPU: the same numbers.
+#[test]
+fn the_distributed_checkpoint_saves_gpu_state_and_loads_it_on_gpu_and_cpu() {
+    use candle_parallel::checkpoint::distributed::{self as dcp, Checkpointer};
+    use candle_parallel::checkpoint::LoadOptions;
+    if !have_gpu() {
+        return;
+    }
+    let device = Device::new_cuda_with_stream(0).unwrap();
+    let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitConfig::default()).unwrap();
+    let dir = common::temp_dir("gpu-dcp");
+    let build = |seed| {
+        let vars = VarMap::new();
+        Net::new(seeded_var_builder(&vars, seed, DType::F32, &device)).unwrap();
+        let config = candle_parallel::DdpConfig {
+            sharding: candle_parallel::ddp::Sharding::Zero2,
+            ..Default::default()
+        };
+        let ddp = candle_parallel::DistributedDataParallel::with_config(
+            &vars,
+            &pg,
+            &device,
+            config,
+            Net::new,
+        )
+        .unwrap();
+        let opt = Sgd::new(ddp.parameters(), SGD).unwrap();
+        (vars, ddp, opt)
+    };
+    let (vars, ddp, mut opt) = build(9);
+    let x = images(8, 1, &device);
+    let y = labels(8, 0, &device);
+    let l = loss::cross_entropy(&ddp.forward_t(&x, true).unwrap(), &y).unwrap();
+    opt.step(&ddp.backward(&l).unwrap()).unwrap();
+    ddp.gather_parameters().unwrap();
+    let saved = snapshot(&vars);
+    for asynchronous in [false, true] {
+        let mut c = Checkpointer::for_group(dir.join(format!("{asynchronous}")), &pg, &device);
+        let state = ddp.state_dict(&opt).unwrap();
+        match asynchronous {
+            true => c.save_async(&state).unwrap(),
+            false => c.save(&state).unwrap(),
+        }
+        c.wait().unwrap();
+        let (back, again, mut again_opt) = build(3);
+        again
+            .load_state_dict(&mut again_opt, &c, LoadOptions::default())
+            .unwrap();
+        again.gather_parameters().unwrap();
+        assert_eq!(largest_difference(&snapshot(&back), &saved), 0.0);
+        let one = VarMap::new();
+        Net::new(seeded_var_builder(&one, 5, DType::F32, &Device::Cpu)).unwrap();
+        let mut one_opt = Sgd::new(one.all_vars(), SGD).unwrap();
+        let c = Checkpointer::new(c.dir());
+        dcp::load_training_state(&c, &one, &mut one_opt, LoadOptions::default()).unwrap();
+        assert_eq!(largest_difference(&snapshot(&one), &saved), 0.0);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
