@@ -55,6 +55,8 @@ Options also take the torchrun spellings (--nproc_per_node).";
 
 /// What the command line asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
+// Made once per launcher: the size of `Run` costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 pub enum Parsed {
     /// Start `program args` under `config`.
     Run {
