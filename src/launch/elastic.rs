@@ -623,9 +623,10 @@ impl Coordinator {
             let restart = key::restart(self.round);
             if !self.store.check(&[&restart])? {
                 log::warn!(
-                    "{waiting} machine(s) waiting to join round {} with {size}: asking the \
-                     running launchers to restart",
-                    self.round + 1
+                    "{waiting} machine(s) waiting to join while round {} runs with {size} of at \
+                     most {}: asking the running launchers to restart",
+                    self.round,
+                    self.config.max_nodes
                 );
                 self.store.set(&restart, b"1")?;
             }
