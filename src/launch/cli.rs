@@ -302,6 +302,51 @@ mod tests {
     }
 
     #[test]
+    fn nnodes_min_max_is_elastic_and_a_plain_nnodes_is_not() {
+        let Parsed::Run { config, .. } = parse(&[
+            "--rdzv_last_call=2.5",
+            "--nnodes",
+            "1:3",
+            "--rdzv-join-timeout",
+            "60",
+            "--rdzv-keep-alive=4",
+            "--master-port",
+            "29500",
+            "p",
+        ])
+        .unwrap() else {
+            panic!("not a run")
+        };
+        let e = config.elastic.clone().expect("elastic");
+        assert_eq!((e.min_nodes, e.max_nodes, config.nnodes), (1, 3, 3));
+        assert_eq!(e.last_call, Duration::from_millis(2500));
+        assert_eq!(e.join_timeout, Duration::from_secs(60));
+        assert_eq!(e.keep_alive, Duration::from_secs(4));
+        config.validate().unwrap();
+        let Parsed::Run { config, .. } = parse(&["--nnodes", "2", "p"]).unwrap() else {
+            panic!("not a run")
+        };
+        assert_eq!((config.nnodes, config.elastic), (2, None));
+
+        let err = |a: &[&str]| parse(a).unwrap_err().to_string();
+        assert!(err(&["--nnodes", "3:2", "p"]).contains("not a range MIN:MAX"));
+        assert!(err(&["--nnodes", "0:2", "p"]).contains("not a range MIN:MAX"));
+        assert!(err(&["--nnodes", "1:x", "p"]).contains("\"x\" is not a valid number"));
+        assert!(err(&["--nnodes", "2", "--rdzv-last-call", "3", "p"])
+            .contains("only with --nnodes MIN:MAX"));
+        assert!(err(&["--nnodes", "1:2", "--node-rank", "1", "p"])
+            .contains("--node-rank: not with --nnodes MIN:MAX"));
+        let Parsed::Run { config, .. } = parse(&["--nnodes", "1:2", "p"]).unwrap() else {
+            panic!("not a run")
+        };
+        let invalid = config.validate().unwrap_err().to_string();
+        assert!(
+            invalid.contains("--master-port") && invalid.contains("MIN:MAX"),
+            "{invalid}"
+        );
+    }
+
+    #[test]
     fn the_program_may_follow_a_double_dash() {
         let Parsed::Run { program, args, .. } = parse(&["--", "-weird", "x"]).unwrap() else {
             panic!()
