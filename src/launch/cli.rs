@@ -341,7 +341,7 @@ mod tests {
         };
         let invalid = config.validate().unwrap_err().to_string();
         assert!(
-            invalid.contains("--master-port") && invalid.contains("MIN:MAX"),
+            invalid.contains("--master-port") && invalid.contains("required"),
             "{invalid}"
         );
     }
