@@ -2,7 +2,9 @@
 //! mid-epoch, the job restarted, the training resumed from its checkpoint to the weights of a
 //! run that never stopped, on one machine and on two (network namespaces, `common::netns`:
 //! root and iproute2, else skipped); restarts running out; a stopped launcher that does not
-//! restart.
+//! restart. Elastic membership (`--nnodes MIN:MAX`): rounds on one machine, a join timeout, a
+//! lost host; on two machines, a machine lost for good (the job finishes on the other at the
+//! loss of an uninterrupted run) and a machine that comes back (admitted at the next restart).
 
 mod common;
 
@@ -443,6 +445,50 @@ fn an_elastic_round_without_enough_machines_fails_at_the_join_timeout_saying_why
     );
     assert!(!String::from_utf8_lossy(&out.stdout).contains("never"));
     assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn losing_the_launcher_that_hosts_the_elastic_rendezvous_ends_the_job() {
+    let port = common::free_port().to_string();
+    let launcher = || {
+        let mut cmd = candle_run(&[
+            "--nnodes",
+            "2:2",
+            "--master-port",
+            &port,
+            "--grace-period",
+            "1",
+            "--max-restarts",
+            "3",
+            "sh",
+            "-c",
+            "echo running; sleep 60",
+        ]);
+        cmd.env("CANDLE_PARALLEL_TOKEN", format!("loopback-{port}"));
+        cmd
+    };
+    let mut host = Ranks::spawn(vec![launcher()]);
+    host.wait_for(0, "hosting the elastic rendezvous", LIMIT);
+    let other = Ranks::spawn(vec![launcher()]);
+    other.wait_for(0, "[rank1]: running", LIMIT);
+    host.wait_for(0, "[rank0]: running", LIMIT);
+    let lost = std::time::Instant::now();
+    host.kill(0);
+    let ended = other.wait(LIMIT).remove(0);
+    assert_eq!(ended.status.code(), Some(1), "{}", ended.output);
+    assert!(
+        ended.output.contains("lost the elastic rendezvous")
+            && ended.output.contains("the job ends with it")
+            && !ended.output.contains("restart 1"),
+        "{}",
+        ended.output
+    );
+    // A heartbeat, the grace period, and slack for a loaded machine.
+    assert!(
+        lost.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        lost.elapsed()
+    );
 }
 
 /// transformer_ddp, fully sharded, with a global batch of 64 that 2 and 4 ranks divide (16 per

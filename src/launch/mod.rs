@@ -23,6 +23,12 @@
 //! which they do when they lose a peer of another machine, so all machines move to the next
 //! round together. A Ctrl-C or SIGTERM to the launcher never restarts: the job stops.
 //!
+//! With elastic membership ([`ElasticConfig`], `--nnodes MIN:MAX`) the launchers meet in a
+//! rendezvous hosted by the launcher on the master's address (torchrun's c10d rendezvous): each
+//! round runs with the MIN to MAX machines that are there, numbered anew; a round that failed
+//! is followed by one with the machines still there, and a machine that arrives while a round
+//! runs makes the running launchers restart so that it joins (see docs/LAUNCHING.md).
+//!
 //! ```no_run
 //! use candle_core::{Device, Tensor};
 //! use candle_parallel::distributed::{ProcessGroup, ReduceOp};
