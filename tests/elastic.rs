@@ -530,10 +530,10 @@ const LOSS_TOLERANCE: f64 = 1e-4;
 fn epoch_loss(out: &str, epoch: usize) -> f64 {
     let tag = format!("[rank0]: Epoch {epoch}/");
     out.lines()
+        .rev()
         .filter_map(|l| l.strip_prefix(&tag))
         .filter_map(|l| l.split("train loss ").nth(1))
-        .filter_map(|l| l.split([',', ' ']).next()?.parse().ok())
-        .last()
+        .find_map(|l| l.split([',', ' ']).next()?.parse().ok())
         .unwrap_or_else(|| panic!("no loss for epoch {epoch}:\n{out}"))
 }
 
