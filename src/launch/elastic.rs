@@ -74,7 +74,7 @@ mod key {
     }
 }
 
-/// This machine's place in one round.
+/// This machine's place in one round (of an elastic job, or of a fixed one).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Assignment {
     /// The rendezvous round, 0 first (each round has its own job token).
@@ -377,7 +377,7 @@ impl Agent {
         self.watch.round.store(0, Ordering::SeqCst);
         self.watch.restart.store(false, Ordering::SeqCst);
         let ip = self.store.local_addr().ip();
-        let port = super::supervisor::free_port(&ip.to_string())?;
+        let port = super::free_port(&ip.to_string())?;
         let k = self.joins + 1;
         self.store.set(
             &key::join_info(self.id, k),

@@ -350,3 +350,18 @@ pub fn exit_code(result: &Result<()>) -> i32 {
         Err(_) => 1,
     }
 }
+
+/// A port nobody listens on at `addr` right now.
+fn free_port(addr: &str) -> Result<u16> {
+    let listener = std::net::TcpListener::bind((addr, 0)).map_err(|source| Error::Io {
+        context: format!("finding a free port on {addr} (is --master-addr this machine?)"),
+        source,
+    })?;
+    Ok(listener
+        .local_addr()
+        .map_err(|source| Error::Io {
+            context: "reading the free port".into(),
+            source,
+        })?
+        .port())
+}

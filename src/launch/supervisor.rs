@@ -1,9 +1,10 @@
 //! Starting, watching and stopping the ranks of one machine.
 
-use super::elastic::{Agent, Halt};
+use super::elastic::{Agent, Assignment, Halt};
 use super::guardian::Guardian;
 use super::{
-    round_token, signals, token, ElasticConfig, LaunchConfig, MAX_RESTARTS_VAR, RESTART_COUNT_VAR,
+    free_port, round_token, signals, token, ElasticConfig, LaunchConfig, MAX_RESTARTS_VAR,
+    RESTART_COUNT_VAR,
 };
 use crate::distributed::{OMP_THREADS_VAR, THREADS_VAR, TOKEN_VAR};
 use crate::error::{Error, Result};
@@ -147,13 +148,14 @@ impl Job<'_> {
                 config,
                 program: self.program,
                 args: self.args,
-                place: Place {
+                place: Assignment {
+                    round,
                     group_rank: config.node_rank,
                     nnodes: config.nnodes,
                     rank_offset: config.node_rank * config.nproc_per_node,
                     world: config.nnodes * config.nproc_per_node,
                     master_addr: config.master_addr.clone(),
-                    port,
+                    master_port: port,
                 },
                 token: &round_token(self.token, round),
                 restart_count: round,
@@ -207,19 +209,13 @@ impl Job<'_> {
                 return Ok(());
             };
             let folder = self.errors.round(place.round)?;
+            let token = round_token(self.token, place.round);
             let job = Round {
                 config,
                 program: self.program,
                 args: self.args,
-                place: Place {
-                    group_rank: place.group_rank,
-                    nnodes: place.nnodes,
-                    rank_offset: place.rank_offset,
-                    world: place.world,
-                    master_addr: place.master_addr.clone(),
-                    port: place.master_port,
-                },
-                token: &round_token(self.token, place.round),
+                place,
+                token: &token,
                 restart_count: failures,
                 errors: &folder,
             };
@@ -339,27 +335,13 @@ fn wait_for_the_old_store(
 /// How long one probe of the master's store may take.
 const PROBE: Duration = Duration::from_millis(500);
 
-/// Where this machine's ranks sit in a round.
-struct Place {
-    /// This machine's index in the round (`GROUP_RANK`).
-    group_rank: usize,
-    /// Machines in the round.
-    nnodes: usize,
-    /// The global rank of local rank 0.
-    rank_offset: usize,
-    /// Ranks in the round.
-    world: usize,
-    /// Where rank 0 serves the round's store.
-    master_addr: String,
-    port: u16,
-}
-
 /// One round of the job on this machine.
 struct Round<'a> {
     config: &'a LaunchConfig,
     program: &'a OsStr,
     args: &'a [OsString],
-    place: Place,
+    /// Where this machine's ranks sit in the round.
+    place: Assignment,
     /// The round's job token.
     token: &'a str,
     /// Failed rounds before this one: 0 first, then 1 after the first restart...
@@ -463,7 +445,7 @@ fn start(round: &Round<'_>, local: usize, done: &mpsc::Sender<()>) -> Result<(Ra
         .env("GROUP_RANK", place.group_rank.to_string())
         .env("GROUP_WORLD_SIZE", place.nnodes.to_string())
         .env("MASTER_ADDR", &place.master_addr)
-        .env("MASTER_PORT", place.port.to_string())
+        .env("MASTER_PORT", place.master_port.to_string())
         .env(TOKEN_VAR, token)
         .env(RESTART_COUNT_VAR, round.restart_count.to_string())
         .env(MAX_RESTARTS_VAR, config.max_restarts.to_string())
@@ -726,19 +708,4 @@ fn stop(ranks: &mut [Rank], catch: &signals::Catch, grace: Duration) {
             r.status = Some(st);
         }
     }
-}
-
-/// A port nobody listens on at `addr` right now.
-pub(super) fn free_port(addr: &str) -> Result<u16> {
-    let listener = std::net::TcpListener::bind((addr, 0)).map_err(|source| Error::Io {
-        context: format!("finding a free port on {addr} (is --master-addr this machine?)"),
-        source,
-    })?;
-    Ok(listener
-        .local_addr()
-        .map_err(|source| Error::Io {
-            context: "reading the free port".into(),
-            source,
-        })?
-        .port())
 }
