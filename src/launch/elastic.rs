@@ -379,11 +379,12 @@ impl Agent {
         let ip = self.store.local_addr().ip();
         let port = super::free_port(&ip.to_string())?;
         let k = self.joins + 1;
-        self.store.set(
-            &key::join_info(self.id, k),
-            format!("{} {port} {ip}", self.nproc).as_bytes(),
-        )?;
-        self.joins = self.store.add(&key::joins(self.id), 1)?;
+        let info = format!("{} {port} {ip}", self.nproc);
+        self.joins = self
+            .store
+            .set(&key::join_info(self.id, k), info.as_bytes())
+            .and_then(|()| self.store.add(&key::joins(self.id), 1))
+            .map_err(|e| self.lost(&e.to_string()))?;
         let started = Instant::now();
         let mut said = Duration::ZERO;
         loop {
@@ -393,7 +394,8 @@ impl Agent {
             if let Some(why) = lock(&self.watch.lost).clone() {
                 return Err(self.lost(&why));
             }
-            if self.store.check(&[key::CLOSED])? {
+            let closed = self.store.check(&[key::CLOSED]);
+            if closed.map_err(|e| self.lost(&e.to_string()))? {
                 log::info!("the job finished on the other machines: nothing left to run here");
                 return Ok(None);
             }
