@@ -36,7 +36,11 @@
 //! `--checkpoint-every` steps (the model, AdamW's state, under f16 the gradient scaler's, the
 //! epoch, the step and the position in the epoch) and, started again, resumes from the last one
 //! by itself, so that under `candle-run --max-restarts N` a job that lost a rank ends with the
-//! weights of a run that never stopped.
+//! weights of a run that never stopped. With `--global-batch G` it also resumes at another
+//! world size (an elastic job, `candle-run --nnodes MIN:MAX`, that lost or gained a machine):
+//! the accumulation makes up for fewer ranks, the checkpoint's position is translated to the
+//! new world (`ResumeDir::load_at_any_world`), and the run takes the same steps on the same
+//! samples as one that never changed size, to float noise.
 //!
 //! `--tensor-parallel T` lays the processes out as a `[dp, tp]` mesh (`--nproc` a multiple of
 //! T): each block's attention heads and MLP hidden features are cut over the T ranks of a
@@ -60,7 +64,7 @@ use candle_core::Var;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use candle_parallel::amp::{GradScaler, GradScalerConfig, MixedPrecision};
-use candle_parallel::checkpoint::resume::{Progress, ResumeDir};
+use candle_parallel::checkpoint::resume::{Progress, ResumeDir, Resumed};
 use candle_parallel::ddp::{Compression, DdpConfig, NoSync, Sharding};
 use candle_parallel::devices::gpu_count;
 use candle_parallel::distributed::{DeviceMesh, ProcessGroup, ReduceOp, Rendezvous};
@@ -111,6 +115,11 @@ struct Args {
     /// Micro-batches whose gradients are summed (under `no_sync`) before each optimizer step.
     #[arg(long, default_value_t = 1)]
     accumulate: usize,
+    /// Fix the global batch instead: each step accumulates G / (--batch-size x data-parallel
+    /// ranks) micro-batches, so that a job resumed at another world size (`candle-run --nnodes
+    /// MIN:MAX`) takes the same steps on the same samples (an error unless it divides).
+    #[arg(long, value_name = "G", conflicts_with = "accumulate")]
+    global_batch: Option<usize>,
     /// Peak learning rate of AdamW.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
@@ -401,6 +410,20 @@ fn rank_main(args: &Args) -> Result<()> {
         }
     };
     let replicas = dp.world_size();
+    let accumulate = match args.global_batch {
+        None => args.accumulate,
+        Some(g) => {
+            let per_step = args.batch_size * replicas;
+            anyhow::ensure!(
+                g > 0 && g % per_step == 0,
+                "--global-batch {g} is not a multiple of --batch-size {} x {replicas} \
+                 data-parallel ranks = {per_step}: pick a global batch that every world size the \
+                 job may run at divides",
+                args.batch_size
+            );
+            g / per_step
+        }
+    };
     if let Some(steps) = args.time_steps {
         anyhow::ensure!(
             world == 1,
@@ -429,7 +452,7 @@ fn rank_main(args: &Args) -> Result<()> {
             args.digits,
             train.size(),
             test.size(),
-            args.batch_size * replicas * args.accumulate
+            args.batch_size * replicas * accumulate
         );
     }
     check_budget(args, per_rank_parameters(&config, t), replicas, rank)?;
@@ -471,7 +494,7 @@ fn rank_main(args: &Args) -> Result<()> {
     }
 
     let micro = args.batch_size;
-    let steps_per_epoch = sampler.len().div_ceil(micro * args.accumulate);
+    let steps_per_epoch = sampler.len().div_ceil(micro * accumulate);
     let total = steps_per_epoch * args.epochs;
     let warm = ((args.warmup * total as f64).round() as usize).max(1);
     let checkpoints = args
@@ -496,17 +519,34 @@ fn rank_main(args: &Args) -> Result<()> {
         _ => None,
     };
     if let Some(c) = &checkpoints {
-        let resumed = c.load(|path| {
+        let load = |path: &std::path::Path| {
             model.load_checkpoint(&mut opt, path)?;
             match scaler.as_mut() {
                 Some(s) => load_scaler(s, path),
                 None => Ok(()),
             }
-        })?;
-        if let Some(p) = resumed {
+        };
+        // With a fixed global batch, a checkpoint of another world size continues the same
+        // steps; without, it is refused (the steps would differ).
+        let resumed = match args.global_batch {
+            Some(_) => c.load_at_any_world(load)?,
+            None => c.load(load)?.map(|progress| Resumed {
+                progress,
+                saved_world: world,
+            }),
+        };
+        if let Some(Resumed {
+            progress: p,
+            saved_world,
+        }) = resumed
+        {
             if rank == 0 {
+                let from = match saved_world == world {
+                    true => String::new(),
+                    false => format!(", from a checkpoint of {saved_world} ranks"),
+                };
                 println!(
-                    "Resumed at step {} (epoch {}, {} samples of each rank's share in)",
+                    "Resumed at step {} (epoch {}, {} samples of each rank's share in{from})",
                     p.step, p.epoch, p.position
                 );
             }
@@ -532,7 +572,7 @@ fn rank_main(args: &Args) -> Result<()> {
         let skip = at.position.min(indices.len());
         // Summed on the device: reading a loss each step would wait for the device each step.
         let mut loss_sum = Tensor::zeros((), DType::F32, &device)?;
-        for chunk in indices[skip..].chunks(micro * args.accumulate) {
+        for chunk in indices[skip..].chunks(micro * accumulate) {
             at.step += 1;
             let step = at.step as usize;
             opt.set_learning_rate(learning_rate(args.lr, step, warm, total));
@@ -601,7 +641,7 @@ fn rank_main(args: &Args) -> Result<()> {
         let loss_sum = f64::from(loss_sum.to_scalar::<f32>()?);
         // The steps and tokens of this epoch that this run trained (a resumed epoch has fewer;
         // every rank's share is equally long, so they agree).
-        let steps = (indices.len() - skip).div_ceil(micro * args.accumulate);
+        let steps = (indices.len() - skip).div_ceil(micro * accumulate);
         // Under sequence parallel each "tp" rank's loss covers its positions: they add up.
         let parts = if sp_start.is_some() { t as f64 } else { 1.0 };
         let loss = parts * all_reduce_mean(&pg, loss_sum / steps.max(1) as f64, &device)?;

@@ -2,7 +2,9 @@
 //! mid-epoch, the job restarted, the training resumed from its checkpoint to the weights of a
 //! run that never stopped, on one machine and on two (network namespaces, `common::netns`:
 //! root and iproute2, else skipped); restarts running out; a stopped launcher that does not
-//! restart.
+//! restart. Elastic membership (`--nnodes MIN:MAX`): rounds on one machine, a join timeout, a
+//! lost host; on two machines, a machine lost for good (the job finishes on the other at the
+//! loss of an uninterrupted run) and a machine that comes back (admitted at the next restart).
 
 mod common;
 
@@ -367,4 +369,334 @@ fn a_rank_sigkilled_mid_epoch_restarts_and_transformer_ddp_in_f16_resumes_its_lo
         "1",
         &["--precision", "f16", "--init-scale", "16777216"],
     );
+}
+
+// Elastic membership (`candle-run --nnodes MIN:MAX`).
+
+#[test]
+fn elastic_launchers_meet_in_a_round_that_numbers_their_machines_and_ranks() {
+    // Two launchers of one machine (loopback): the first hosts the rendezvous; the round closes
+    // as soon as MAX = 2 joined, with 3 ranks in all, machine by machine.
+    let port = common::free_port().to_string();
+    let script = r#"echo "place $RANK $WORLD_SIZE $LOCAL_RANK $GROUP_RANK $GROUP_WORLD_SIZE $TORCHELASTIC_RESTART_COUNT""#;
+    let launcher = |nproc: &str| {
+        let mut cmd = candle_run(&[
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            nproc,
+            "--master-port",
+            &port,
+            "--rdzv-last-call",
+            "30",
+            "sh",
+            "-c",
+            script,
+        ]);
+        cmd.env("CANDLE_PARALLEL_TOKEN", format!("loopback-{port}"));
+        cmd
+    };
+    let first = Ranks::spawn(vec![launcher("2")]);
+    first.wait_for(0, "hosting the elastic rendezvous", LIMIT);
+    let second = Ranks::spawn(vec![launcher("1")]);
+    let a = first.wait(LIMIT).remove(0);
+    let b = second.wait(LIMIT).remove(0);
+    assert!(
+        a.status.success() && b.status.success(),
+        "{}\n{}",
+        a.output,
+        b.output
+    );
+    for line in ["[rank0]: place 0 3 0 0 2 0", "[rank1]: place 1 3 1 0 2 0"] {
+        assert!(a.output.contains(line), "{line}:\n{}", a.output);
+    }
+    assert!(
+        b.output.contains("[rank2]: place 2 3 0 1 2 0"),
+        "{}",
+        b.output
+    );
+}
+
+#[test]
+fn an_elastic_round_without_enough_machines_fails_at_the_join_timeout_saying_why() {
+    let port = common::free_port().to_string();
+    let started = std::time::Instant::now();
+    let out = common::run(
+        candle_run(&[
+            "--nnodes",
+            "2:3",
+            "--master-port",
+            &port,
+            "--rdzv-join-timeout",
+            "2",
+            "sh",
+            "-c",
+            "echo never",
+        ]),
+        LIMIT,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("no round of the elastic rendezvous")
+            && err.contains("--rdzv-join-timeout 2 s")
+            && err.contains("1 of 2:3 machines joined"),
+        "{err}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("never"));
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn losing_the_launcher_that_hosts_the_elastic_rendezvous_ends_the_job() {
+    let port = common::free_port().to_string();
+    let launcher = || {
+        let mut cmd = candle_run(&[
+            "--nnodes",
+            "2:2",
+            "--master-port",
+            &port,
+            "--grace-period",
+            "1",
+            "--max-restarts",
+            "3",
+            "sh",
+            "-c",
+            "echo running; sleep 60",
+        ]);
+        cmd.env("CANDLE_PARALLEL_TOKEN", format!("loopback-{port}"));
+        cmd
+    };
+    let mut host = Ranks::spawn(vec![launcher()]);
+    host.wait_for(0, "hosting the elastic rendezvous", LIMIT);
+    let other = Ranks::spawn(vec![launcher()]);
+    other.wait_for(0, "[rank1]: running", LIMIT);
+    host.wait_for(0, "[rank0]: running", LIMIT);
+    let lost = std::time::Instant::now();
+    host.kill(0);
+    let ended = other.wait(LIMIT).remove(0);
+    assert_eq!(ended.status.code(), Some(1), "{}", ended.output);
+    assert!(
+        ended.output.contains("lost the elastic rendezvous")
+            && ended.output.contains("the job ends with it")
+            && !ended.output.contains("restart 1"),
+        "{}",
+        ended.output
+    );
+    // A heartbeat, the grace period, and slack for a loaded machine.
+    assert!(
+        lost.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        lost.elapsed()
+    );
+}
+
+/// transformer_ddp, fully sharded, with a global batch of 64 that 2 and 4 ranks divide (16 per
+/// rank: 1 micro-batch a step on 4 ranks, 2 on 2): 128 steps an epoch, a checkpoint every 16.
+const ELASTIC_ARGS: [&str; 19] = [
+    "--cpu",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "16",
+    "--global-batch",
+    "64",
+    "--train-size",
+    "8192",
+    "--test-size",
+    "50",
+    "--layers",
+    "2",
+    "--dim",
+    "32",
+    "--sharding",
+    "full",
+    "--checkpoint-every",
+    "16",
+];
+
+/// How far the final epoch's loss of a job that changed size may be from one that did not,
+/// relative. Both take the same 256 steps on the same samples (the global batch is fixed, the
+/// checkpoint's position translated); only the order of float additions may differ (a
+/// reduce-scatter over 2 ranks instead of 4, micro-batches summed locally instead of across
+/// ranks), each ~1e-7 relative, grown over the AdamW steps. The losses are printed to 6
+/// decimals (5e-6 of a loss of 0.2); 1e-4 leaves room for that noise (measured: none at that
+/// precision) and is far below what a wrong resume costs: on 2 ranks, another global batch (32:
+/// 0.061 instead of 0.205) or other samples in each batch (another shuffling seed: 0.190) move
+/// the final loss by 7% and more.
+const LOSS_TOLERANCE: f64 = 1e-4;
+
+/// The train loss rank 0 printed for `epoch` (the last time it printed it).
+fn epoch_loss(out: &str, epoch: usize) -> f64 {
+    let tag = format!("[rank0]: Epoch {epoch}/");
+    out.lines()
+        .rev()
+        .filter_map(|l| l.strip_prefix(&tag))
+        .filter_map(|l| l.split("train loss ").nth(1))
+        .find_map(|l| l.split([',', ' ']).next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no loss for epoch {epoch}:\n{out}"))
+}
+
+fn assert_close(loss: f64, reference: f64, what: &str) {
+    let rel = (loss - reference).abs() / reference.abs();
+    eprintln!("{what}: {loss} against {reference} (relative {rel:.2e})");
+    assert!(
+        rel <= LOSS_TOLERANCE,
+        "{what}: final loss {loss} is {rel:.2e} from {reference}, above {LOSS_TOLERANCE}"
+    );
+}
+
+/// `candle-run --nnodes 1:2` with 2 ranks on machine `node` of `m`, elastic, training with
+/// [`ELASTIC_ARGS`] into `dir` (shared by the machines).
+fn elastic_on_machine(m: &Machines, node: usize, dir: &Path) -> Command {
+    let mut cmd = m.command(node, RUN);
+    cmd.args(["--nnodes", "1:2", "--nproc-per-node", "2"])
+        .args(["--master-addr", &m.addr(0).to_string()])
+        .args(["--master-port", common::netns::PORT, "--grace-period", "2"])
+        .args(["--max-restarts", "2", "--rdzv-last-call", "5"])
+        .args(["--rdzv-keep-alive", "4", "--rdzv-join-timeout", "60"])
+        .arg(common::example("transformer_ddp"))
+        .args(ELASTIC_ARGS)
+        .arg("--checkpoint-dir")
+        .arg(dir.join("ckpt"))
+        .arg("--save")
+        .arg(dir.join("weights.safetensors"))
+        .env("CANDLE_PARALLEL_TOKEN", format!("netns-{}", m.name(0)))
+        .env("CANDLE_PARALLEL_PEER_TIMEOUT", "3")
+        .env("CANDLE_PARALLEL_RENDEZVOUS_TIMEOUT", "60")
+        .env("RUST_LOG", "info")
+        .env("RUST_BACKTRACE", "0");
+    cmd
+}
+
+/// The final losses of uninterrupted runs: 4 ranks on the two machines (a fixed `--nnodes 2`),
+/// and 2 ranks on machine 0 with the same global batch.
+fn uninterrupted_losses(m: &Machines) -> (f64, f64) {
+    let four = Ranks::spawn(
+        (0..2)
+            .map(|node| {
+                let mut c = m.launcher(RUN, node, 2, &[], &common::example("transformer_ddp"));
+                c.args(ELASTIC_ARGS);
+                c
+            })
+            .collect(),
+    )
+    .wait(LIMIT);
+    for (node, e) in four.iter().enumerate() {
+        assert!(e.status.success(), "node {node}:\n{}", e.output);
+    }
+    let mut two = m.command(0, RUN);
+    two.args(["--nproc-per-node", "2"])
+        .arg(common::example("transformer_ddp"))
+        .args(ELASTIC_ARGS);
+    let two = common::run_ok(two, LIMIT);
+    let (a, b) = (epoch_loss(&four[0].output, 2), epoch_loss(&two, 2));
+    // Same steps on the same samples: the two worlds agree to float noise.
+    assert_close(b, a, "2 ranks against 4, uninterrupted");
+    (a, b)
+}
+
+/// Cuts machine 1 off and kills everything on it: the machine is lost.
+fn lose_machine_1(m: &Machines) {
+    m.set_link(false);
+    for pid in m.pids(1) {
+        let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    }
+}
+
+#[test]
+fn a_lost_machine_leaves_an_elastic_job_that_finishes_on_the_other_at_the_same_loss() {
+    let Some(m) = Machines::new("elastic-lost").or_skip() else {
+        return;
+    };
+    let dir = common::temp_dir("elastic-lost");
+    let (four, two) = uninterrupted_losses(&m);
+    let ranks = Ranks::spawn(vec![elastic_on_machine(&m, 0, &dir)]);
+    ranks.wait_for(0, "hosting the elastic rendezvous", LIMIT);
+    let other = Ranks::spawn(vec![elastic_on_machine(&m, 1, &dir)]);
+    ranks.wait_for(0, "[rank0]: Checkpoint at step 16 saved", LIMIT);
+    lose_machine_1(&m);
+    let ended = ranks.wait(LIMIT).remove(0);
+    other.wait(Duration::from_secs(5));
+    let out = &ended.output;
+    assert!(ended.status.success(), "{}\n{out}", ended.status);
+    assert!(
+        out.contains("its machine counts as lost")
+            && out.contains("restart 1 of 2 (TORCHELASTIC_RESTART_COUNT=1)")
+            && !out.contains("restart 2 of 2"),
+        "{out}"
+    );
+    // Round 0 with both machines, round 1 with machine 0 alone, from the 4 ranks' checkpoint.
+    let rounds: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("[rank0]: Let's use"))
+        .collect();
+    assert_eq!(
+        rounds,
+        [
+            "[rank0]: Let's use 4 processes!",
+            "[rank0]: Let's use 2 processes!"
+        ],
+        "{out}"
+    );
+    assert!(out.contains(", from a checkpoint of 4 ranks)"), "{out}");
+    let loss = epoch_loss(out, 2);
+    assert_close(loss, four, "lost machine against 4 ranks uninterrupted");
+    assert_close(loss, two, "lost machine against 2 ranks uninterrupted");
+    m.set_link(true);
+    m.assert_empty(Duration::from_secs(10));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_machine_that_comes_back_is_admitted_at_the_next_restart_and_the_loss_is_the_same() {
+    let Some(m) = Machines::new("elastic-back").or_skip() else {
+        return;
+    };
+    let dir = common::temp_dir("elastic-back");
+    let (four, _) = uninterrupted_losses(&m);
+    let ranks = Ranks::spawn(vec![elastic_on_machine(&m, 0, &dir)]);
+    ranks.wait_for(0, "hosting the elastic rendezvous", LIMIT);
+    let first = Ranks::spawn(vec![elastic_on_machine(&m, 1, &dir)]);
+    ranks.wait_for(0, "[rank0]: Checkpoint at step 16 saved", LIMIT);
+    lose_machine_1(&m);
+    first.wait(Duration::from_secs(5));
+    // Machine 0 carries on alone; then machine 1 is back, with a new launcher.
+    ranks.wait_for(0, ", from a checkpoint of 4 ranks)", LIMIT);
+    m.set_link(true);
+    let back = Ranks::spawn(vec![elastic_on_machine(&m, 1, &dir)]);
+    let ended = ranks.wait(LIMIT).remove(0);
+    let back = back.wait(LIMIT).remove(0);
+    let out = &ended.output;
+    assert!(ended.status.success(), "{}\n{out}", ended.status);
+    assert!(back.status.success(), "{}\n{}", back.status, back.output);
+    assert!(
+        out.contains("a machine is waiting to join: restarting every rank of this machine")
+            && out.contains("restart 1 of 2")
+            && !out.contains("restart 2 of 2"),
+        "{out}"
+    );
+    let rounds: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("[rank0]: Let's use"))
+        .collect();
+    assert_eq!(
+        rounds,
+        [
+            "[rank0]: Let's use 4 processes!",
+            "[rank0]: Let's use 2 processes!",
+            "[rank0]: Let's use 4 processes!"
+        ],
+        "{out}"
+    );
+    // The returning machine's ranks are 2 and 3 of the last round.
+    assert!(
+        back.output.contains("machine 1 of 2, ranks 2..4 of 4"),
+        "{}",
+        back.output
+    );
+    let loss = epoch_loss(out, 2);
+    assert_close(loss, four, "machine back against 4 ranks uninterrupted");
+    m.assert_empty(Duration::from_secs(10));
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -14,6 +14,14 @@
 //! folder, the size that was needed and what was free, and says that the folder needs room for
 //! the last checkpoint and the next one; every rank reports the failing rank's words.
 //!
+//! [`ResumeDir::load`] resumes at the world size the checkpoint was written at;
+//! [`ResumeDir::load_at_any_world`] also takes one of another world size (an elastic job,
+//! `candle-run --nnodes MIN:MAX`, that lost or gained machines), with a state that loads at
+//! any world size (DDP's and the fully sharded wrapper's checkpoints do), and translates the
+//! position in the epoch: with `DistributedSampler`'s interleaved shares, position `p` on
+//! each of `W` ranks means that the first `p·W` samples of the epoch were used, so each of
+//! `W'` ranks skips `p·W/W'`.
+//!
 //! ```rust
 //! use candle_core::{DType, Device};
 //! use candle_nn::{linear, Optimizer, VarBuilder, VarMap};
@@ -67,6 +75,59 @@ pub struct Progress {
     /// This rank's random generator, when training draws random numbers (dropout, augmentation):
     /// it carries on with the numbers the run would have drawn.
     pub rng: Option<Rng>,
+}
+
+/// What [`ResumeDir::load_at_any_world`] resumed from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resumed {
+    /// This rank's progress, translated to this job's world size.
+    pub progress: Progress,
+    /// The world size of the job that wrote the checkpoint.
+    pub saved_world: usize,
+}
+
+/// `saved`, the progress of a rank of a job of `saved_world` ranks, for rank `rank` of a job
+/// of `world`: the same samples of the epoch used (see the module docs).
+fn translate(saved: Progress, saved_world: usize, world: usize, rank: usize) -> Progress {
+    let used = saved.position * saved_world;
+    if used % world != 0 && rank == 0 {
+        log::warn!(
+            "the checkpoint's position ({} samples of each of {saved_world} ranks' shares, {used} \
+             in all) does not divide among {world} ranks: resuming at {} each, so {} samples \
+             are trained twice (a global batch that both world sizes divide avoids this)",
+            saved.position,
+            used / world,
+            used % world
+        );
+    }
+    if saved.rng.is_some() && rank == 0 {
+        log::warn!(
+            "the checkpoint holds the random generators of {saved_world} ranks, which do not \
+             carry over to {world}: every rank starts its generator anew"
+        );
+    }
+    Progress {
+        epoch: saved.epoch,
+        step: saved.step,
+        position: used / world,
+        rng: None,
+    }
+}
+
+/// The world size of the job that wrote the checkpoint in `folder` (from its rank 0's
+/// progress file's name).
+fn saved_world(folder: &Path) -> Option<usize> {
+    std::fs::read_dir(folder)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .find_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let rest = name.strip_prefix("rank-0-of-")?;
+            rest.strip_suffix(".progress.safetensors")?
+                .parse::<usize>()
+                .ok()
+        })
 }
 
 /// The file naming the last complete checkpoint.
@@ -173,6 +234,30 @@ impl ResumeDir {
     /// was written by a job of another world size, and when the ranks do not see the same
     /// checkpoint (the folder is not shared).
     pub fn load(&self, load_state: impl FnOnce(&Path) -> Result<()>) -> Result<Option<Progress>> {
+        Ok(self.load_from(load_state, false)?.map(|r| r.progress))
+    }
+
+    /// As [`load`](Self::load), but a checkpoint written by a job of another world size is
+    /// loaded too (`load_state` must load the state at this world size, as
+    /// `DistributedDataParallel::load_checkpoint` and `FullyShardedDataParallel`'s do): every
+    /// rank resumes at the same epoch and step, at the position that skips the samples the
+    /// saving job used (see the [module docs](self)). The ranks' random generators do not carry
+    /// over to another world size (each rank's `rng` is then `None`, with a warning when the
+    /// checkpoint held some). A position whose samples do not divide among this job's ranks is
+    /// rounded down (a few samples are trained twice) with a warning; with a global batch that
+    /// both world sizes divide, it always divides at a step.
+    pub fn load_at_any_world(
+        &self,
+        load_state: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<Option<Resumed>> {
+        self.load_from(load_state, true)
+    }
+
+    fn load_from(
+        &self,
+        load_state: impl FnOnce(&Path) -> Result<()>,
+        any_world: bool,
+    ) -> Result<Option<Resumed>> {
         let (rank, world) = self.rank_and_world();
         let latest_path = self.dir.join(LATEST);
         let latest = self.latest();
@@ -199,18 +284,32 @@ impl ResumeDir {
             super::remove_temporaries(&self.dir);
             super::remove_temporaries(&folder);
         }
-        let file = folder.join(progress_file(rank, world));
-        let progress = self.agree(read_progress(&file, &folder, rank, world), &file)?;
+        let saved_world = match saved_world(&folder) {
+            Some(w) if any_world => w,
+            _ => world,
+        };
+        let progress = if saved_world == world {
+            let file = folder.join(progress_file(rank, world));
+            self.agree(read_progress(&file, &folder, rank, world), &file)?
+        } else {
+            let file = folder.join(progress_file(0, saved_world));
+            let saved = self.agree(read_progress(&file, &folder, 0, saved_world), &file)?;
+            translate(saved, saved_world, world, rank)
+        };
         let state = folder.join(STATE_FILE);
         self.agree(load_state(&state), &state)?;
         log::info!(
-            "resumed from {}: epoch {}, step {}, position {} in the epoch",
+            "resumed from {} (written by {saved_world} ranks): epoch {}, step {}, position {} in \
+             the epoch",
             folder.display(),
             progress.epoch,
             progress.step,
             progress.position
         );
-        Ok(Some(progress))
+        Ok(Some(Resumed {
+            progress,
+            saved_world,
+        }))
     }
 
     /// The last complete checkpoint's folder and step, from `latest`; `None` when there is
@@ -403,22 +502,12 @@ fn i64_tensor(values: &[u64]) -> Result<Tensor> {
 /// This rank's progress from `file`, checked against the rank and world it must be of.
 fn read_progress(file: &Path, folder: &Path, rank: usize, world: usize) -> Result<Progress> {
     if !file.exists() {
-        let other_world = std::fs::read_dir(folder)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| {
-                let name = e.file_name().into_string().ok()?;
-                let rest = name.strip_prefix("rank-0-of-")?;
-                rest.strip_suffix(".progress.safetensors")?
-                    .parse::<usize>()
-                    .ok()
-            })
-            .find(|&w| w != world);
+        let other_world = saved_world(folder).filter(|&w| w != world);
         let detail = match other_world {
             Some(w) => format!(
                 "missing: the checkpoint was written by a job of {w} ranks, this job has \
-                 {world}; resume with {w} ranks, or start anew in another folder"
+                 {world}; resume with {w} ranks, load it with `load_at_any_world` (a state \
+                 that loads at any world size), or start anew in another folder"
             ),
             None => "missing: the checkpoint is incomplete; remove its folder and `latest` \
                      to start anew"
@@ -628,6 +717,54 @@ mod tests {
             err.contains("written by a job of 2 ranks, this job has 1"),
             "{err}"
         );
+        std::fs::remove_dir_all(dir).unwrap();
+        Ok(())
+    }
+
+    #[test]
+    fn a_checkpoint_of_4_ranks_resumes_on_2_and_on_3_at_the_samples_it_used() -> Result<()> {
+        let dir = temp("any-world");
+        // 4 ranks, each 24 samples into its share: 96 samples of the epoch used.
+        spawn_threads(4, |pg| {
+            let resume = ResumeDir::for_group(&dir, &pg, &Device::Cpu);
+            let rng = Some(Rng::new(pg.rank() as u64 + 1));
+            let at = Progress {
+                epoch: 2,
+                step: 6,
+                position: 24,
+                rng,
+            };
+            let rank = pg.rank();
+            resume.save(&at, |path| match rank {
+                0 => save_value(6.0)(path),
+                _ => Ok(()),
+            })?;
+            Ok(())
+        })?;
+        for (world, position) in [(2, 48), (3, 32), (4, 24)] {
+            let resumed = spawn_threads(world, |pg| {
+                let resume = ResumeDir::for_group(&dir, &pg, &Device::Cpu);
+                let r = resume.load_at_any_world(|path| {
+                    assert_eq!(read_value(path)?, 6.0);
+                    Ok(())
+                })?;
+                Ok(r.expect("a checkpoint"))
+            })?;
+            for (rank, r) in resumed.into_iter().enumerate() {
+                assert_eq!(r.saved_world, 4);
+                let p = r.progress;
+                assert_eq!((p.epoch, p.step, p.position), (2, 6, position), "{world}");
+                // A generator carries over at the same world size only.
+                let rng = (world == 4).then(|| Rng::new(rank as u64 + 1));
+                assert_eq!(p.rng, rng, "world {world}");
+            }
+        }
+        // `load` keeps refusing another world size, and says what loads it.
+        let err = ResumeDir::new(&dir)
+            .load(|_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("load_at_any_world"), "{err}");
         std::fs::remove_dir_all(dir).unwrap();
         Ok(())
     }

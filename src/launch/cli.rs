@@ -1,6 +1,6 @@
 //! `candle-run`'s command line: torchrun's options, then the program and its arguments.
 
-use super::LaunchConfig;
+use super::{ElasticConfig, LaunchConfig};
 use crate::error::{Error, Result};
 use std::ffi::OsString;
 use std::time::Duration;
@@ -15,9 +15,16 @@ USAGE:
 OPTIONS:
     --nproc-per-node N   ranks on this machine (a number, or `gpu` for one per GPU) [1]
     --nnodes M           machines in the job [1]
-    --node-rank K        this machine's index in 0..M [0]
-    --master-addr ADDR   address of the machine running rank 0 [127.0.0.1]
-    --master-port PORT   port of rank 0's store [a free port; required when M > 1]
+    --nnodes MIN:MAX     elastic membership: each round runs with the MIN to MAX machines
+                         that are there (torchrun's c10d rendezvous; see below)
+    --node-rank K        this machine's index in 0..M [0] (not with MIN:MAX: assigned per round)
+    --master-addr ADDR   address of the machine running rank 0 [127.0.0.1]; with MIN:MAX, of
+                         the machine whose launcher hosts the rendezvous
+    --master-port PORT   port of rank 0's store [a free port; required when M > 1], or of the
+                         rendezvous with MIN:MAX
+    --rdzv-last-call SECS   MIN:MAX: once MIN machines joined, wait this long for more [30]
+    --rdzv-join-timeout SECS  MIN:MAX: fail when no round closes within this [600]
+    --rdzv-keep-alive SECS  MIN:MAX: a launcher silent this long counts as lost [15]
     --grace-period SECS  time ranks get to exit after SIGTERM before SIGKILL [5]
     --max-restarts N     start the job again, up to N times, when a rank fails [0]
     --no-prefix          do not prefix output lines with [rankN]:
@@ -34,10 +41,22 @@ with the failing rank's status; with --max-restarts N it first starts every rank
 round, with a new rendezvous), up to N times, each rank seeing its round in
 TORCHELASTIC_RESTART_COUNT (0 first) to resume from its checkpoint. On several machines give
 every launcher the same --max-restarts. Ctrl-C and SIGTERM stop the job without a restart.
+
+Elastic membership (--nnodes MIN:MAX): start the same command on every machine (no
+--node-rank). The launcher on --master-addr hosts the rendezvous; the others join it. A round
+closes when MAX machines joined, or when MIN did and --rdzv-last-call passed; each round numbers
+the machines (GROUP_RANK, GROUP_WORLD_SIZE) and their ranks (RANK, WORLD_SIZE) anew. When a rank
+fails, every launcher stops its ranks and joins the next round with the machines still there
+(counted against --max-restarts); a machine that arrives while a round runs makes the running
+launchers restart within about a second (not counted) so that it joins. Losing the machine
+that hosts the rendezvous ends the job. Programs resume from their checkpoint at the new world
+size.
 Options also take the torchrun spellings (--nproc_per_node).";
 
 /// What the command line asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
+// Made once per launcher: the size of `Run` costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 pub enum Parsed {
     /// Start `program args` under `config`.
     Run {
@@ -61,6 +80,35 @@ fn bad(what: &str, detail: String) -> Error {
     }
 }
 
+/// A number of seconds in `0..=86400` for `flag`.
+fn seconds(flag: &str, value: &str) -> Result<Duration> {
+    let secs: f64 = number(flag, value)?;
+    if !(0.0..=86_400.0).contains(&secs) {
+        return Err(bad(
+            flag,
+            format!("{secs} is not a number of seconds in 0..86400"),
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// `--nnodes`: `N`, or `MIN:MAX` (elastic).
+fn nodes(flag: &str, value: &str) -> Result<(usize, Option<(usize, usize)>)> {
+    match value.split_once(':') {
+        None => Ok((number(flag, value)?, None)),
+        Some((min, max)) => {
+            let (min, max): (usize, usize) = (number(flag, min)?, number(flag, max)?);
+            if min == 0 || min > max {
+                return Err(bad(
+                    flag,
+                    format!("{value:?} is not a range MIN:MAX with 1 <= MIN <= MAX"),
+                ));
+            }
+            Ok((max, Some((min, max))))
+        }
+    }
+}
+
 fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T> {
     value
         .parse()
@@ -70,9 +118,12 @@ fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T> {
 /// Parses `candle-run`'s arguments (without the program name).
 pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
     let mut config = LaunchConfig::default();
+    let mut elastic: Option<ElasticConfig> = None;
+    let mut node_rank_given = false;
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
         let Some(text) = arg.to_str().filter(|t| t.starts_with('-')) else {
+            finish_elastic(&mut config, elastic, node_rank_given)?;
             return Ok(Parsed::Run {
                 config,
                 program: arg,
@@ -97,6 +148,7 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
                 let program = args
                     .next()
                     .ok_or_else(|| bad("PROGRAM", "missing after --".into()))?;
+                finish_elastic(&mut config, elastic, node_rank_given)?;
                 return Ok(Parsed::Run {
                     config,
                     program,
@@ -116,20 +168,36 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
                     number(&flag, &v)?
                 };
             }
-            "--nnodes" => config.nnodes = number(&flag, &value()?)?,
-            "--node-rank" => config.node_rank = number(&flag, &value()?)?,
+            "--nnodes" => {
+                let (n, range) = nodes(&flag, &value()?)?;
+                config.nnodes = n;
+                let last = elastic.take().unwrap_or_default();
+                elastic = range.map(|(min_nodes, max_nodes)| ElasticConfig {
+                    min_nodes,
+                    max_nodes,
+                    ..last
+                });
+            }
+            "--node-rank" => {
+                config.node_rank = number(&flag, &value()?)?;
+                node_rank_given = true;
+            }
+            "--rdzv-last-call" | "--rdzv-join-timeout" | "--rdzv-keep-alive" => {
+                let d = seconds(&flag, &value()?)?;
+                let e = elastic.get_or_insert_with(|| ElasticConfig {
+                    // Not elastic (yet): `finish_elastic` refuses it unless --nnodes MIN:MAX.
+                    min_nodes: 0,
+                    ..ElasticConfig::default()
+                });
+                match flag.as_str() {
+                    "--rdzv-last-call" => e.last_call = d,
+                    "--rdzv-join-timeout" => e.join_timeout = d,
+                    _ => e.keep_alive = d,
+                }
+            }
             "--master-addr" => config.master_addr = value()?,
             "--master-port" => config.master_port = Some(number(&flag, &value()?)?),
-            "--grace-period" => {
-                let secs: f64 = number(&flag, &value()?)?;
-                if !(0.0..=86_400.0).contains(&secs) {
-                    return Err(bad(
-                        &flag,
-                        format!("{secs} is not a number of seconds in 0..86400"),
-                    ));
-                }
-                config.grace_period = Duration::from_secs_f64(secs);
-            }
+            "--grace-period" => config.grace_period = seconds(&flag, &value()?)?,
             "--max-restarts" => config.max_restarts = number(&flag, &value()?)?,
             "--no-prefix" => config.prefix_output = false,
             "--standalone" => {}
@@ -140,6 +208,33 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
         "PROGRAM",
         "missing: give the program to run, e.g. candle-run --nproc-per-node 2 ./train".into(),
     ))
+}
+
+/// Puts the elastic options into `config`: refuses `--rdzv-*` without `--nnodes MIN:MAX`, and
+/// `--node-rank` with it (each round numbers the machines).
+fn finish_elastic(
+    config: &mut LaunchConfig,
+    elastic: Option<ElasticConfig>,
+    node_rank_given: bool,
+) -> Result<()> {
+    match elastic {
+        Some(e) if e.min_nodes == 0 => Err(bad(
+            "--rdzv-last-call, --rdzv-join-timeout, --rdzv-keep-alive",
+            "only with --nnodes MIN:MAX (elastic membership); a plain --nnodes N has no \
+             rendezvous rounds"
+                .into(),
+        )),
+        Some(_) if node_rank_given => Err(bad(
+            "--node-rank",
+            "not with --nnodes MIN:MAX: each round numbers the machines itself (GROUP_RANK); \
+             drop --node-rank"
+                .into(),
+        )),
+        e => {
+            config.elastic = e;
+            Ok(())
+        }
+    }
 }
 
 #[cfg(test)]
@@ -204,6 +299,51 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("\"-1\" is not a valid number"), "{err}");
+    }
+
+    #[test]
+    fn nnodes_min_max_is_elastic_and_a_plain_nnodes_is_not() {
+        let Parsed::Run { config, .. } = parse(&[
+            "--rdzv_last_call=2.5",
+            "--nnodes",
+            "1:3",
+            "--rdzv-join-timeout",
+            "60",
+            "--rdzv-keep-alive=4",
+            "--master-port",
+            "29500",
+            "p",
+        ])
+        .unwrap() else {
+            panic!("not a run")
+        };
+        let e = config.elastic.clone().expect("elastic");
+        assert_eq!((e.min_nodes, e.max_nodes, config.nnodes), (1, 3, 3));
+        assert_eq!(e.last_call, Duration::from_millis(2500));
+        assert_eq!(e.join_timeout, Duration::from_secs(60));
+        assert_eq!(e.keep_alive, Duration::from_secs(4));
+        config.validate().unwrap();
+        let Parsed::Run { config, .. } = parse(&["--nnodes", "2", "p"]).unwrap() else {
+            panic!("not a run")
+        };
+        assert_eq!((config.nnodes, config.elastic), (2, None));
+
+        let err = |a: &[&str]| parse(a).unwrap_err().to_string();
+        assert!(err(&["--nnodes", "3:2", "p"]).contains("not a range MIN:MAX"));
+        assert!(err(&["--nnodes", "0:2", "p"]).contains("not a range MIN:MAX"));
+        assert!(err(&["--nnodes", "1:x", "p"]).contains("\"x\" is not a valid number"));
+        assert!(err(&["--nnodes", "2", "--rdzv-last-call", "3", "p"])
+            .contains("only with --nnodes MIN:MAX"));
+        assert!(err(&["--nnodes", "1:2", "--node-rank", "1", "p"])
+            .contains("--node-rank: not with --nnodes MIN:MAX"));
+        let Parsed::Run { config, .. } = parse(&["--nnodes", "1:2", "p"]).unwrap() else {
+            panic!("not a run")
+        };
+        let invalid = config.validate().unwrap_err().to_string();
+        assert!(
+            invalid.contains("--master-port") && invalid.contains("required"),
+            "{invalid}"
+        );
     }
 
     #[test]

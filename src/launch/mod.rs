@@ -23,6 +23,12 @@
 //! which they do when they lose a peer of another machine, so all machines move to the next
 //! round together. A Ctrl-C or SIGTERM to the launcher never restarts: the job stops.
 //!
+//! With elastic membership ([`ElasticConfig`], `--nnodes MIN:MAX`) the launchers meet in a
+//! rendezvous hosted by the launcher on the master's address (torchrun's c10d rendezvous): each
+//! round runs with the MIN to MAX machines that are there, numbered anew; a round that failed
+//! is followed by one with the machines still there, and a machine that arrives while a round
+//! runs makes the running launchers restart so that it joins (see docs/LAUNCHING.md).
+//!
 //! ```no_run
 //! use candle_core::{Device, Tensor};
 //! use candle_parallel::distributed::{ProcessGroup, ReduceOp};
@@ -41,6 +47,7 @@
 //! ```
 
 mod cli;
+mod elastic;
 mod guardian;
 mod signals;
 mod supervisor;
@@ -86,6 +93,41 @@ pub struct LaunchConfig {
     /// launcher gives up and reports the failure; 0, the default, never restarts (torchrun's
     /// `--max-restarts`).
     pub max_restarts: usize,
+    /// Elastic membership (`--nnodes MIN:MAX`): machines meet in rounds at the master's
+    /// address, each round with the machines that are there; `None` (a plain `--nnodes N`) keeps
+    /// a fixed world of `nnodes` machines numbered by `node_rank`. See [`ElasticConfig`].
+    pub elastic: Option<ElasticConfig>,
+}
+
+/// How the machines of an elastic job (`candle-run --nnodes MIN:MAX`) meet: torchrun's
+/// c10d rendezvous. See `launch::elastic`'s docs (docs/LAUNCHING.md, "Elastic membership").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ElasticConfig {
+    /// The fewest machines a round runs with.
+    pub min_nodes: usize,
+    /// The most machines a round runs with; a round closes as soon as this many joined.
+    pub max_nodes: usize,
+    /// How long a round waits for more machines once `min_nodes` have joined
+    /// (`--rdzv-last-call`, torchrun's `last_call_timeout`).
+    pub last_call: Duration,
+    /// How long a launcher waits for a round to close before it fails
+    /// (`--rdzv-join-timeout`, torchrun's `join_timeout`).
+    pub join_timeout: Duration,
+    /// How long a machine's launcher may be silent before the rendezvous counts it as lost
+    /// (`--rdzv-keep-alive`; torchrun: 3 missed heartbeats of 5 s).
+    pub keep_alive: Duration,
+}
+
+impl Default for ElasticConfig {
+    fn default() -> Self {
+        Self {
+            min_nodes: 1,
+            max_nodes: 1,
+            last_call: Duration::from_secs(30),
+            join_timeout: Duration::from_secs(600),
+            keep_alive: Duration::from_secs(15),
+        }
+    }
 }
 
 impl Default for LaunchConfig {
@@ -101,6 +143,7 @@ impl Default for LaunchConfig {
             token: None,
             env: Vec::new(),
             max_restarts: 0,
+            elastic: None,
         }
     }
 }
@@ -134,6 +177,32 @@ impl LaunchConfig {
         }
         if self.master_port == Some(0) {
             return bad("--master-port", "0 is not a port".into());
+        }
+        if let Some(e) = &self.elastic {
+            if e.min_nodes == 0 || e.min_nodes > e.max_nodes {
+                return bad(
+                    "--nnodes",
+                    format!(
+                        "{}:{} is not a range MIN:MAX with 1 <= MIN <= MAX",
+                        e.min_nodes, e.max_nodes
+                    ),
+                );
+            }
+            if self.master_port.is_none() {
+                return bad(
+                    "--master-port",
+                    "required with --nnodes MIN:MAX: every machine meets at the same port".into(),
+                );
+            }
+            if e.keep_alive < Duration::from_secs(2) {
+                return bad(
+                    "--rdzv-keep-alive",
+                    format!(
+                        "{:?} is shorter than 2 s: launchers send a heartbeat every second",
+                        e.keep_alive
+                    ),
+                );
+            }
         }
         let max = crate::distributed::MAX_WORLD_SIZE;
         if self.nnodes.saturating_mul(self.nproc_per_node) > max {
@@ -280,4 +349,19 @@ pub fn exit_code(result: &Result<()>) -> i32 {
         Err(Error::Config { .. }) => 2,
         Err(_) => 1,
     }
+}
+
+/// A port nobody listens on at `addr` right now.
+fn free_port(addr: &str) -> Result<u16> {
+    let listener = std::net::TcpListener::bind((addr, 0)).map_err(|source| Error::Io {
+        context: format!("finding a free port on {addr} (is --master-addr this machine?)"),
+        source,
+    })?;
+    Ok(listener
+        .local_addr()
+        .map_err(|source| Error::Io {
+            context: "reading the free port".into(),
+            source,
+        })?
+        .port())
 }

@@ -1,7 +1,11 @@
 //! Starting, watching and stopping the ranks of one machine.
 
+use super::elastic::{Agent, Assignment, Halt};
 use super::guardian::Guardian;
-use super::{round_token, signals, token, LaunchConfig, MAX_RESTARTS_VAR, RESTART_COUNT_VAR};
+use super::{
+    free_port, round_token, signals, token, ElasticConfig, LaunchConfig, MAX_RESTARTS_VAR,
+    RESTART_COUNT_VAR,
+};
 use crate::distributed::{OMP_THREADS_VAR, THREADS_VAR, TOKEN_VAR};
 use crate::error::{Error, Result};
 use std::ffi::{OsStr, OsString};
@@ -104,65 +108,185 @@ pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Resu
     // only to find the folder gone.
     let mut guardian = Guardian::start(config.grace_period, &errors.0);
     let catch = signals::Catch::install();
-    let mut round = 0;
-    loop {
-        let port = match config.master_port {
-            Some(p) => p,
-            None => free_port(&config.master_addr)?,
-        };
-        let folder = errors.round(round)?;
-        let job = Round {
-            config,
-            program,
-            args,
-            port,
-            token: &round_token(&token, round),
-            round,
-            errors: &folder,
-        };
-        let outcome = job.run(&catch, guardian.as_mut());
-        let failure = match &outcome {
-            Err(Error::RankFailed { rank, status, code }) => (*rank, status.clone(), *code),
-            _ => return outcome,
-        };
-        if catch.ever().is_some() {
-            return outcome;
-        }
-        if round >= config.max_restarts {
-            if config.max_restarts == 0 {
+    let job = Job {
+        config,
+        program,
+        args,
+        token: &token,
+        errors: &errors,
+        catch: &catch,
+    };
+    match &config.elastic {
+        Some(elastic) => job.elastic_rounds(elastic, guardian.as_mut()),
+        None => job.fixed_rounds(guardian.as_mut()),
+    }
+}
+
+/// What every round of a job shares.
+struct Job<'a> {
+    config: &'a LaunchConfig,
+    program: &'a OsStr,
+    args: &'a [OsString],
+    /// The launcher's job token (each round derives its own).
+    token: &'a str,
+    errors: &'a ErrorDir,
+    catch: &'a signals::Catch,
+}
+
+impl Job<'_> {
+    /// A fixed world (`--nnodes N`): this machine is `node_rank`, every round has every machine.
+    fn fixed_rounds(&self, mut guardian: Option<&mut Guardian>) -> Result<()> {
+        let (config, catch) = (self.config, self.catch);
+        let mut round = 0;
+        loop {
+            let port = match config.master_port {
+                Some(p) => p,
+                None => free_port(&config.master_addr)?,
+            };
+            let folder = self.errors.round(round)?;
+            let job = Round {
+                config,
+                program: self.program,
+                args: self.args,
+                place: Assignment {
+                    round,
+                    group_rank: config.node_rank,
+                    nnodes: config.nnodes,
+                    rank_offset: config.node_rank * config.nproc_per_node,
+                    world: config.nnodes * config.nproc_per_node,
+                    master_addr: config.master_addr.clone(),
+                    master_port: port,
+                },
+                token: &round_token(self.token, round),
+                restart_count: round,
+                errors: &folder,
+            };
+            let outcome = job
+                .run(catch, guardian.as_deref_mut(), &|| None)
+                .map(|_| ());
+            let failure = match &outcome {
+                Err(Error::RankFailed { rank, status, code }) => (*rank, status.clone(), *code),
+                _ => return outcome,
+            };
+            if catch.ever().is_some() {
                 return outcome;
             }
-            // The last line of the job must say that no restart is left, not only the failure.
-            return Err(Error::RankFailed {
+            if round >= config.max_restarts {
+                return Err(out_of_restarts(config, outcome, failure));
+            }
+            round += 1;
+            log::warn!(
+                "rank {} failed: {}; restarting every rank of this machine: restart {round} of {} \
+                 ({RESTART_COUNT_VAR}={round})",
+                failure.0,
+                failure.1,
+                config.max_restarts
+            );
+            if config.node_rank != 0 {
+                let previous = round_token(self.token, round - 1);
+                wait_for_the_old_store(config, port, &previous, catch);
+            }
+            if let Some(sig) = catch.ever() {
+                return Err(interrupted_by(sig));
+            }
+        }
+    }
+
+    /// Elastic membership (`--nnodes MIN:MAX`): each round is whatever the rendezvous forms;
+    /// a failed round counts against `max_restarts`, a restart to admit a machine does not (as
+    /// in torchrun).
+    fn elastic_rounds(
+        &self,
+        elastic: &ElasticConfig,
+        mut guardian: Option<&mut Guardian>,
+    ) -> Result<()> {
+        let (config, catch) = (self.config, self.catch);
+        let mut agent = Agent::start(config, elastic, self.token)?;
+        let mut failures = 0;
+        let asked_to_stop = || catch.ever().map(interrupted_by);
+        loop {
+            let Some(place) = agent.join(&asked_to_stop)? else {
+                return Ok(());
+            };
+            let folder = self.errors.round(place.round)?;
+            let token = round_token(self.token, place.round);
+            let job = Round {
+                config,
+                program: self.program,
+                args: self.args,
+                place,
+                token: &token,
+                restart_count: failures,
+                errors: &folder,
+            };
+            let outcome = job.run(catch, guardian.as_deref_mut(), &|| agent.halt());
+            let failure = match outcome {
+                Ok(None) => {
+                    agent.finish();
+                    return Ok(());
+                }
+                Ok(Some(Halt::Restart)) => {
+                    log::warn!(
+                        "a machine is waiting to join: restarting every rank of this machine \
+                         so that the next round admits it (not counted against --max-restarts)"
+                    );
+                    continue;
+                }
+                Ok(Some(Halt::Lost(why))) => return Err(agent.lost(&why)),
+                Err(Error::RankFailed { rank, status, code }) => (rank, status, code),
+                Err(e) => return Err(e),
+            };
+            let outcome = Err(Error::RankFailed {
                 rank: failure.0,
-                status: format!(
-                    "{}; that was the last of --max-restarts {} (the job ran {} times): fix the \
-                     cause, or allow more restarts",
-                    failure.1,
-                    config.max_restarts,
-                    config.max_restarts + 1
-                ),
+                status: failure.1.clone(),
                 code: failure.2,
             });
+            if catch.ever().is_some() {
+                return outcome;
+            }
+            if failures >= config.max_restarts {
+                return Err(out_of_restarts(config, outcome, failure));
+            }
+            failures += 1;
+            log::warn!(
+                "rank {} failed: {}; restarting every rank of this machine in the next round of \
+                 the rendezvous: restart {failures} of {} ({RESTART_COUNT_VAR}={failures})",
+                failure.0,
+                failure.1,
+                config.max_restarts
+            );
         }
-        round += 1;
-        log::warn!(
-            "rank {} failed: {}; restarting every rank of this machine: restart {round} of {} \
-             ({RESTART_COUNT_VAR}={round})",
-            failure.0,
-            failure.1,
-            config.max_restarts
-        );
-        if config.node_rank != 0 {
-            let previous = round_token(&token, round - 1);
-            wait_for_the_old_store(config, port, &previous, &catch);
-        }
-        if let Some(sig) = catch.ever() {
-            return Err(Error::Interrupted {
-                signal: signals::name(sig),
-                code: 128 + sig,
-            });
-        }
+    }
+}
+
+/// The error to end with when a rank failed and no restart is left: the failure itself
+/// without `--max-restarts`, else the failure saying that it was the last.
+fn out_of_restarts(
+    config: &LaunchConfig,
+    outcome: Result<()>,
+    failure: (usize, String, i32),
+) -> Error {
+    match outcome {
+        Err(e) if config.max_restarts == 0 => e,
+        // The last line of the job must say that no restart is left, not only the failure.
+        _ => Error::RankFailed {
+            rank: failure.0,
+            status: format!(
+                "{}; that was the last of --max-restarts {} (the job ran {} times): fix the \
+                 cause, or allow more restarts",
+                failure.1,
+                config.max_restarts,
+                config.max_restarts + 1
+            ),
+            code: failure.2,
+        },
+    }
+}
+
+fn interrupted_by(sig: i32) -> Error {
+    Error::Interrupted {
+        signal: signals::name(sig),
+        code: 128 + sig,
     }
 }
 
@@ -216,19 +340,25 @@ struct Round<'a> {
     config: &'a LaunchConfig,
     program: &'a OsStr,
     args: &'a [OsString],
-    port: u16,
+    /// Where this machine's ranks sit in the round.
+    place: Assignment,
     /// The round's job token.
     token: &'a str,
-    /// 0 first, then 1 after the first restart...
-    round: usize,
+    /// Failed rounds before this one: 0 first, then 1 after the first restart...
+    restart_count: usize,
     /// The round's folder for the ranks' error files.
     errors: &'a Path,
 }
 
 impl Round<'_> {
-    /// Starts the ranks, waits for them, and stops them all when one fails or a signal
-    /// arrives.
-    fn run(&self, catch: &signals::Catch, mut guardian: Option<&mut Guardian>) -> Result<()> {
+    /// Starts the ranks, waits for them, and stops them all when one fails, a signal arrives,
+    /// or `halt` says to (then returns why).
+    fn run(
+        &self,
+        catch: &signals::Catch,
+        mut guardian: Option<&mut Guardian>,
+        halt: &dyn Fn() -> Option<Halt>,
+    ) -> Result<Option<Halt>> {
         let (done_tx, done_rx) = mpsc::channel();
         let mut ranks = Vec::with_capacity(self.config.nproc_per_node);
         let mut readers = 0;
@@ -251,7 +381,7 @@ impl Round<'_> {
         drop(done_tx);
         let grace = self.config.grace_period;
         let outcome = match started {
-            Ok(()) => supervise(&mut ranks, catch, grace),
+            Ok(()) => supervise(&mut ranks, catch, grace, halt),
             Err(e) => {
                 stop(&mut ranks, catch, grace);
                 Err(e)
@@ -299,25 +429,25 @@ fn start(round: &Round<'_>, local: usize, done: &mpsc::Sender<()>) -> Result<(Ra
         config,
         program,
         args,
-        port,
+        ref place,
         token,
         errors,
         ..
     } = *round;
-    let rank = config.node_rank * config.nproc_per_node + local;
-    let world = config.nnodes * config.nproc_per_node;
+    let rank = place.rank_offset + local;
     let error_file = errors.join(format!("rank-{rank}.error"));
     let mut cmd = Command::new(program);
     cmd.args(args)
         .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", world.to_string())
+        .env("WORLD_SIZE", place.world.to_string())
         .env("LOCAL_RANK", local.to_string())
         .env("LOCAL_WORLD_SIZE", config.nproc_per_node.to_string())
-        .env("GROUP_RANK", config.node_rank.to_string())
-        .env("MASTER_ADDR", &config.master_addr)
-        .env("MASTER_PORT", port.to_string())
+        .env("GROUP_RANK", place.group_rank.to_string())
+        .env("GROUP_WORLD_SIZE", place.nnodes.to_string())
+        .env("MASTER_ADDR", &place.master_addr)
+        .env("MASTER_PORT", place.master_port.to_string())
         .env(TOKEN_VAR, token)
-        .env(RESTART_COUNT_VAR, round.round.to_string())
+        .env(RESTART_COUNT_VAR, round.restart_count.to_string())
         .env(MAX_RESTARTS_VAR, config.max_restarts.to_string())
         .env(super::ERROR_FILE_VAR, &error_file)
         .envs(compute_threads(config).map(|n| (THREADS_VAR, n.to_string())))
@@ -410,10 +540,17 @@ fn forward(
     usize::from(spawned.is_ok())
 }
 
-/// Waits for the ranks; stops them all when one fails or a signal arrives.
-fn supervise(ranks: &mut [Rank], catch: &signals::Catch, grace: Duration) -> Result<()> {
+/// Waits for the ranks; stops them all when one fails, a signal arrives or `halt` says to
+/// (then returns why).
+fn supervise(
+    ranks: &mut [Rank],
+    catch: &signals::Catch,
+    grace: Duration,
+    halt: &dyn Fn() -> Option<Halt>,
+) -> Result<Option<Halt>> {
     let mut failure: Option<(usize, ExitStatus)> = None;
     let mut interrupted = None;
+    let mut halted = None;
     while ranks.iter().any(Rank::running) {
         if let Some(sig) = catch.received() {
             // Forward it: the ranks are in their own process groups, out of the terminal's.
@@ -439,6 +576,10 @@ fn supervise(ranks: &mut [Rank], catch: &signals::Catch, grace: Duration) -> Res
         if failure.is_some() {
             break;
         }
+        if let Some(h) = halt() {
+            halted = Some(h);
+            break;
+        }
         std::thread::sleep(POLL);
     }
     if failure.is_some() {
@@ -453,19 +594,16 @@ fn supervise(ranks: &mut [Rank], catch: &signals::Catch, grace: Duration) -> Res
             std::thread::sleep(POLL);
         }
     }
-    if failure.is_some() || interrupted.is_some() {
+    if failure.is_some() || interrupted.is_some() || halted.is_some() {
         stop(ranks, catch, grace);
     }
     if let Some(first_seen) = failure {
         return Err(root_cause(ranks, first_seen));
     }
     if let Some(sig) = interrupted {
-        return Err(Error::Interrupted {
-            signal: signals::name(sig),
-            code: 128 + sig,
-        });
+        return Err(interrupted_by(sig));
     }
-    Ok(())
+    Ok(halted)
 }
 
 /// The failure to report: the earliest recorded failure of a rank's own; else the rank that
@@ -570,19 +708,4 @@ fn stop(ranks: &mut [Rank], catch: &signals::Catch, grace: Duration) {
             r.status = Some(st);
         }
     }
-}
-
-/// A port nobody listens on at `addr` right now.
-fn free_port(addr: &str) -> Result<u16> {
-    let listener = std::net::TcpListener::bind((addr, 0)).map_err(|source| Error::Io {
-        context: format!("finding a free port on {addr} (is --master-addr this machine?)"),
-        source,
-    })?;
-    Ok(listener
-        .local_addr()
-        .map_err(|source| Error::Io {
-            context: "reading the free port".into(),
-            source,
-        })?
-        .port())
 }
