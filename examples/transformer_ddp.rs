@@ -33,9 +33,10 @@
 //! trains a model whose unsharded AdamW state (97 MiB) would not fit 40 MiB per rank.
 //!
 //! With `--checkpoint-dir DIR` (any sharding) the run saves a resumable checkpoint there every
-//! `--checkpoint-every` steps (the model, AdamW's state, under f16 the gradient scaler's, the
-//! epoch, the step and the position in the epoch) and, started again, resumes from the last one
-//! by itself, so that under `candle-run --max-restarts N` a job that lost a rank ends with the
+//! `--checkpoint-every` steps (the model and AdamW's state as a distributed checkpoint, each
+//! rank writing its own pieces, which any sharding at any world size loads; under f16 the
+//! gradient scaler's; the epoch, the step and the position in the epoch) and, started again,
+//! resumes from the last one by itself, so that under `candle-run --max-restarts N` a job that lost a rank ends with the
 //! weights of a run that never stopped. With `--global-batch G` it also resumes at another
 //! world size (an elastic job, `candle-run --nnodes MIN:MAX`, that lost or gained a machine):
 //! the accumulation makes up for fewer ranks, the checkpoint's position is translated to the
@@ -64,7 +65,9 @@ use candle_core::Var;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use candle_parallel::amp::{GradScaler, GradScalerConfig, MixedPrecision};
+use candle_parallel::checkpoint::distributed::Checkpointer;
 use candle_parallel::checkpoint::resume::{Progress, ResumeDir, Resumed};
+use candle_parallel::checkpoint::LoadOptions;
 use candle_parallel::ddp::{Compression, DdpConfig, NoSync, Sharding};
 use candle_parallel::devices::gpu_count;
 use candle_parallel::distributed::{DeviceMesh, ProcessGroup, ReduceOp, Rendezvous};
@@ -327,8 +330,9 @@ impl Args {
         );
         anyhow::ensure!(
             self.checkpoint_dir.is_none(),
-            "--checkpoint-dir keeps DDP's and ZeRO-2's checkpoints, which hold whole weights; \
-             under --tensor-parallel use --save, which puts the parts back together"
+            "--checkpoint-dir is not built under --tensor-parallel (a ZeRO-2 chunk of a cut \
+             weight is no region of the whole one); use --save, which puts the parts back \
+             together"
         );
         anyhow::ensure!(
             self.dump_step.is_none() && self.time_steps.is_none(),
@@ -520,7 +524,7 @@ fn rank_main(args: &Args) -> Result<()> {
     };
     if let Some(c) = &checkpoints {
         let load = |path: &std::path::Path| {
-            model.load_checkpoint(&mut opt, path)?;
+            model.load_checkpoint(&mut opt, path, &pg, &device)?;
             match scaler.as_mut() {
                 Some(s) => load_scaler(s, path),
                 None => Ok(()),
@@ -623,7 +627,7 @@ fn rank_main(args: &Args) -> Result<()> {
                         f.check()?;
                     }
                     let folder = c.save(&at, |path| {
-                        model.save_checkpoint(&opt, path)?;
+                        model.save_checkpoint(&opt, path, &pg, &device)?;
                         match (&scaler, rank) {
                             (Some(s), 0) => save_scaler(s, path, &device),
                             _ => Ok(()),
@@ -716,6 +720,8 @@ fn rank_main(args: &Args) -> Result<()> {
 /// The gradient scaler's state beside a checkpoint's training state (`path`): without it an
 /// f16 run would resume at the initial scale of 65536 and skip steps until it backed off again.
 const SCALER_FILE: &str = "grad_scaler.safetensors";
+/// The distributed checkpoint's folder in a checkpoint of `--checkpoint-dir`.
+const STATE_DIR: &str = "state";
 
 fn save_scaler(
     scaler: &GradScaler,
@@ -880,21 +886,43 @@ impl Model {
         }
     }
 
-    fn save_checkpoint(&self, opt: &AdamW, path: &std::path::Path) -> candle_parallel::Result<()> {
-        match self {
-            Self::Ddp(m) => m.save_checkpoint(opt, path),
-            Self::Full(m) => m.save_checkpoint(opt, path),
-        }
+    /// Saves the training state as a distributed checkpoint in the folder `state` beside
+    /// `path` (each rank its own pieces: nothing is gathered, and any layout at any world size
+    /// loads it).
+    fn save_checkpoint(
+        &self,
+        opt: &AdamW,
+        path: &std::path::Path,
+        pg: &ProcessGroup,
+        device: &Device,
+    ) -> candle_parallel::Result<()> {
+        let state = match self {
+            Self::Ddp(m) => m.state_dict(opt)?,
+            Self::Full(m) => m.state_dict(opt)?,
+        };
+        Checkpointer::for_group(path.with_file_name(STATE_DIR), pg, device).save(&state)
     }
 
+    /// Loads what [`Model::save_checkpoint`] saved beside `path` (under any layout, at any
+    /// world size), or the consolidated file at `path` that earlier versions saved.
     fn load_checkpoint(
         &self,
         opt: &mut AdamW,
         path: &std::path::Path,
+        pg: &ProcessGroup,
+        device: &Device,
     ) -> candle_parallel::Result<()> {
+        let checkpoints = Checkpointer::for_group(path.with_file_name(STATE_DIR), pg, device);
+        if !checkpoints.exists() && path.exists() {
+            return match self {
+                Self::Ddp(m) => m.load_checkpoint(opt, path),
+                Self::Full(m) => m.load_checkpoint(opt, path),
+            };
+        }
+        let options = LoadOptions::default();
         match self {
-            Self::Ddp(m) => m.load_checkpoint(opt, path),
-            Self::Full(m) => m.load_checkpoint(opt, path),
+            Self::Ddp(m) => m.load_state_dict(opt, &checkpoints, options),
+            Self::Full(m) => m.load_state_dict(opt, &checkpoints, options),
         }
     }
 
