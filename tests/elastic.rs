@@ -700,3 +700,69 @@ fn a_machine_that_comes_back_is_admitted_at_the_next_restart_and_the_loss_is_the
     m.assert_empty(Duration::from_secs(10));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `candle-run --nproc-per-node N transformer_ddp` as [`ELASTIC_ARGS`] but with 4 times the
+/// samples (512 steps an epoch, so that a stopped job is still in the first epoch when the
+/// signal lands), `--sharding S --checkpoint-dir DIR`, on this machine.
+fn layout_job(nproc: usize, sharding: &str, dir: &Path) -> Command {
+    let mut cmd = candle_run(&["--nproc-per-node", &nproc.to_string()]);
+    cmd.arg(common::example("transformer_ddp"))
+        .args([
+            "--cpu",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "16",
+            "--global-batch",
+            "64",
+        ])
+        .args([
+            "--train-size",
+            "32768",
+            "--test-size",
+            "50",
+            "--layers",
+            "2",
+            "--dim",
+            "32",
+        ])
+        .args(["--sharding", sharding, "--checkpoint-every", "16"])
+        .arg("--checkpoint-dir")
+        .arg(dir);
+    cmd
+}
+
+/// Starts `cmd` and stops it (SIGTERM to the launcher) once rank 0 said `after`; its output.
+fn stopped_after(cmd: Command, after: &str) -> String {
+    let ranks = Ranks::spawn(vec![cmd]);
+    ranks.wait_for(0, after, LIMIT);
+    ranks.signal(0, "TERM");
+    let ended = ranks.wait(LIMIT).remove(0);
+    assert!(!ended.status.success(), "{}", ended.output);
+    ended.output
+}
+
+/// One checkpoint for every layout, through the example: saved fully sharded by 4 ranks,
+/// resumed under ZeRO-2 by 2, whose checkpoint plain DDP resumes on 1, which trains the whole
+/// second epoch to the loss of 4 fully sharded ranks that never stopped (the global batch
+/// fixed at 64: the same steps on the same samples, within [`LOSS_TOLERANCE`]).
+#[test]
+fn a_fully_sharded_checkpoint_resumes_under_zero2_on_2_ranks_then_ddp_on_1_on_the_same_curve() {
+    let dir = common::temp_dir("layouts-through-one-checkpoint");
+    let reference = common::run_ok(layout_job(4, "full", &dir.join("straight")), LIMIT);
+    let ckpt = dir.join("ckpt");
+    stopped_after(layout_job(4, "full", &ckpt), "Checkpoint at step 16 saved");
+    let second = stopped_after(layout_job(2, "zero2", &ckpt), "Checkpoint at step");
+    assert!(second.contains("from a checkpoint of 4 ranks"), "{second}");
+    let out = common::run_ok(layout_job(1, "none", &ckpt), LIMIT);
+    assert!(
+        out.contains("(epoch 1,") && out.contains("from a checkpoint of 2 ranks"),
+        "the last run must resume inside the first epoch, from ZeRO-2's checkpoint:\n{out}"
+    );
+    assert_close(
+        epoch_loss(&out, 2),
+        epoch_loss(&reference, 2),
+        "fully sharded on 4, then ZeRO-2 on 2, then DDP on 1, against fully sharded on 4",
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
