@@ -485,8 +485,201 @@ fn ranks_that_disagree_or_pieces_that_overlap_or_leave_a_gap_fail_on_every_rank(
 // ---------------------------------------------------------------------------------------------
 // Loading what is not there.
 
+#[test]
+fn regions_out_of_bounds_and_dtypes_are_errors_on_every_rank_naming_the_tensor() {
+    let dir = common::temp_dir("dcp-adv-bounds");
+    spawn(2, |pg| {
+        Checkpointer::for_group(&dir, &pg, &Device::Cpu).save(&small_state(2, pg.rank(), 1.0))
+    })
+    .unwrap();
+    let bad_regions = [
+        Region::Box {
+            offsets: vec![3, 0],
+            sizes: vec![2, 3],
+        },
+        Region::Box {
+            offsets: vec![0, 1],
+            sizes: vec![4, 3],
+        },
+        Region::Box {
+            offsets: vec![0],
+            sizes: vec![4],
+        },
+        Region::Box {
+            offsets: vec![0, 0, 0],
+            sizes: vec![4, 3, 1],
+        },
+        Region::Flat { start: 10, len: 3 },
+        Region::Flat {
+            start: usize::MAX,
+            len: 2,
+        },
+    ];
+    for region in &bad_regions {
+        let errors = spawn(2, |pg| {
+            let mut wanted = small_state(2, pg.rank(), 0.0).wanted();
+            if pg.rank() == 1 {
+                wanted.get_mut("w").unwrap().regions.push(region.clone());
+            }
+            let c = Checkpointer::for_group(&dir, &pg, &Device::Cpu);
+            Ok(c.load(&wanted, LoadOptions::default())
+                .err()
+                .map(|e| e.to_string()))
+        })
+        .unwrap();
+        for (rank, e) in errors.iter().enumerate() {
+            let e = e.as_ref().unwrap_or_else(|| panic!("{region:?} loaded"));
+            // Rank 1 says what is wrong; the others, that rank 1 failed and why.
+            let why = e.contains("past") || e.contains("another rank");
+            assert!(e.contains("`w`") && why, "rank {rank}: {e}");
+            assert!(rank == 1 || e.contains("rank 1"), "rank {rank}: {e}");
+        }
+    }
+    // Another dtype: an error unless converting, then the values converted.
+    let mut wanted = small_state(1, 0, 0.0).wanted();
+    wanted.get_mut("w").unwrap().dtype = Some(DType::BF16);
+    let c = Checkpointer::new(&dir);
+    let e = c
+        .load(&wanted, LoadOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`w`") && e.contains("convert_dtypes"), "{e}");
+    let options = LoadOptions {
+        convert_dtypes: true,
+    };
+    let loaded = c.load(&wanted, options).unwrap();
+    let w = loaded.get("w").unwrap();
+    assert_eq!(
+        (w.dtype(), w.piece().unwrap().dtype()),
+        (DType::BF16, DType::BF16)
+    );
+    assert_eq!(common::as_f64(w.piece().unwrap()), vec![1.0; 12]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Hand-edited indexes, stored names, files of other checkpoints.
+
+/// Edits the JSON of `dir`'s index with `edit`.
+fn edit_index(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join(dcp::INDEX_FILE);
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+}
+
+/// What loading the small state from `dir` says (one process).
+fn small_error(dir: &Path) -> String {
+    let wanted = small_state(1, 0, 0.0).wanted();
+    match std::panic::catch_unwind(|| Checkpointer::new(dir).load(&wanted, LoadOptions::default()))
+    {
+        Ok(r) => r.err().map(|e| e.to_string()).unwrap_or_default(),
+        Err(_) => "PANICKED".into(),
+    }
+}
+
+#[test]
+fn hand_edited_indexes_are_errors_never_panics_or_wrong_values() {
+    let dir = common::temp_dir("dcp-adv-index");
+    let good = dir.join("good");
+    spawn(2, |pg| {
+        Checkpointer::for_group(&good, &pg, &Device::Cpu).save(&small_state(2, pg.rank(), 1.0))
+    })
+    .unwrap();
+    let original = std::fs::read(good.join(dcp::INDEX_FILE)).unwrap();
+    let restore = || std::fs::write(good.join(dcp::INDEX_FILE), &original).unwrap();
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &[&str])> = vec![
+        (
+            "wrong version",
+            Box::new(|v| v["version"] = 99.into()),
+            &["version 99"],
+        ),
+        (
+            "piece in a missing file",
+            Box::new(|v| v["tensors"]["w"]["pieces"][1]["file"] = 7.into()),
+            &["`w`", "file 7"],
+        ),
+        (
+            "a box of another rank",
+            Box::new(|v| {
+                v["tensors"]["w"]["pieces"][0]["region"] =
+                    serde_json::json!({"box": {"offsets": [0], "sizes": [2]}})
+            }),
+            &["`w`"],
+        ),
+        (
+            "a box past the tensor",
+            Box::new(|v| {
+                v["tensors"]["w"]["pieces"][1]["region"] =
+                    serde_json::json!({"box": {"offsets": [3, 0], "sizes": [2, 3]}})
+            }),
+            &["`w`"],
+        ),
+        (
+            "a flat piece past the tensor",
+            Box::new(|v| {
+                v["tensors"]["b"]["pieces"][0]["region"] =
+                    serde_json::json!({"flat": {"start": 0, "len": 6}})
+            }),
+            &["`b`"],
+        ),
+        (
+            "a piece dropped",
+            Box::new(|v| {
+                v["tensors"]["w"]["pieces"]
+                    .as_array_mut()
+                    .unwrap()
+                    .truncate(1)
+            }),
+            &["`w`", "in no piece"],
+        ),
+        (
+            "a piece named twice",
+            Box::new(|v| {
+                let p = v["tensors"]["w"]["pieces"][0].clone();
+                v["tensors"]["w"]["pieces"].as_array_mut().unwrap().push(p)
+            }),
+            &["`w`", "two different pieces"],
+        ),
+        (
+            "another dtype",
+            Box::new(|v| v["tensors"]["b"]["dtype"] = "f16".into()),
+            &["`b`"],
+        ),
+        (
+            "an unknown dtype",
+            Box::new(|v| v["tensors"]["b"]["dtype"] = "f17".into()),
+            &["`b`", "f17"],
+        ),
+        (
+            "pieces swapped between tensors' keys",
+            Box::new(|v| {
+                let a = v["tensors"]["w"]["pieces"][0]["key"].clone();
+                let b = v["tensors"]["w"]["pieces"][1]["key"].clone();
+                v["tensors"]["w"]["pieces"][0]["key"] = b;
+                v["tensors"]["w"]["pieces"][1]["key"] = a;
+            }),
+            &["`w"],
+        ),
+    ];
+    for (what, edit, needles) in cases {
+        edit_index(&good, edit);
+        let e = small_error(&good);
+        assert!(!e.is_empty() && e != "PANICKED", "{what}: {e:?}");
+        for n in needles {
+            assert!(e.contains(n), "{what}: `{n}` not in: {e}");
+        }
+        restore();
+    }
+    // Not JSON at all.
+    std::fs::write(good.join(dcp::INDEX_FILE), b"{\"format\": ").unwrap();
+    let e = small_error(&good);
+    assert!(e.contains("not an index"), "{e}");
+    restore();
+    assert_eq!(small_step(&good), 1.0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
 
 // ---------------------------------------------------------------------------------------------
 // Folders that cannot be written, or are not shared; a rank whose write fails.
