@@ -681,6 +681,42 @@ fn hand_edited_indexes_are_errors_never_panics_or_wrong_values() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn tensor_names_with_the_piece_separator_never_share_a_stored_name() {
+    // `w`'s pieces on one rank and a tensor named like one of them: each must load its own.
+    let dir = common::temp_dir("dcp-adv-names");
+    let w = Tensor::arange(0f32, 6., &Device::Cpu)
+        .unwrap()
+        .reshape((2, 3))
+        .unwrap();
+    let impostor = Tensor::full(-1f32, (1, 3), &Device::Cpu).unwrap();
+    let mut s = StateDict::new();
+    let pieces = (0..2)
+        .map(|r| {
+            let region = rows(&[2, 3], 0, r..r + 1);
+            (region.clone(), take(&w, &region))
+        })
+        .collect();
+    s.insert(
+        "w",
+        ShardedTensor::new(&[2, 3], DType::F32, pieces).unwrap(),
+    );
+    s.insert("w#0", ShardedTensor::whole(impostor.clone()));
+    s.insert("w#1", ShardedTensor::whole(impostor.clone()));
+    let mut c = Checkpointer::new(&dir);
+    c.save(&s).unwrap();
+    let mut want = StateDict::new();
+    want.insert("w", ShardedTensor::whole(w.zeros_like().unwrap()));
+    want.insert("w#0", ShardedTensor::whole(impostor.zeros_like().unwrap()));
+    let loaded = c.load(&want.wanted(), LoadOptions::default()).unwrap();
+    assert_eq!(bits(loaded.get("w").unwrap().piece().unwrap()), bits(&w));
+    assert_eq!(
+        bits(loaded.get("w#0").unwrap().piece().unwrap()),
+        bits(&impostor)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Folders that cannot be written, or are not shared; a rank whose write fails.
 

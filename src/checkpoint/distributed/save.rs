@@ -141,6 +141,7 @@ fn global_plan(
     let mut load = vec![0usize; world];
     let mut writes: BTreeMap<usize, Vec<(String, Region, String)>> = BTreeMap::new();
     let mut entries = BTreeMap::new();
+    let mut names = std::collections::HashSet::new();
     for (key, (_, described, regions)) in tensors {
         let numel: usize = described.shape.iter().product();
         // A piece of no elements is kept only for a tensor of none, so that its key exists.
@@ -177,10 +178,15 @@ fn global_plan(
                 .min_by_key(|&&r| (load[r], r))
                 .expect("a region has a holder");
             load[writer] += region.elem_count() * size;
-            let stored = match *region == whole {
+            let mut stored = match *region == whole {
                 true => key.to_string(),
                 false => format!("{key}#{n}"),
             };
+            // A tensor may itself be named `w#0`: every stored name must be one piece's only,
+            // or a file would hold one of the two and the other load its elements.
+            while !names.insert(stored.clone()) {
+                stored.push('#');
+            }
             writes.entry(writer).or_default().push((
                 key.to_string(),
                 region.clone(),
