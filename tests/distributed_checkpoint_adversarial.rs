@@ -721,6 +721,55 @@ fn tensor_names_with_the_piece_separator_never_share_a_stored_name() {
 // Folders that cannot be written, or are not shared; a rank whose write fails.
 
 #[test]
+fn a_folder_that_is_a_file_or_one_ranks_failed_write_fails_every_rank() {
+    let dir = common::temp_dir("dcp-adv-folder");
+    // The folder is a file.
+    let file = dir.join("a-file");
+    std::fs::write(&file, b"not a folder").unwrap();
+    let errors = spawn(2, |pg| {
+        let mut c = Checkpointer::for_group(&file, &pg, &Device::Cpu);
+        Ok(c.save(&small_state(2, pg.rank(), 1.0))
+            .err()
+            .map(|e| e.to_string()))
+    })
+    .unwrap();
+    for e in &errors {
+        let e = e.as_ref().expect("saved into a file");
+        assert!(e.contains("a-file"), "{e}");
+    }
+    // Rank 1 is given a folder that is a file (its state makes its write fail), rank 0 a good
+    // one: both fail, and rank 0's folder keeps its previous checkpoint.
+    let good = dir.join("good");
+    spawn(2, |pg| {
+        Checkpointer::for_group(&good, &pg, &Device::Cpu).save(&small_state(2, pg.rank(), 1.0))
+    })
+    .unwrap();
+    let before = listing(&good);
+    for asynchronous in [false, true] {
+        let errors = spawn(2, |pg| {
+            let to = if pg.rank() == 1 { &file } else { &good };
+            let mut c = Checkpointer::for_group(to, &pg, &Device::Cpu);
+            let state = small_state(2, pg.rank(), 2.0);
+            let r = match asynchronous {
+                true => c.save_async(&state).and_then(|()| c.wait()),
+                false => c.save(&state),
+            };
+            Ok(r.err().map(|e| e.to_string()))
+        })
+        .unwrap();
+        for (rank, e) in errors.iter().enumerate() {
+            let e = e.as_ref().unwrap_or_else(|| panic!("rank {rank} saved"));
+            // Rank 1 says what failed; rank 0, that rank 1 did and why.
+            assert!(e.contains("a-file"), "rank {rank}: {e}");
+            assert!(rank == 1 || e.contains("rank 1"), "rank {rank}: {e}");
+        }
+        assert_eq!(listing(&good), before);
+        assert_eq!(small_step(&good), 1.0);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn processes_whose_one_rank_cannot_write_all_fail_then_save_together() {
     let test = "processes_whose_one_rank_cannot_write_all_fail_then_save_together";
     if common::is_child() {

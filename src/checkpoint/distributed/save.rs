@@ -333,14 +333,27 @@ pub(crate) fn commit(
             };
             let bytes = serde_json::to_vec(&mine).unwrap_or_default();
             let all = all_gather_bytes(g, &bytes, d)?;
-            written?;
-            let mut lengths = Vec::with_capacity(all.len());
-            for (rank, b) in all.iter().enumerate() {
-                let theirs: std::result::Result<u64, String> = serde_json::from_slice(b)
-                    .unwrap_or_else(|e| Err(format!("its report is unreadable: {e}")));
-                lengths.push(theirs.map_err(|m| failed(rank, m))?);
+            let lengths = all
+                .iter()
+                .enumerate()
+                .map(|(rank, b)| {
+                    let theirs: std::result::Result<u64, String> = serde_json::from_slice(b)
+                        .unwrap_or_else(|e| Err(format!("its report is unreadable: {e}")));
+                    theirs.map_err(|m| failed(rank, m))
+                })
+                .collect::<Result<Vec<u64>>>();
+            if let Err(e) = lengths {
+                // Every rank knows the save will not be committed: its file is no
+                // checkpoint's, and would stay until a later save succeeds.
+                if let (Ok(_), Some(name)) = (&written, &planned.file) {
+                    if let Err(e) = std::fs::remove_file(dir.join(name)) {
+                        log::warn!("could not remove {name}, of a failed save: {e}");
+                    }
+                }
+                written?;
+                return Err(e);
             }
-            lengths
+            lengths?
         }
     };
     let committed = match planned.rank {
