@@ -721,7 +721,7 @@ fn tensor_names_with_the_piece_separator_never_share_a_stored_name() {
 // Folders that cannot be written, or are not shared; a rank whose write fails.
 
 #[test]
-fn a_folder_that_is_a_file_or_one_ranks_failed_write_fails_every_rank() {
+fn a_folder_that_is_a_file_or_not_shared_or_one_ranks_failed_write_fails_every_rank() {
     let dir = common::temp_dir("dcp-adv-folder");
     // The folder is a file.
     let file = dir.join("a-file");
@@ -766,6 +766,25 @@ fn a_folder_that_is_a_file_or_one_ranks_failed_write_fails_every_rank() {
         assert_eq!(listing(&good), before);
         assert_eq!(small_step(&good), 1.0);
     }
+    // Each rank given its own folder (a file system that is not shared): the index would name
+    // files that are not beside it. The save must fail rather than commit a checkpoint that
+    // cannot load.
+    let (a, b) = (dir.join("rank0"), dir.join("rank1"));
+    let errors = spawn(2, |pg| {
+        let to = if pg.rank() == 1 { &b } else { &a };
+        let mut c = Checkpointer::for_group(to, &pg, &Device::Cpu);
+        Ok(c.save(&small_state(2, pg.rank(), 1.0))
+            .err()
+            .map(|e| e.to_string()))
+    })
+    .unwrap();
+    for (rank, e) in errors.iter().enumerate() {
+        let e = e
+            .as_ref()
+            .unwrap_or_else(|| panic!("rank {rank}: a save over unshared folders committed"));
+        assert!(e.contains("shard-1-of-2"), "rank {rank}: {e}");
+    }
+    assert!(!a.join(dcp::INDEX_FILE).exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -381,6 +381,26 @@ fn write_index(dir: &Path, planned: &Planned, lengths: &[u64]) -> Result<()> {
     let mut index = planned.index.clone();
     for f in &mut index.files {
         f.bytes = lengths[f.rank];
+        // Each rank wrote into its own `dir`: unless the folder is shared, rank 0 would commit
+        // an index of files that are not beside it, a checkpoint that cannot load.
+        let path = dir.join(&f.name);
+        let found = std::fs::metadata(&path).map(|m| m.len());
+        if found.as_ref().ok() != Some(&f.bytes) {
+            let found = match found {
+                Ok(n) => format!("is {n} bytes, not the {} rank {} wrote", f.bytes, f.rank),
+                Err(e) => format!("is not there ({e})"),
+            };
+            return Err(Error::Checkpoint {
+                key: String::new(),
+                path,
+                detail: format!(
+                    "rank {}'s file of this save, as rank 0 sees the folder, {found}: every \
+                     rank must save into the same folder (a shared file system when the job \
+                     spans machines); nothing was committed",
+                    f.rank
+                ),
+            });
+        }
     }
     let text = serde_json::to_vec_pretty(&index).map_err(|e| Error::Checkpoint {
         key: String::new(),
