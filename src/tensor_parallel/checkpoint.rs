@@ -5,7 +5,7 @@
 //!
 //! ```rust
 //! use candle_core::{DType, Device, Tensor};
-//! use candle_nn::VarMap;
+//! use candle_nn::{Optimizer, VarMap};
 //! use candle_parallel::checkpoint::distributed::Checkpointer;
 //! use candle_parallel::distributed;
 //! use candle_parallel::optim::{Sgd, SgdConfig};
