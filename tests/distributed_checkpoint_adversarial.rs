@@ -1476,3 +1476,34 @@ fn asynchronous_saves_mixed_repeated_dropped_and_with_evaluation_between() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn loads_during_an_asynchronous_save_never_find_files_removed_under_them() {
+    // A load while a save is in flight read the previous index while rank 0, committing the
+    // new save, removed the previous save's files: "rank 1's file ... is missing", now and
+    // then. Loads finish the save in flight first, and read the newest.
+    let dir = common::temp_dir("dcp-adv-load-in-flight");
+    let state = |step: f32| {
+        let mut s = StateDict::new();
+        for i in 0..8 {
+            let t = Tensor::full(step, (64, 1024), &Device::Cpu).unwrap();
+            s.insert(format!("w{i}"), ShardedTensor::whole(t));
+        }
+        s
+    };
+    spawn(2, |pg| {
+        let mut c = Checkpointer::for_group(&dir, &pg, &Device::Cpu);
+        c.save(&state(0.0))?;
+        for step in 1..150 {
+            c.save_async(&state(step as f32))?;
+            for _ in 0..3 {
+                let loaded = c.load(&state(0.0).wanted(), LoadOptions::default())?;
+                let v = loaded.get("w7").unwrap().piece().unwrap().max_keepdim(0)?;
+                assert_eq!(v.flatten_all()?.to_vec1::<f32>()?[0], step as f32);
+            }
+        }
+        c.wait()
+    })
+    .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
