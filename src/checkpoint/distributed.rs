@@ -25,7 +25,7 @@
 //!
 //! [`Checkpointer::save_async`] copies the pieces to host memory and returns; a thread writes
 //! and commits the save while training goes on (on the host backend; with the job's
-//! collectives on a GPU, the commit waits for [`Checkpointer::wait`] or the next save).
+//! collectives on a GPU, the commit waits for [`Checkpointer::wait`], the next save or load).
 //!
 //! ```rust
 //! use candle_core::{DType, Device, Tensor};
@@ -79,6 +79,7 @@ use index::Reader;
 use region::overlaps;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// A tensor as one rank holds it: its whole shape and dtype, and the pieces of it this rank
 /// has (none, some, or the whole).
@@ -258,7 +259,10 @@ pub struct Checkpointer {
     group: Option<(ProcessGroup, Device)>,
     /// A group of its own, for the commits of asynchronous saves.
     commit_group: Option<ProcessGroup>,
-    pending: Option<save::Pending>,
+    /// The asynchronous save in flight; behind a lock so that loads (`&self`) can finish it.
+    pending: Mutex<Option<save::Pending>>,
+    /// The failure of an asynchronous save that a load finished, for the next `wait`.
+    failed: Mutex<Option<Error>>,
 }
 
 impl std::fmt::Debug for Checkpointer {
@@ -266,7 +270,7 @@ impl std::fmt::Debug for Checkpointer {
         f.debug_struct("Checkpointer")
             .field("dir", &self.dir)
             .field("rank", &self.group.as_ref().map(|(g, _)| g.rank()))
-            .field("pending", &self.pending.is_some())
+            .field("pending", &lock(&self.pending).is_some())
             .finish()
     }
 }
@@ -278,7 +282,8 @@ impl Checkpointer {
             dir: dir.into(),
             group: None,
             commit_group: None,
-            pending: None,
+            pending: Mutex::new(None),
+            failed: Mutex::new(None),
         }
     }
 
@@ -290,7 +295,8 @@ impl Checkpointer {
             dir: dir.into(),
             group: Some((group.clone(), device.clone())),
             commit_group: None,
-            pending: None,
+            pending: Mutex::new(None),
+            failed: Mutex::new(None),
         }
     }
 
@@ -311,8 +317,8 @@ impl Checkpointer {
     /// Starts saving `state`: the pieces this rank writes are copied to host memory, then a
     /// thread writes them while the caller goes on. On the host backend the thread also commits
     /// the save (over a process group of its own); with the job's collectives on a GPU, the
-    /// save is committed by [`wait`](Self::wait) or the next save. A save still in flight is
-    /// finished first. Every rank calls it.
+    /// save is committed by [`wait`](Self::wait), the next save or load. A save still in
+    /// flight is finished first. Every rank calls it.
     pub fn save_async(&mut self, state: &StateDict) -> Result<()> {
         self.wait()?;
         let planned = save::plan(&self.dir, self.group.as_ref(), state)?;
@@ -329,27 +335,43 @@ impl Checkpointer {
             }
             Some(_) => None,
         };
-        self.pending = Some(save::Pending::start(planned, state, &self.dir, commit)?);
+        *lock(&self.pending) = Some(save::Pending::start(planned, state, &self.dir, commit)?);
         Ok(())
     }
 
     /// Finishes the asynchronous save in flight, if any: waits for its file, commits it if its
     /// thread does not, and returns its outcome (every rank calls it).
     pub fn wait(&mut self) -> Result<()> {
-        match self.pending.take() {
-            Some(p) => p.finish(self.group.as_ref(), &self.dir),
+        self.finish_pending();
+        match lock(&self.failed).take() {
+            Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+
+    /// Finishes the asynchronous save in flight, if any, keeping its failure for `wait`: a load
+    /// during the save would read the index of the previous save while rank 0 removes that
+    /// save's files once the new one commits.
+    fn finish_pending(&self) {
+        let pending = lock(&self.pending).take();
+        if let Some(Err(e)) = pending.map(|p| p.finish(self.group.as_ref(), &self.dir)) {
+            log::warn!(
+                "an asynchronous save to {} failed (the next `wait` returns it): {e}",
+                self.dir.display()
+            );
+            *lock(&self.failed) = Some(e);
         }
     }
 
     /// Whether an asynchronous save is still being written (its thread not done).
     pub fn in_flight(&self) -> bool {
-        self.pending.as_ref().is_some_and(|p| !p.done())
+        lock(&self.pending).as_ref().is_some_and(|p| !p.done())
     }
 
     /// The committed checkpoint's index (every rank reads it; an error on every rank unless
-    /// every rank could).
+    /// every rank could). An asynchronous save in flight is finished first.
     pub fn index(&self) -> Result<Index> {
+        self.finish_pending();
         let index = Index::read(&self.dir);
         self.agree(index)
     }
@@ -361,12 +383,14 @@ impl Checkpointer {
 
     /// Loads what `wanted` asks for from the committed checkpoint: each tensor's regions, as
     /// pieces in the same order. Every rank calls it; unless every rank could load all it asked
-    /// for, every rank gets an error (naming the file and tensor) and nothing.
+    /// for, every rank gets an error (naming the file and tensor) and nothing. An asynchronous
+    /// save in flight is finished first (its failure is [`wait`](Self::wait)'s to return).
     pub fn load(
         &self,
         wanted: &BTreeMap<String, Wanted>,
         options: LoadOptions,
     ) -> Result<StateDict> {
+        self.finish_pending();
         let loaded = Index::read(&self.dir).and_then(|index| load_from(&index, wanted, options));
         self.agree(loaded)
     }
@@ -385,7 +409,7 @@ impl Checkpointer {
 
 impl Drop for Checkpointer {
     fn drop(&mut self) {
-        if let Some(p) = self.pending.take() {
+        if let Some(p) = lock(&self.pending).take() {
             if let Err(e) = p.finish_alone() {
                 log::error!(
                     "an asynchronous save to {} did not finish: {e}",

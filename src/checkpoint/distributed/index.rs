@@ -101,6 +101,18 @@ impl Index {
             t.dtype
                 .parse::<DType>()
                 .map_err(|_| bad(format!("`{key}` has an unknown dtype `{}`", t.dtype)))?;
+            // A region that does not fit would make the element arithmetic of a load index
+            // out of bounds.
+            let misfit = t
+                .pieces
+                .iter()
+                .find_map(|p| Some((p, p.region.misfit(&t.shape)?)));
+            if let Some((p, why)) = misfit {
+                return Err(bad(format!(
+                    "`{key}`'s piece `{}`: {why}: the index is corrupt",
+                    p.key
+                )));
+            }
             if let Some(p) = t.pieces.iter().find(|p| p.file >= file.files.len()) {
                 return Err(bad(format!(
                     "`{key}`'s piece `{}` is in file {} of {}: the index is corrupt",

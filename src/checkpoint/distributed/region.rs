@@ -69,7 +69,11 @@ impl Region {
                          tensor's shape {shape:?}"
                     ));
                 }
-                let out = (0..shape.len()).find(|&d| offsets[d] + sizes[d] > shape[d]);
+                let out = (0..shape.len()).find(|&d| {
+                    offsets[d]
+                        .checked_add(sizes[d])
+                        .is_none_or(|end| end > shape[d])
+                });
                 out.map(|d| {
                     format!(
                         "a box at {offsets:?} of size {sizes:?} reaches past the tensor's shape \
@@ -79,11 +83,12 @@ impl Region {
             }
             Region::Flat { start, len } => {
                 let numel: usize = shape.iter().product();
-                (start + len > numel).then(|| {
+                let end = start.checked_add(*len);
+                end.is_none_or(|end| end > numel).then(|| {
                     format!(
                         "elements {start}..{} reach past the tensor's {numel} elements \
                          (shape {shape:?})",
-                        start + len
+                        start.saturating_add(*len)
                     )
                 })
             }

@@ -141,6 +141,7 @@ fn global_plan(
     let mut load = vec![0usize; world];
     let mut writes: BTreeMap<usize, Vec<(String, Region, String)>> = BTreeMap::new();
     let mut entries = BTreeMap::new();
+    let mut names = std::collections::HashSet::new();
     for (key, (_, described, regions)) in tensors {
         let numel: usize = described.shape.iter().product();
         // A piece of no elements is kept only for a tensor of none, so that its key exists.
@@ -177,10 +178,15 @@ fn global_plan(
                 .min_by_key(|&&r| (load[r], r))
                 .expect("a region has a holder");
             load[writer] += region.elem_count() * size;
-            let stored = match *region == whole {
+            let mut stored = match *region == whole {
                 true => key.to_string(),
                 false => format!("{key}#{n}"),
             };
+            // A tensor may itself be named `w#0`: every stored name must be one piece's only,
+            // or a file would hold one of the two and the other load its elements.
+            while !names.insert(stored.clone()) {
+                stored.push('#');
+            }
             writes.entry(writer).or_default().push((
                 key.to_string(),
                 region.clone(),
@@ -327,14 +333,27 @@ pub(crate) fn commit(
             };
             let bytes = serde_json::to_vec(&mine).unwrap_or_default();
             let all = all_gather_bytes(g, &bytes, d)?;
-            written?;
-            let mut lengths = Vec::with_capacity(all.len());
-            for (rank, b) in all.iter().enumerate() {
-                let theirs: std::result::Result<u64, String> = serde_json::from_slice(b)
-                    .unwrap_or_else(|e| Err(format!("its report is unreadable: {e}")));
-                lengths.push(theirs.map_err(|m| failed(rank, m))?);
+            let lengths = all
+                .iter()
+                .enumerate()
+                .map(|(rank, b)| {
+                    let theirs: std::result::Result<u64, String> = serde_json::from_slice(b)
+                        .unwrap_or_else(|e| Err(format!("its report is unreadable: {e}")));
+                    theirs.map_err(|m| failed(rank, m))
+                })
+                .collect::<Result<Vec<u64>>>();
+            if let Err(e) = lengths {
+                // Every rank knows the save will not be committed: its file is no
+                // checkpoint's, and would stay until a later save succeeds.
+                if let (Ok(_), Some(name)) = (&written, &planned.file) {
+                    if let Err(e) = std::fs::remove_file(dir.join(name)) {
+                        log::warn!("could not remove {name}, of a failed save: {e}");
+                    }
+                }
+                written?;
+                return Err(e);
             }
-            lengths
+            lengths?
         }
     };
     let committed = match planned.rank {
@@ -362,6 +381,26 @@ fn write_index(dir: &Path, planned: &Planned, lengths: &[u64]) -> Result<()> {
     let mut index = planned.index.clone();
     for f in &mut index.files {
         f.bytes = lengths[f.rank];
+        // Each rank wrote into its own `dir`: unless the folder is shared, rank 0 would commit
+        // an index of files that are not beside it, a checkpoint that cannot load.
+        let path = dir.join(&f.name);
+        let found = std::fs::metadata(&path).map(|m| m.len());
+        if found.as_ref().ok() != Some(&f.bytes) {
+            let found = match found {
+                Ok(n) => format!("is {n} bytes, not the {} rank {} wrote", f.bytes, f.rank),
+                Err(e) => format!("is not there ({e})"),
+            };
+            return Err(Error::Checkpoint {
+                key: String::new(),
+                path,
+                detail: format!(
+                    "rank {}'s file of this save, as rank 0 sees the folder, {found}: every \
+                     rank must save into the same folder (a shared file system when the job \
+                     spans machines); nothing was committed",
+                    f.rank
+                ),
+            });
+        }
     }
     let text = serde_json::to_vec_pretty(&index).map_err(|e| Error::Checkpoint {
         key: String::new(),
