@@ -588,6 +588,19 @@ pub fn load_training_state(
     Ok(())
 }
 
+/// Puts the optimizer's `scalars` into `out`, each whole (every rank holds them) as a 0-dim
+/// f64 tensor under `optimizer.<scalar>`, as a training-state file has them.
+pub(crate) fn insert_scalars(out: &mut StateDict, scalars: BTreeMap<String, f64>) -> Result<()> {
+    let scalars_only = OptimizerState {
+        scalars,
+        per_var: Vec::new(),
+    };
+    for (name, t) in optimizer_tensors(&[], &scalars_only)? {
+        out.insert(name, ShardedTensor::whole(t));
+    }
+    Ok(())
+}
+
 /// Wanting the whole of `t`.
 pub(crate) fn whole_wanted(t: &Tensor, dtype: Option<DType>) -> Wanted {
     Wanted {

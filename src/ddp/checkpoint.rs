@@ -12,8 +12,8 @@
 
 use super::DistributedDataParallel;
 use crate::checkpoint::distributed::{
-    chunk_piece, chunk_region, optimizer_state, optimizer_wanted, padded_chunk, whole_wanted,
-    Checkpointer, Region, ShardedTensor, StateDict, Wanted,
+    chunk_piece, chunk_region, insert_scalars, optimizer_state, optimizer_wanted, padded_chunk,
+    whole_wanted, Checkpointer, Region, ShardedTensor, StateDict, Wanted,
 };
 use crate::checkpoint::sharded::{
     agree_on, put_part, read_sharded, read_whole, whole_states, write_share, write_whole, STATE,
@@ -162,13 +162,7 @@ impl<M> DistributedDataParallel<M> {
                 out.insert(format!("{STATE}{}.{name}", p.name), held(p.var.dims(), t)?);
             }
         }
-        let scalars_only = OptimizerState {
-            scalars: state.scalars,
-            per_var: Vec::new(),
-        };
-        for (name, t) in optimizer_tensors(&[], &scalars_only)? {
-            out.insert(name, ShardedTensor::whole(t));
-        }
+        insert_scalars(&mut out, state.scalars)?;
         Ok(out)
     }
 

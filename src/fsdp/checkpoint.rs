@@ -7,8 +7,8 @@
 
 use super::FullyShardedDataParallel;
 use crate::checkpoint::distributed::{
-    chunk_piece, chunk_region, optimizer_state, optimizer_wanted, padded_chunk, whole_wanted,
-    Checkpointer, ShardedTensor, StateDict, Wanted,
+    chunk_piece, chunk_region, insert_scalars, optimizer_state, optimizer_wanted, padded_chunk,
+    whole_wanted, Checkpointer, ShardedTensor, StateDict, Wanted,
 };
 use crate::checkpoint::sharded::{
     agree_on, put_part, read_sharded, read_whole, whole_states, write_share, write_whole, STATE,
@@ -156,13 +156,7 @@ impl<M> FullyShardedDataParallel<M> {
         for (name, var) in self.buffers() {
             out.insert(name, ShardedTensor::whole(var.as_tensor().clone()));
         }
-        let scalars_only = OptimizerState {
-            scalars: state.scalars,
-            per_var: Vec::new(),
-        };
-        for (name, t) in optimizer_tensors(&[], &scalars_only)? {
-            out.insert(name, ShardedTensor::whole(t));
-        }
+        insert_scalars(&mut out, state.scalars)?;
         Ok(out)
     }
 

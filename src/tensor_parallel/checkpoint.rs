@@ -34,12 +34,13 @@
 
 use super::plan::{ParallelPlan, Placement};
 use crate::checkpoint::distributed::{
-    optimizer_state, optimizer_wanted, Checkpointer, Region, ShardedTensor, StateDict, Wanted,
+    insert_scalars, optimizer_state, optimizer_wanted, Checkpointer, Region, ShardedTensor,
+    StateDict, Wanted,
 };
-use crate::checkpoint::{optimizer_tensors, var_names, LoadOptions, OPTIMIZER_STATE};
+use crate::checkpoint::{var_names, LoadOptions, OPTIMIZER_STATE};
 use crate::distributed::ProcessGroup;
 use crate::error::{Error, Result};
-use crate::optim::{ElementwiseOptimizer, OptimizerState};
+use crate::optim::ElementwiseOptimizer;
 use crate::util::sync::lock;
 use candle_core::{Tensor, Var};
 use candle_nn::VarMap;
@@ -141,13 +142,7 @@ impl ParallelPlan {
                 );
             }
         }
-        let scalars_only = OptimizerState {
-            scalars: state.scalars,
-            per_var: Vec::new(),
-        };
-        for (name, t) in optimizer_tensors(&[], &scalars_only)? {
-            out.insert(name, ShardedTensor::whole(t));
-        }
+        insert_scalars(&mut out, state.scalars)?;
         Ok(out)
     }
 
