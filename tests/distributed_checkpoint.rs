@@ -15,22 +15,19 @@ use candle_parallel::checkpoint::distributed::{
     self as dcp, Checkpointer, Index, Region, ShardedTensor, StateDict,
 };
 use candle_parallel::checkpoint::{self, LoadOptions};
-use candle_parallel::ddp::{DdpConfig, Sharding};
 use candle_parallel::distributed::{self, ProcessGroup};
 use candle_parallel::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::optim::{AdamW, AdamWConfig, ElementwiseOptimizer};
 use candle_parallel::tensor_parallel::{ParallelPlan, ParallelStyle};
-use candle_parallel::DistributedDataParallel;
-use common::models::{batch, max_diff, mlp_uneven, values, Mlp, Values};
+use common::layouts::{assert_same_files, one_process, Layout, Model, ROWS};
+use common::models::{batch, max_diff, mlp_uneven, values};
 use common::{done, is_child, join_child, Ranks};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
-/// Rows of every step's global batch: 2, 3 and 4 ranks share it evenly.
-const ROWS: usize = 12;
 const ADAMW: AdamWConfig = AdamWConfig {
     lr: 0.01,
     betas: (0.9, 0.999),
@@ -39,133 +36,6 @@ const ADAMW: AdamWConfig = AdamWConfig {
     amsgrad: false,
     maximize: false,
 };
-
-/// The model under one of the layouts.
-enum Model {
-    Ddp(VarMap, DistributedDataParallel<Mlp>),
-    Fsdp(FullyShardedDataParallel<Mlp>),
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Layout {
-    Ddp,
-    Zero2,
-    Fsdp,
-}
-
-impl Model {
-    /// The model of `layout` over `pg`, from weights of `seed`, and its AdamW.
-    fn new(pg: &ProcessGroup, layout: Layout, seed: u64) -> (Model, AdamW) {
-        let model = match layout {
-            Layout::Ddp | Layout::Zero2 => {
-                let varmap = VarMap::new();
-                mlp_uneven(seeded_var_builder(&varmap, seed, DType::F32, &Device::Cpu)).unwrap();
-                let config = DdpConfig {
-                    bucket_cap_mb: 4e-4,
-                    first_bucket_mb: 1e-4,
-                    sharding: match layout {
-                        Layout::Zero2 => Sharding::Zero2,
-                        _ => Sharding::None,
-                    },
-                    ..DdpConfig::default()
-                };
-                let ddp = DistributedDataParallel::with_config(
-                    &varmap,
-                    pg,
-                    &Device::Cpu,
-                    config,
-                    mlp_uneven,
-                )
-                .unwrap();
-                Model::Ddp(varmap, ddp)
-            }
-            Layout::Fsdp => {
-                let config = FsdpConfig {
-                    seed: Some(seed),
-                    ..FsdpConfig::default()
-                };
-                let f = FullyShardedDataParallel::with_config(
-                    &VarMap::new(),
-                    pg,
-                    &Device::Cpu,
-                    config,
-                    mlp_uneven,
-                )
-                .unwrap();
-                Model::Fsdp(f)
-            }
-        };
-        let params = match &model {
-            Model::Ddp(_, m) => m.parameters(),
-            Model::Fsdp(f) => f.parameters(),
-        };
-        (model, AdamW::new(params, ADAMW).unwrap())
-    }
-
-    /// Steps `steps` of the global batches, this rank taking its rows.
-    fn train(&self, pg: &ProcessGroup, opt: &mut AdamW, steps: std::ops::Range<usize>) {
-        let per = ROWS / pg.world_size();
-        for step in steps {
-            let (x, y) = batch(step, ROWS);
-            let (x, y) = (
-                x.narrow(0, pg.rank() * per, per).unwrap(),
-                y.narrow(0, pg.rank() * per, per).unwrap(),
-            );
-            let grads = match self {
-                Model::Ddp(_, m) => {
-                    let l = loss::cross_entropy(&m.forward_t(&x, true).unwrap(), &y).unwrap();
-                    m.backward(&l).unwrap()
-                }
-                Model::Fsdp(f) => {
-                    let l = loss::cross_entropy(&f.forward_t(&x, true).unwrap(), &y).unwrap();
-                    f.backward(&l).unwrap()
-                }
-            };
-            opt.step(&grads).unwrap();
-        }
-    }
-
-    fn state_dict(&self, opt: &AdamW) -> StateDict {
-        match self {
-            Model::Ddp(_, m) => m.state_dict(opt).unwrap(),
-            Model::Fsdp(f) => f.state_dict(opt).unwrap(),
-        }
-    }
-
-    fn load(&self, opt: &mut AdamW, c: &Checkpointer) -> candle_parallel::Result<()> {
-        match self {
-            Model::Ddp(_, m) => m.load_state_dict(opt, c, LoadOptions::default()),
-            Model::Fsdp(f) => f.load_state_dict(opt, c, LoadOptions::default()),
-        }
-    }
-
-    /// The whole training state in one file (the layouts' consolidated save).
-    fn save_whole(&self, opt: &AdamW, path: &Path) {
-        match self {
-            Model::Ddp(_, m) => m.save_checkpoint(opt, path).unwrap(),
-            Model::Fsdp(f) => f.save_checkpoint(opt, path).unwrap(),
-        }
-    }
-
-    fn values(&self) -> Values {
-        match self {
-            Model::Ddp(varmap, m) => {
-                m.gather_parameters().unwrap();
-                values(varmap)
-            }
-            Model::Fsdp(f) => {
-                let mut all: Values = f
-                    .full_parameters()
-                    .unwrap()
-                    .into_iter()
-                    .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
-                    .collect();
-                all.sort_by(|a, b| a.0.cmp(&b.0));
-                all
-            }
-        }
-    }
-}
 
 /// Removes a test's folder, or with `CP_KEEP_DCP=FOLDER` moves it to `FOLDER/name`, for
 /// `scripts/torch_dcp_twin.py`.
@@ -179,43 +49,10 @@ fn keep_or_remove(dir: &Path, name: &str) {
     }
 }
 
-/// One process over the whole batches of `steps`, from weights of seed 7.
-fn one_process(steps: usize) -> Values {
-    let varmap = VarMap::new();
-    let m = mlp_uneven(seeded_var_builder(&varmap, 7, DType::F32, &Device::Cpu)).unwrap();
-    let mut o = AdamW::new(varmap.all_vars(), ADAMW).unwrap();
-    for step in 0..steps {
-        let (x, y) = batch(step, ROWS);
-        o.backward_step(&loss::cross_entropy(&m.forward(&x).unwrap(), &y).unwrap())
-            .unwrap();
-    }
-    values(&varmap)
-}
-
-/// Every tensor of two training-state files is the same, bit for bit.
-fn assert_same_files(a: &Path, b: &Path) {
-    let (a_t, b_t) = (checkpoint::read(a).unwrap(), checkpoint::read(b).unwrap());
-    let mut keys: Vec<&String> = a_t.keys().collect();
-    keys.sort();
-    let mut b_keys: Vec<&String> = b_t.keys().collect();
-    b_keys.sort();
-    assert_eq!(keys, b_keys, "{} and {}", a.display(), b.display());
-    for k in keys {
-        let (x, y) = (common::as_f64(&a_t[k]), common::as_f64(&b_t[k]));
-        assert_eq!(
-            x,
-            y,
-            "`{k}` differs between {} and {}",
-            a.display(),
-            b.display()
-        );
-    }
-}
-
 /// Saves fully sharded at world 4 after 5 steps (the distributed checkpoint, and the
 /// consolidated file to compare with).
 fn save_fully_sharded(pg: &ProcessGroup, dir: &Path) {
-    let (model, mut opt) = Model::new(pg, Layout::Fsdp, 7);
+    let (model, mut opt) = Model::new::<AdamW>(pg, Layout::Fsdp, 7, DType::F32, ADAMW);
     model.train(pg, &mut opt, 0..5);
     let mut c = Checkpointer::for_group(dir.join("dcp"), pg, &Device::Cpu);
     c.save(&model.state_dict(&opt)).unwrap();
@@ -225,13 +62,13 @@ fn save_fully_sharded(pg: &ProcessGroup, dir: &Path) {
 /// Loads the distributed checkpoint under `layout` (fresh weights of another seed first): the
 /// state equals the saved one bit for bit, and 5 more steps end where one process's 10 do.
 fn load_and_go_on(pg: &ProcessGroup, layout: Layout, dir: &Path) {
-    let (model, mut opt) = Model::new(pg, layout, 99);
+    let (model, mut opt) = Model::new::<AdamW>(pg, layout, 99, DType::F32, ADAMW);
     let c = Checkpointer::for_group(dir.join("dcp"), pg, &Device::Cpu);
-    model.load(&mut opt, &c).unwrap();
+    model.load(&mut opt, &c, LoadOptions::default()).unwrap();
     let name = format!("{layout:?}-{}.safetensors", pg.world_size());
     model.save_whole(&opt, &dir.join(&name));
     model.train(pg, &mut opt, 5..10);
-    let d = max_diff(&model.values(), &one_process(10));
+    let d = max_diff(&model.values(), &one_process::<AdamW>(ADAMW, 10));
     assert!(
         d <= 1e-5,
         "rank {} ({layout:?} at {}): differs from one process by {d}",
@@ -283,16 +120,16 @@ fn fully_sharded_at_4_loads_into_zero2_at_3_ddp_at_2_fully_sharded_at_3_and_1_an
         o.backward_step(&loss::cross_entropy(&m.forward(&x).unwrap(), &y).unwrap())
             .unwrap();
     }
-    let d = max_diff(&values(&varmap), &one_process(10));
+    let d = max_diff(&values(&varmap), &one_process::<AdamW>(ADAMW, 10));
     assert!(d <= 1e-5, "one process from the checkpoint differs by {d}");
     // And what one process saves, four fully sharded ranks load.
     let mut c = Checkpointer::new(dir.join("one"));
     c.save(&dcp::training_state(&varmap, &o).unwrap()).unwrap();
     assert_eq!(Index::read(dir.join("one")).unwrap().files().count(), 1);
     distributed::spawn_threads(4, |pg| {
-        let (model, mut opt) = Model::new(&pg, Layout::Fsdp, 5);
+        let (model, mut opt) = Model::new::<AdamW>(&pg, Layout::Fsdp, 5, DType::F32, ADAMW);
         let c = Checkpointer::for_group(dir.join("one"), &pg, &Device::Cpu);
-        model.load(&mut opt, &c).unwrap();
+        model.load(&mut opt, &c, LoadOptions::default()).unwrap();
         assert_eq!(max_diff(&model.values(), &values(&varmap)), 0.0);
         Ok(())
     })
@@ -723,7 +560,7 @@ fn an_asynchronous_save_holds_its_steps_state_while_training_goes_on() {
     for world in [1, 2] {
         let sub = dir.join(format!("w{world}"));
         let results = distributed::spawn_threads(world, |pg| {
-            let (model, mut opt) = Model::new(&pg, Layout::Zero2, 7);
+            let (model, mut opt) = Model::new::<AdamW>(&pg, Layout::Zero2, 7, DType::F32, ADAMW);
             model.train(&pg, &mut opt, 0..3);
             let mut c = Checkpointer::for_group(&sub, &pg, &Device::Cpu);
             c.save_async(&model.state_dict(&opt))?;
@@ -734,8 +571,9 @@ fn an_asynchronous_save_holds_its_steps_state_while_training_goes_on() {
             // Training changes the weights in place while the thread writes.
             model.train(&pg, &mut opt, 3..6);
             c.wait()?;
-            let (fresh, mut fresh_opt) = Model::new(&pg, Layout::Fsdp, 1);
-            fresh.load(&mut fresh_opt, &c)?;
+            let (fresh, mut fresh_opt) =
+                Model::new::<AdamW>(&pg, Layout::Fsdp, 1, DType::F32, ADAMW);
+            fresh.load(&mut fresh_opt, &c, LoadOptions::default())?;
             fresh.save_whole(
                 &fresh_opt,
                 &sub.with_extension(format!("back-{}.safetensors", pg.rank())),

@@ -5,6 +5,7 @@
 
 pub mod collectives;
 pub mod engines;
+pub mod layouts;
 pub mod models;
 pub mod netns;
 pub mod p2p;
