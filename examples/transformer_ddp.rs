@@ -32,7 +32,7 @@
 //!
 //! trains a model whose unsharded AdamW state (97 MiB) would not fit 40 MiB per rank.
 //!
-//! With `--checkpoint-dir DIR` (any sharding) the run saves a resumable checkpoint there every
+//! With `--checkpoint-dir DIR` (any sharding; under `--tensor-parallel`, none) the run saves a resumable checkpoint there every
 //! `--checkpoint-every` steps (the model and AdamW's state as a distributed checkpoint, each
 //! rank writing its own pieces, which any sharding at any world size loads; under f16 the
 //! gradient scaler's; the epoch, the step and the position in the epoch) and, started again,
@@ -329,10 +329,10 @@ impl Args {
              are also cut inside (FSDP over \"dp\" of tensor-parallel parts) are not built yet"
         );
         anyhow::ensure!(
-            self.checkpoint_dir.is_none(),
-            "--checkpoint-dir is not built under --tensor-parallel (a ZeRO-2 chunk of a cut \
-             weight is no region of the whole one); use --save, which puts the parts back \
-             together"
+            self.checkpoint_dir.is_none() || self.sharding == ShardingArg::None,
+            "--checkpoint-dir under --tensor-parallel takes --sharding none (a ZeRO-2 chunk \
+             of a cut weight is no region of the whole one); or use --save, which puts the \
+             parts back together"
         );
         anyhow::ensure!(
             self.dump_step.is_none() && self.time_steps.is_none(),
@@ -524,7 +524,7 @@ fn rank_main(args: &Args) -> Result<()> {
     };
     if let Some(c) = &checkpoints {
         let load = |path: &std::path::Path| {
-            model.load_checkpoint(&mut opt, path, &pg, &device)?;
+            model.load_checkpoint(&mut opt, path, tp.as_ref(), &pg, &device)?;
             match scaler.as_mut() {
                 Some(s) => load_scaler(s, path),
                 None => Ok(()),
@@ -627,7 +627,7 @@ fn rank_main(args: &Args) -> Result<()> {
                         f.check()?;
                     }
                     let folder = c.save(&at, |path| {
-                        model.save_checkpoint(&opt, path, &pg, &device)?;
+                        model.save_checkpoint(&opt, path, tp.as_ref(), &pg, &device)?;
                         match (&scaler, rank) {
                             (Some(s), 0) => save_scaler(s, path, &device),
                             _ => Ok(()),
@@ -720,6 +720,17 @@ fn rank_main(args: &Args) -> Result<()> {
 /// The gradient scaler's state beside a checkpoint's training state (`path`): without it an
 /// f16 run would resume at the initial scale of 65536 and skip steps until it backed off again.
 const SCALER_FILE: &str = "grad_scaler.safetensors";
+/// The tensor-parallel parts of DDP's model, as a `VarMap` of its variables (the same ones).
+fn parts_of(m: &DistributedDataParallel<Transformer>) -> VarMap {
+    let varmap = VarMap::new();
+    varmap
+        .data()
+        .lock()
+        .expect("a fresh VarMap")
+        .extend(m.named_parameters());
+    varmap
+}
+
 /// The distributed checkpoint's folder in a checkpoint of `--checkpoint-dir`.
 const STATE_DIR: &str = "state";
 
@@ -888,17 +899,20 @@ impl Model {
 
     /// Saves the training state as a distributed checkpoint in the folder `state` beside
     /// `path` (each rank its own pieces: nothing is gathered, and any layout at any world size
-    /// loads it).
+    /// loads it; under `--tensor-parallel`, each part as the box it is of the one-process
+    /// weight).
     fn save_checkpoint(
         &self,
         opt: &AdamW,
         path: &std::path::Path,
+        tp: Option<&TensorParallel>,
         pg: &ProcessGroup,
         device: &Device,
     ) -> candle_parallel::Result<()> {
-        let state = match self {
-            Self::Ddp(m) => m.state_dict(opt)?,
-            Self::Full(m) => m.state_dict(opt)?,
+        let state = match (self, tp) {
+            (Self::Ddp(m), Some(tp)) => parallel_plan().state_dict(&parts_of(m), opt, &tp.group)?,
+            (Self::Ddp(m), None) => m.state_dict(opt)?,
+            (Self::Full(m), _) => m.state_dict(opt)?,
         };
         Checkpointer::for_group(path.with_file_name(STATE_DIR), pg, device).save(&state)
     }
@@ -909,20 +923,24 @@ impl Model {
         &self,
         opt: &mut AdamW,
         path: &std::path::Path,
+        tp: Option<&TensorParallel>,
         pg: &ProcessGroup,
         device: &Device,
     ) -> candle_parallel::Result<()> {
         let checkpoints = Checkpointer::for_group(path.with_file_name(STATE_DIR), pg, device);
-        if !checkpoints.exists() && path.exists() {
+        if !checkpoints.exists() && path.exists() && tp.is_none() {
             return match self {
                 Self::Ddp(m) => m.load_checkpoint(opt, path),
                 Self::Full(m) => m.load_checkpoint(opt, path),
             };
         }
         let options = LoadOptions::default();
-        match self {
-            Self::Ddp(m) => m.load_state_dict(opt, &checkpoints, options),
-            Self::Full(m) => m.load_state_dict(opt, &checkpoints, options),
+        match (self, tp) {
+            (Self::Ddp(m), Some(tp)) => {
+                parallel_plan().load_state_dict(&checkpoints, &parts_of(m), opt, &tp.group, options)
+            }
+            (Self::Ddp(m), None) => m.load_state_dict(opt, &checkpoints, options),
+            (Self::Full(m), _) => m.load_state_dict(opt, &checkpoints, options),
         }
     }
 

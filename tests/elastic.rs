@@ -171,6 +171,14 @@ fn a_rank_sigkilled_mid_epoch_restarts_and_transformer_ddp_fully_sharded_ends_as
     transformer_killed_and_resumed("elastic-transformer-full", "2", &["--sharding", "full"]);
 }
 
+/// Tensor parallel over the 2 ranks: each saves its parts as boxes of the one-process weights,
+/// and the restarted job reads them back.
+#[test]
+fn a_rank_sigkilled_mid_epoch_restarts_and_transformer_ddp_tensor_parallel_ends_as_if_never_stopped(
+) {
+    transformer_killed_and_resumed("resume-tp", "2", &["--tensor-parallel", "2"]);
+}
+
 #[test]
 fn exhausted_restarts_exit_with_the_failing_ranks_code_and_ranks_see_their_round() {
     let script = r#"
