@@ -8,6 +8,8 @@
 //!   [`HEARTBEAT`] on a connection of its own, and on it looks for a request to restart;
 //! - to run, it joins the next round (with a free port of its own, in case its machine hosts
 //!   rank 0) and waits, at most `join_timeout`, for its place in it.
+//! - when it stops without success (out of restarts, interrupted, its join timed out), it
+//!   withdraws, and the coordinator counts it out at once rather than after `keep_alive`.
 //!
 //! The coordinator closes a round when `max_nodes` have joined, or when `min_nodes` have and
 //! `last_call` has passed since; a round never closes while a machine of the round before still
@@ -268,6 +270,8 @@ pub(super) struct Agent {
     config: ElasticConfig,
     /// The last round this launcher ran in.
     round: Option<usize>,
+    /// Whether it left after its job succeeded ([`finish`](Self::finish)).
+    finished: bool,
     // Declared before `host`: the heartbeats stop before the store does.
     watch: Watch,
     host: Option<Host>,
@@ -339,6 +343,7 @@ impl Agent {
             nproc: config.nproc_per_node,
             config: elastic.clone(),
             round: None,
+            finished: false,
             watch,
             host,
         })
@@ -456,7 +461,8 @@ impl Agent {
     /// Leaves the rendezvous after this machine's ranks succeeded, which closes it (the job is
     /// done); the host waits (at most `keep_alive`) for the round's other machines to leave
     /// too, so that its store outlives their last look at it.
-    pub(super) fn finish(&self) {
+    pub(super) fn finish(&mut self) {
+        self.finished = true;
         if let Err(e) = self.store.set(&key::left(self.id), b"done") {
             log::debug!("could not leave the rendezvous: {e}");
             return;
@@ -483,6 +489,20 @@ impl Agent {
                     }
                     _ => break,
                 }
+            }
+        }
+    }
+}
+
+impl Drop for Agent {
+    /// A launcher that stops without success (out of restarts, interrupted, a join that timed
+    /// out) withdraws at once: else the coordinator would count its pending join, or its place
+    /// in the running round, until `keep_alive` passed, and could close a round with a machine
+    /// whose ranks never start.
+    fn drop(&mut self) {
+        if !self.finished {
+            if let Err(e) = self.store.set(&key::lost(self.id), b"withdrew") {
+                log::debug!("could not withdraw from the rendezvous: {e}");
             }
         }
     }
@@ -567,6 +587,11 @@ impl Coordinator {
                 self.closed = true;
                 self.store.set(key::CLOSED, b"1")?;
                 log::info!("node {id} finished its job: the rendezvous is closed");
+                continue;
+            }
+            if self.store.check(&[&key::lost(id)])? {
+                node.gone = true;
+                log::info!("the launcher of node {id} stopped: it leaves the rendezvous");
                 continue;
             }
             if now.duration_since(node.heard) > self.config.keep_alive {
@@ -736,5 +761,37 @@ mod tests {
         };
         assert_eq!(Assignment::decode(&a.encode()), Some(a));
         assert_eq!(Assignment::decode("3 2 1"), None);
+    }
+
+    #[test]
+    fn a_launcher_that_stops_while_waiting_is_left_out_of_the_next_round() -> Result<()> {
+        let config = LaunchConfig {
+            master_addr: "127.0.0.1".into(),
+            master_port: Some(super::super::free_port("127.0.0.1")?),
+            ..Default::default()
+        };
+        let elastic = ElasticConfig {
+            min_nodes: 1,
+            max_nodes: 2,
+            last_call: Duration::from_millis(500),
+            join_timeout: Duration::from_secs(20),
+            keep_alive: Duration::from_secs(60),
+        };
+        let mut host = Agent::start(&config, &elastic, "withdraw")?;
+        assert!(host.host.is_some());
+        // A second launcher joins, then stops (as at its join timeout, or on Ctrl-C) long
+        // before `keep_alive` would count it as lost.
+        let other = Agent::start(&config, &elastic, "withdraw")?;
+        let info = format!("1 {} 127.0.0.1", super::super::free_port("127.0.0.1")?);
+        other
+            .store
+            .set(&key::join_info(other.id, 1), info.as_bytes())?;
+        other.store.add(&key::joins(other.id), 1)?;
+        drop(other);
+        // The round must not count it: it closes at the last call with the host alone.
+        let place = host.join(&|| None)?.expect("a place");
+        assert_eq!((place.nnodes, place.world, place.group_rank), (1, 1, 0));
+        host.finish();
+        Ok(())
     }
 }
