@@ -404,6 +404,18 @@ impl Agent {
                 log::info!("the job finished on the other machines: nothing left to run here");
                 return Ok(None);
             }
+            // Counted out (silent past `keep_alive`): no round will ever place this machine.
+            let counted_out = self.store.check(&[&key::lost(self.id)]);
+            if counted_out.map_err(|e| self.lost(&e.to_string()))? {
+                return Err(Error::Rendezvous {
+                    detail: format!(
+                        "the elastic rendezvous at {} counted this machine (node {}) as lost:                          its launcher was silent for more than --rdzv-keep-alive {} s, and the                          job went on without it; start its launcher again to rejoin (as a new                          node), or raise --rdzv-keep-alive if the machine was only slow",
+                        self.addr,
+                        self.id,
+                        self.config.keep_alive.as_secs_f64()
+                    ),
+                });
+            }
             let left = self.config.join_timeout.saturating_sub(started.elapsed());
             match self.store.get(&key::place(self.id, k), left.min(POLL)) {
                 Ok(text) => {
@@ -792,6 +804,34 @@ mod tests {
         let place = host.join(&|| None)?.expect("a place");
         assert_eq!((place.nnodes, place.world, place.group_rank), (1, 1, 0));
         host.finish();
+        Ok(())
+    }
+
+    #[test]
+    fn a_launcher_counted_as_lost_is_told_so_at_its_next_join_not_at_the_join_timeout() -> Result<()>
+    {
+        let config = LaunchConfig {
+            master_addr: "127.0.0.1".into(),
+            master_port: Some(super::super::free_port("127.0.0.1")?),
+            ..Default::default()
+        };
+        let elastic = ElasticConfig {
+            min_nodes: 2,
+            max_nodes: 2,
+            join_timeout: Duration::from_secs(30),
+            ..Default::default()
+        };
+        let mut host = Agent::start(&config, &elastic, "counted-out")?;
+        // As the coordinator marks a launcher silent for longer than `keep_alive`.
+        host.store.set(&key::lost(host.id), b"1")?;
+        let started = Instant::now();
+        let err = host.join(&|| None).unwrap_err().to_string();
+        assert!(started.elapsed() < Duration::from_secs(10), "{err}");
+        assert!(
+            err.contains("counted this machine (node 1) as lost") && err.contains("keep-alive"),
+            "{err}"
+        );
+        host.finished = true;
         Ok(())
     }
 }
