@@ -120,6 +120,7 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
     let mut config = LaunchConfig::default();
     let mut elastic: Option<ElasticConfig> = None;
     let mut node_rank_given = false;
+    let mut rdzv_given = false;
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
         let Some(text) = arg.to_str().filter(|t| t.starts_with('-')) else {
@@ -171,12 +172,19 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
             "--nnodes" => {
                 let (n, range) = nodes(&flag, &value()?)?;
                 config.nnodes = n;
-                let last = elastic.take().unwrap_or_default();
-                elastic = range.map(|(min_nodes, max_nodes)| ElasticConfig {
-                    min_nodes,
-                    max_nodes,
-                    ..last
-                });
+                let last = elastic.take();
+                elastic = match range {
+                    Some((min_nodes, max_nodes)) => Some(ElasticConfig {
+                        min_nodes,
+                        max_nodes,
+                        ..last.unwrap_or_default()
+                    }),
+                    // `--rdzv-*` given before a plain `--nnodes N`: kept, not elastic, so that
+                    // `finish_elastic` refuses it rather than drop it in silence.
+                    None => last
+                        .filter(|_| rdzv_given)
+                        .map(|e| ElasticConfig { min_nodes: 0, ..e }),
+                };
             }
             "--node-rank" => {
                 config.node_rank = number(&flag, &value()?)?;
@@ -184,6 +192,7 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Parsed> {
             }
             "--rdzv-last-call" | "--rdzv-join-timeout" | "--rdzv-keep-alive" => {
                 let d = seconds(&flag, &value()?)?;
+                rdzv_given = true;
                 let e = elastic.get_or_insert_with(|| ElasticConfig {
                     // Not elastic (yet): `finish_elastic` refuses it unless --nnodes MIN:MAX.
                     min_nodes: 0,
@@ -334,6 +343,14 @@ mod tests {
         assert!(err(&["--nnodes", "1:x", "p"]).contains("\"x\" is not a valid number"));
         assert!(err(&["--nnodes", "2", "--rdzv-last-call", "3", "p"])
             .contains("only with --nnodes MIN:MAX"));
+        // In either order: a --rdzv-* flag before a plain --nnodes N is refused too.
+        assert!(err(&["--rdzv-keep-alive", "3", "--nnodes", "2", "p"])
+            .contains("only with --nnodes MIN:MAX"));
+        let Parsed::Run { config, .. } = parse(&["--nnodes", "1:2", "--nnodes", "2", "p"]).unwrap()
+        else {
+            panic!("not a run")
+        };
+        assert_eq!(config.elastic, None);
         assert!(err(&["--nnodes", "1:2", "--node-rank", "1", "p"])
             .contains("--node-rank: not with --nnodes MIN:MAX"));
         let Parsed::Run { config, .. } = parse(&["--nnodes", "1:2", "p"]).unwrap() else {
