@@ -780,6 +780,11 @@ fn a_folder_that_is_a_file_or_not_shared_or_one_ranks_failed_write_fails_every_r
         assert!(e.contains("shard-1-of-2"), "rank {rank}: {e}");
     }
     assert!(!a.join(dcp::INDEX_FILE).exists());
+    // Nothing committed: no rank leaves its file of that save behind.
+    for folder in [&a, &b] {
+        let left = listing(folder);
+        assert!(left.is_empty(), "{} keeps {left:?}", folder.display());
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

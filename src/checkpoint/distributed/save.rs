@@ -360,18 +360,27 @@ pub(crate) fn commit(
         0 => write_index(dir, planned, &lengths),
         _ => Ok(()),
     };
+    // Whether rank 0 is known not to have written the index (its write fails before the
+    // rename): then this save's files are no checkpoint's, and each rank removes its own.
+    let uncommitted = std::cell::Cell::new(committed.is_err());
     let committed = match group {
         None => committed,
-        Some((g, d)) => {
-            crate::distributed::objects::agree_on(g, d, committed, |rank, m| Error::Checkpoint {
+        Some((g, d)) => crate::distributed::objects::agree_on(g, d, committed, |rank, m| {
+            uncommitted.set(true);
+            Error::Checkpoint {
                 key: String::new(),
                 path: dir.join(INDEX_FILE),
                 detail: format!("rank {rank} could not write the index: {m}"),
-            })
-        }
+            }
+        }),
     };
     if committed.is_ok() && planned.rank == 0 {
         remove_stale(dir, &planned.index);
+    }
+    if let (true, Some(name)) = (uncommitted.get(), &planned.file) {
+        if let Err(e) = std::fs::remove_file(dir.join(name)) {
+            log::warn!("could not remove {name}, of a save that was not committed: {e}");
+        }
     }
     committed
 }
