@@ -512,7 +512,9 @@ impl Drop for Agent {
     /// in the running round, until `keep_alive` passed, and could close a round with a machine
     /// whose ranks never start.
     fn drop(&mut self) {
-        if !self.finished {
+        // Not when the rendezvous is known lost: a store that went silent would hold this
+        // launcher's exit for the store's read timeout.
+        if !self.finished && lock(&self.watch.lost).is_none() {
             if let Err(e) = self.store.set(&key::lost(self.id), b"withdrew") {
                 log::debug!("could not withdraw from the rendezvous: {e}");
             }
