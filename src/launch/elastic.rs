@@ -471,9 +471,11 @@ impl Agent {
     }
 
     /// Leaves the rendezvous after this machine's ranks succeeded, which closes it (the job is
-    /// done); the host waits (at most `keep_alive`) for the round's other machines to leave
-    /// too, so that its store outlives their last look at it.
-    pub(super) fn finish(&mut self) {
+    /// done); the host waits for the round's other machines to leave too (or to be counted
+    /// lost, `keep_alive` after their last heartbeat), so that its store outlives their last
+    /// look at it even when they finish long after it: at most `join_timeout`, and not past a
+    /// signal (`stop`).
+    pub(super) fn finish(&mut self, stop: &dyn Fn() -> bool) {
         self.finished = true;
         if let Err(e) = self.store.set(&key::left(self.id), b"done") {
             log::debug!("could not leave the rendezvous: {e}");
@@ -492,9 +494,9 @@ impl Agent {
                     .collect()
             })
             .unwrap_or_default();
-        let deadline = Instant::now() + self.config.keep_alive;
+        let deadline = Instant::now() + self.config.join_timeout;
         for id in members {
-            while Instant::now() < deadline {
+            while Instant::now() < deadline && !stop() {
                 match self.store.check(&[&key::left(id)]) {
                     Ok(false) if !self.store.check(&[&key::lost(id)]).unwrap_or(true) => {
                         std::thread::sleep(TICK)
@@ -778,6 +780,45 @@ mod tests {
     }
 
     #[test]
+    fn the_host_that_finishes_first_keeps_the_store_until_a_slower_machine_leaves() -> Result<()> {
+        let config = LaunchConfig {
+            master_addr: "127.0.0.1".into(),
+            master_port: Some(super::super::free_port("127.0.0.1")?),
+            ..Default::default()
+        };
+        // The other machine finishes 3 s after the host, well past `keep_alive` (1 s), while
+        // its heartbeats go on.
+        let elastic = ElasticConfig {
+            min_nodes: 2,
+            max_nodes: 2,
+            last_call: Duration::from_millis(200),
+            join_timeout: Duration::from_secs(20),
+            keep_alive: Duration::from_secs(1),
+        };
+        let mut host = Agent::start(&config, &elastic, "slow")?;
+        let other = std::thread::spawn({
+            let (config, elastic) = (config.clone(), elastic.clone());
+            move || -> Result<Duration> {
+                let mut other = Agent::start(&config, &elastic, "slow")?;
+                other.join(&|| None)?.expect("a place");
+                std::thread::sleep(Duration::from_secs(3));
+                other.finish(&|| false);
+                Ok(Duration::ZERO)
+            }
+        });
+        host.join(&|| None)?.expect("a place");
+        let started = Instant::now();
+        host.finish(&|| false);
+        let waited = started.elapsed();
+        other.join().expect("the other launcher's thread")?;
+        assert!(
+            waited >= Duration::from_millis(2500),
+            "the host left after {waited:?}, before the other machine did"
+        );
+        Ok(())
+    }
+
+    #[test]
     fn a_launcher_that_stops_while_waiting_is_left_out_of_the_next_round() -> Result<()> {
         let config = LaunchConfig {
             master_addr: "127.0.0.1".into(),
@@ -805,7 +846,7 @@ mod tests {
         // The round must not count it: it closes at the last call with the host alone.
         let place = host.join(&|| None)?.expect("a place");
         assert_eq!((place.nnodes, place.world, place.group_rank), (1, 1, 0));
-        host.finish();
+        host.finish(&|| false);
         Ok(())
     }
 

@@ -222,7 +222,7 @@ impl Job<'_> {
             let outcome = job.run(catch, guardian.as_deref_mut(), &|| agent.halt());
             let failure = match outcome {
                 Ok(None) => {
-                    agent.finish();
+                    agent.finish(&|| asked_to_stop().is_some());
                     return Ok(());
                 }
                 Ok(Some(Halt::Restart)) => {
