@@ -1284,3 +1284,40 @@ fn loads_during_an_asynchronous_save_never_find_files_removed_under_them() {
     .unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// One rank whose optimizer is not over the wrapper's parameters (misuse found only on that
+/// rank) fails the load on every rank, at once: no rank waits for it in the load's collectives.
+#[test]
+fn an_optimizer_of_other_variables_on_one_rank_fails_the_load_on_every_rank() {
+    let dir = common::temp_dir("dcp-misuse-one-rank");
+    spawn(2, |pg| {
+        let (model, opt) = Model::new::<AdamW>(&pg, Layout::Fsdp, 7, DType::F32, ADAMW);
+        let mut c = Checkpointer::for_group(&dir, &pg, &Device::Cpu);
+        c.save(&model.state_dict(&opt))?;
+        for layout in [Layout::Ddp, Layout::Fsdp] {
+            let (model, mut opt) = Model::new::<AdamW>(&pg, layout, 9, DType::F32, ADAMW);
+            if pg.rank() == 1 {
+                let stranger = Var::zeros(3, DType::F32, &Device::Cpu)?;
+                opt = AdamW::new(vec![stranger], ADAMW)?;
+            }
+            let started = std::time::Instant::now();
+            let err = model
+                .load(&mut opt, &c, LoadOptions::default())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "rank {} waited {:?}",
+                pg.rank(),
+                started.elapsed()
+            );
+            match pg.rank() {
+                1 => assert!(err.contains("[3]"), "{err}"),
+                _ => assert!(err.contains("rank 1 failed"), "{err}"),
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -395,7 +395,9 @@ impl Checkpointer {
         self.agree(loaded)
     }
 
-    fn agree<T>(&self, result: Result<T>) -> Result<T> {
+    /// `result` of this rank, agreed by every rank: a failure anywhere is an error everywhere
+    /// (a layout's checks before a load, so that no rank waits for one that gave up).
+    pub(crate) fn agree<T>(&self, result: Result<T>) -> Result<T> {
         match &self.group {
             Some((g, d)) => agree_on(g, d, result, |rank, message| Error::Checkpoint {
                 key: String::new(),

@@ -180,6 +180,9 @@ impl<M> DistributedDataParallel<M> {
     ) -> Result<()> {
         self.refuse_inside_join("load_state_dict")?;
         let (rank, world) = (self.group.rank(), self.group.world_size());
+        // Checked on every rank together: a rank that gave up here would leave the others
+        // waiting in the load.
+        let slots = checkpoints.agree(self.optimizer_slots(opt))?;
         let index = checkpoints.index()?;
         let vars: Vec<(String, Var)> = lock(self.varmap.data())
             .iter()
@@ -194,7 +197,6 @@ impl<M> DistributedDataParallel<M> {
                 )
             })
             .collect();
-        let slots = self.optimizer_slots(opt)?;
         let names: Vec<String> = slots.iter().map(|&i| self.params[i].name.clone()).collect();
         let sharded = !self.reducer.pieces().is_empty();
         wanted.extend(optimizer_wanted(

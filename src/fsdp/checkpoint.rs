@@ -173,6 +173,9 @@ impl<M> FullyShardedDataParallel<M> {
         let group = &self.shared.group;
         let (rank, world) = (group.rank(), group.world_size());
         let device = &self.shared.device;
+        // Checked on every rank together: a rank that gave up here would leave the others
+        // waiting in the load.
+        let order = checkpoints.agree(self.optimizer_slots(opt))?;
         let index = checkpoints.index()?;
         let slots = self.slots();
         let mut wanted = BTreeMap::new();
@@ -193,7 +196,6 @@ impl<M> FullyShardedDataParallel<M> {
                 whole_wanted(var.as_tensor(), Some(var.dtype())),
             );
         }
-        let order = self.optimizer_slots(opt)?;
         let names: Vec<String> = order.iter().map(|&i| slots[i].name.clone()).collect();
         wanted.extend(optimizer_wanted(&index, &names, device, |_, shape| {
             vec![chunk_region(shape.iter().product(), world, rank)]

@@ -158,16 +158,24 @@ impl ParallelPlan {
         tp: &ProcessGroup,
         options: LoadOptions,
     ) -> Result<()> {
-        let index = checkpoints.index()?;
-        let names = var_names(varmap, opt.vars())?;
         let vars: Vec<(String, Var)> = lock(varmap.data())
             .iter()
             .map(|(n, v)| (n.clone(), v.clone()))
             .collect();
+        // Checked on every rank together: a rank that gave up here would leave the others
+        // waiting in the load.
+        let checked = var_names(varmap, opt.vars()).and_then(|names| {
+            let regions = vars
+                .iter()
+                .map(|(name, var)| self.regions(name, var.dims(), tp))
+                .collect::<Result<Vec<_>>>()?;
+            Ok((names, regions))
+        });
+        let (names, regions) = checkpoints.agree(checked)?;
+        let index = checkpoints.index()?;
         let mut wanted = BTreeMap::new();
         let mut parts = BTreeMap::new();
-        for (name, var) in &vars {
-            let (shape, regions) = self.regions(name, var.dims(), tp)?;
+        for ((name, var), (shape, regions)) in vars.iter().zip(regions) {
             parts.insert(name.clone(), (var.dims().to_vec(), regions.clone()));
             let want = Wanted {
                 shape,
