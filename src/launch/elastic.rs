@@ -779,13 +779,18 @@ mod tests {
         assert_eq!(Assignment::decode("3 2 1"), None);
     }
 
-    #[test]
-    fn the_host_that_finishes_first_keeps_the_store_until_a_slower_machine_leaves() -> Result<()> {
-        let config = LaunchConfig {
+    /// A launcher's configuration whose rendezvous is on a free port of 127.0.0.1.
+    fn loopback() -> Result<LaunchConfig> {
+        Ok(LaunchConfig {
             master_addr: "127.0.0.1".into(),
             master_port: Some(super::super::free_port("127.0.0.1")?),
             ..Default::default()
-        };
+        })
+    }
+
+    #[test]
+    fn the_host_that_finishes_first_keeps_the_store_until_a_slower_machine_leaves() -> Result<()> {
+        let config = loopback()?;
         // The other machine finishes 3 s after the host, well past `keep_alive` (1 s), while
         // its heartbeats go on.
         let elastic = ElasticConfig {
@@ -820,11 +825,7 @@ mod tests {
 
     #[test]
     fn a_launcher_that_stops_while_waiting_is_left_out_of_the_next_round() -> Result<()> {
-        let config = LaunchConfig {
-            master_addr: "127.0.0.1".into(),
-            master_port: Some(super::super::free_port("127.0.0.1")?),
-            ..Default::default()
-        };
+        let config = loopback()?;
         let elastic = ElasticConfig {
             min_nodes: 1,
             max_nodes: 2,
@@ -853,11 +854,7 @@ mod tests {
     #[test]
     fn a_launcher_counted_as_lost_is_told_so_at_its_next_join_not_at_the_join_timeout() -> Result<()>
     {
-        let config = LaunchConfig {
-            master_addr: "127.0.0.1".into(),
-            master_port: Some(super::super::free_port("127.0.0.1")?),
-            ..Default::default()
-        };
+        let config = loopback()?;
         let elastic = ElasticConfig {
             min_nodes: 2,
             max_nodes: 2,
