@@ -164,6 +164,23 @@ impl ShardedTensor {
             _ => None,
         }
     }
+
+    /// This rank's pieces laid end to end along dimension 0, as one tensor: the piece itself
+    /// when there is one, a packed tensor-parallel part (its queries', keys' and values' rows)
+    /// when there are several.
+    pub(crate) fn joined(&self) -> Result<Tensor> {
+        match self.pieces.as_slice() {
+            [] => Err(Error::InvalidArgument {
+                what: "a sharded tensor",
+                detail: "this rank holds no piece of it to join".into(),
+            }),
+            [(_, t)] => Ok(t.clone()),
+            pieces => {
+                let all: Vec<Tensor> = pieces.iter().map(|(_, p)| p.clone()).collect();
+                Ok(Tensor::cat(&all, 0)?)
+            }
+        }
+    }
 }
 
 /// What one rank holds of a model's training state: tensors by name.
@@ -661,8 +678,8 @@ fn state_of<'a>(rest: &'a str, names: &[String]) -> Option<(usize, &'a str)> {
 }
 
 /// The optimizer state of the parameters `names` (in the optimizer's order) in `loaded`: each
-/// state's one piece passed through `finish(i, piece)` (to the form the optimizer keeps, e.g.
-/// a padded chunk), and every scalar.
+/// state's pieces ([`ShardedTensor::joined`]) passed through `finish(i, state)` (to the form the
+/// optimizer keeps, e.g. a padded chunk), and every scalar.
 pub(crate) fn optimizer_state(
     loaded: &StateDict,
     names: &[String],
@@ -673,14 +690,13 @@ pub(crate) fn optimizer_state(
         per_var: vec![BTreeMap::new(); names.len()],
     };
     for (key, t) in loaded.iter() {
-        let Some(piece) = t.piece() else { continue };
         if let Some(rest) = key.strip_prefix(OPTIMIZER_STATE) {
             if let Some((i, s)) = state_of(rest, names) {
-                state.per_var[i].insert(s.to_string(), finish(i, piece)?);
+                state.per_var[i].insert(s.to_string(), finish(i, &t.joined()?)?);
             }
         } else if let Some(scalar) = key.strip_prefix(OPTIMIZER) {
             if !scalar.contains('.') {
-                let v = piece.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                let v = t.joined()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 state.scalars.insert(scalar.to_string(), v);
             }
         }

@@ -194,28 +194,12 @@ impl ParallelPlan {
                 .map_or_else(Vec::new, |(_, r)| r.clone())
         }));
         let loaded = checkpoints.load(&wanted, options)?;
-        let packed = |t: &ShardedTensor| -> Result<Tensor> {
-            match t.pieces() {
-                [(_, one)] => Ok(one.clone()),
-                pieces => {
-                    let all: Vec<Tensor> = pieces.iter().map(|(_, p)| p.clone()).collect();
-                    Ok(Tensor::cat(&all, 0)?)
-                }
-            }
-        };
-        let mut packed_states = StateDict::new();
-        for (key, t) in loaded.iter() {
-            if key.starts_with(OPTIMIZER_STATE) {
-                packed_states.insert(key, ShardedTensor::whole(packed(t)?));
-            } else if !vars.iter().any(|(n, _)| n == key) {
-                packed_states.insert(key, t.clone());
-            }
-        }
-        let state = optimizer_state(&packed_states, &names, |_, t| Ok(t.clone()))?;
+        // A packed part's three boxes are laid back end to end.
+        let state = optimizer_state(&loaded, &names, |_, t| Ok(t.clone()))?;
         opt.load_state(&state)?;
         for (name, var) in &vars {
             if let Some(t) = loaded.get(name) {
-                var.set(&packed(t)?)?;
+                var.set(&t.joined()?)?;
             }
         }
         Ok(())
