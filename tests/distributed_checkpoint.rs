@@ -9,7 +9,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{loss, Module, Optimizer, VarMap};
 use candle_parallel::checkpoint::distributed::{
     self as dcp, Checkpointer, Index, Region, ShardedTensor, StateDict,
@@ -18,9 +18,11 @@ use candle_parallel::checkpoint::{self, LoadOptions};
 use candle_parallel::distributed::{self, ProcessGroup};
 use candle_parallel::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_parallel::init::seeded_var_builder;
-use candle_parallel::optim::{AdamW, AdamWConfig, ElementwiseOptimizer};
-use candle_parallel::tensor_parallel::{ParallelPlan, ParallelStyle};
-use common::layouts::{assert_same_files, one_process, Layout, Model, ROWS};
+use candle_parallel::optim::{AdamW, ElementwiseOptimizer};
+use candle_parallel::tensor_parallel::ParallelPlan;
+use common::layouts::{
+    assert_same_files, names_of, one_process, tp_plan, varmap_of, Layout, Model, ADAMW, ROWS,
+};
 use common::models::{batch, max_diff, mlp_uneven, values};
 use common::{done, is_child, join_child, Ranks};
 use std::collections::HashMap;
@@ -28,14 +30,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(120);
-const ADAMW: AdamWConfig = AdamWConfig {
-    lr: 0.01,
-    betas: (0.9, 0.999),
-    eps: 1e-8,
-    weight_decay: 0.01,
-    amsgrad: false,
-    maximize: false,
-};
 
 /// Removes a test's folder, or with `CP_KEEP_DCP=FOLDER` moves it to `FOLDER/name`, for
 /// `scripts/torch_dcp_twin.py`.
@@ -170,14 +164,7 @@ fn processes_save_fully_sharded_at_4_and_load_zero2_at_3() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A one-process "model" for tensor parallel: a column-cut, a row-cut and a packed layer.
-fn tp_plan() -> ParallelPlan {
-    ParallelPlan::new()
-        .layer("fc1", ParallelStyle::Colwise)
-        .layer("fc2", ParallelStyle::Rowwise)
-        .layer("qkv", ParallelStyle::PackedQkv)
-}
-
+/// The one-process values of the tensor-parallel tests' variables.
 fn tp_whole() -> Vec<(&'static str, Tensor)> {
     let t = |n: usize, shape: &[usize]| {
         Tensor::arange(0f32, n as f32, &Device::Cpu)
@@ -214,29 +201,17 @@ fn tp_steps(varmap: &VarMap, opt: &mut AdamW) {
     }
 }
 
-fn tp_varmap(parts: Vec<(String, Tensor)>) -> VarMap {
-    let varmap = VarMap::new();
-    for (n, t) in parts {
-        varmap
-            .data()
-            .lock()
-            .unwrap()
-            .insert(n, Var::from_tensor(&t).unwrap());
-    }
-    varmap
-}
-
 #[test]
 fn tensor_parallel_at_2_loads_at_4_and_into_one_process_and_pipeline_stages_too() {
     let dir = common::temp_dir("dcp-tp");
     let plan = tp_plan();
     // One process: the reference.
     let whole = tp_whole();
-    let one = tp_varmap(
+    let one = varmap_of(
         whole
             .iter()
             .map(|(n, t)| (n.to_string(), t.clone()))
-            .collect(),
+            .collect::<Vec<_>>(),
     );
     let mut one_opt = AdamW::new(one.all_vars(), ADAMW).unwrap();
     tp_steps(&one, &mut one_opt);
@@ -248,7 +223,7 @@ fn tensor_parallel_at_2_loads_at_4_and_into_one_process_and_pipeline_stages_too(
         let second = pg.new_group(&[2, 3])?;
         let tp = first.or(second).unwrap();
         let parts = plan.shard_all(whole.iter().map(|(n, t)| (*n, t)), &tp)?;
-        let varmap = tp_varmap(parts.into_iter().collect());
+        let varmap = varmap_of(parts.into_iter().collect::<Vec<_>>());
         let mut opt = AdamW::new(varmap.all_vars(), ADAMW)?;
         tp_steps(&varmap, &mut opt);
         let mut c = Checkpointer::for_group(dir.join("tp2"), &pg, &Device::Cpu);
@@ -260,11 +235,11 @@ fn tensor_parallel_at_2_loads_at_4_and_into_one_process_and_pipeline_stages_too(
     let index = Index::read(dir.join("tp2")).unwrap();
     assert_eq!(index.shape("qkv.weight"), Some(&[12usize, 4][..]));
     // Into one process: the same state as the one-process steps.
-    let back = tp_varmap(
+    let back = varmap_of(
         whole
             .iter()
             .map(|(n, t)| (n.to_string(), t.zeros_like().unwrap()))
-            .collect(),
+            .collect::<Vec<_>>(),
     );
     let mut back_opt = AdamW::new(back.all_vars(), ADAMW).unwrap();
     let c = Checkpointer::new(dir.join("tp2"));
@@ -281,28 +256,15 @@ fn tensor_parallel_at_2_loads_at_4_and_into_one_process_and_pipeline_stages_too(
         .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
         .collect();
     let one_state = one_opt.state();
-    let one_names: Vec<String> = {
-        let data = one.data().lock().unwrap();
-        one_opt
-            .vars()
-            .iter()
-            .map(|v| {
-                data.iter()
-                    .find(|(_, w)| w.as_tensor().id() == v.as_tensor().id())
-                    .unwrap()
-                    .0
-                    .clone()
-            })
-            .collect()
-    };
+    let one_names = names_of(&one, &one_opt);
     distributed::spawn_threads(4, |tp| {
         let zeros = whole.iter().map(|(n, t)| (*n, t));
         let parts = plan.shard_all(zeros, &tp)?;
-        let varmap = tp_varmap(
+        let varmap = varmap_of(
             parts
                 .into_iter()
                 .map(|(n, t)| (n, t.zeros_like().unwrap()))
-                .collect(),
+                .collect::<Vec<_>>(),
         );
         let mut opt = AdamW::new(varmap.all_vars(), ADAMW)?;
         let c = Checkpointer::for_group(dir.join("tp2"), &tp, &Device::Cpu);
@@ -317,19 +279,7 @@ fn tensor_parallel_at_2_loads_at_4_and_into_one_process_and_pipeline_stages_too(
         }
         let state = opt.state();
         assert_eq!(state.scalars, one_state.scalars);
-        let names: Vec<String> = {
-            let data = varmap.data().lock().unwrap();
-            opt.vars()
-                .iter()
-                .map(|v| {
-                    data.iter()
-                        .find(|(_, w)| w.as_tensor().id() == v.as_tensor().id())
-                        .unwrap()
-                        .0
-                        .clone()
-                })
-                .collect()
-        };
+        let names = names_of(&varmap, &opt);
         for (name, states) in names.iter().zip(&state.per_var) {
             let j = one_names.iter().position(|n| n == name).unwrap();
             for (s, t) in states {
@@ -347,7 +297,7 @@ fn tensor_parallel_at_2_loads_at_4_and_into_one_process_and_pipeline_stages_too(
             .filter(|(n, _)| n.starts_with(if pg.rank() == 0 { "fc" } else { "qkv" }))
             .map(|(n, t)| (n.clone(), t.clone()))
             .collect();
-        let stage = tp_varmap(mine);
+        let stage = varmap_of(mine);
         let opt = AdamW::new(stage.all_vars(), ADAMW)?;
         let mut c = Checkpointer::for_group(dir.join("stages"), &pg, &Device::Cpu);
         c.save(&dcp::training_state(&stage, &opt)?)?;
@@ -356,11 +306,11 @@ fn tensor_parallel_at_2_loads_at_4_and_into_one_process_and_pipeline_stages_too(
     .unwrap();
     let index = Index::read(dir.join("stages")).unwrap();
     assert_eq!(index.files().count(), 2);
-    let all = tp_varmap(
+    let all = varmap_of(
         whole
             .iter()
             .map(|(n, t)| (n.to_string(), t.zeros_like().unwrap()))
-            .collect(),
+            .collect::<Vec<_>>(),
     );
     let mut opt = AdamW::new(Vec::new(), ADAMW).unwrap();
     dcp::load_training_state(
@@ -664,7 +614,7 @@ fn fully_sharded_at_4_loads_into_data_parallel_2_by_tensor_parallel_2() {
             "fc2.bias",
             "qkv.weight",
         ];
-        let varmap = tp_varmap(
+        let varmap = varmap_of(
             names
                 .iter()
                 .map(|n| {
@@ -673,7 +623,7 @@ fn fully_sharded_at_4_loads_into_data_parallel_2_by_tensor_parallel_2() {
                         parts_of(&plan, &whole, n, &tp).zeros_like().unwrap(),
                     )
                 })
-                .collect(),
+                .collect::<Vec<_>>(),
         );
         let mut opt = AdamW::new(varmap.all_vars(), ADAMW)?;
         let c = Checkpointer::for_group(dir.join("dcp"), &pg, &Device::Cpu);

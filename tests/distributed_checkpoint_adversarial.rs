@@ -20,10 +20,11 @@ use candle_parallel::checkpoint::LoadOptions;
 use candle_parallel::ddp::{DdpConfig, Sharding};
 use candle_parallel::distributed::{self, InitConfig, ProcessGroup};
 use candle_parallel::fsdp::{FsdpConfig, FullyShardedDataParallel};
-use candle_parallel::optim::{AdamW, AdamWConfig, ElementwiseOptimizer, Sgd, SgdConfig};
-use candle_parallel::tensor_parallel::{ParallelPlan, ParallelStyle};
+use candle_parallel::optim::{AdamW, ElementwiseOptimizer, Sgd, SgdConfig};
 use candle_parallel::DistributedDataParallel;
-use common::layouts::{assert_same_files, bits, one_process, Layout, Model};
+use common::layouts::{
+    assert_same_files, bits, one_process, tp_plan, varmap_of, Layout, Model, ADAMW,
+};
 use common::models::{max_diff, SGD};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -829,15 +830,6 @@ fn processes_whose_one_rank_cannot_write_all_fail_then_save_together() {
 // ---------------------------------------------------------------------------------------------
 // Every layout into every other, changing world sizes, with fresh and stepped optimizers.
 
-/// Rows of every step's global batch: worlds 1 to 5 share it evenly.
-const ADAMW: AdamWConfig = AdamWConfig {
-    lr: 0.01,
-    betas: (0.9, 0.999),
-    eps: 1e-8,
-    weight_decay: 0.01,
-    amsgrad: false,
-    maximize: false,
-};
 const PLAIN_SGD: SgdConfig = SgdConfig {
     lr: 0.05,
     momentum: 0.0,
@@ -1070,13 +1062,6 @@ impl Module for TpModel {
     }
 }
 
-fn tp_plan() -> ParallelPlan {
-    ParallelPlan::new()
-        .layer("fc1", ParallelStyle::Colwise)
-        .layer("fc2", ParallelStyle::Rowwise)
-        .layer("qkv", ParallelStyle::PackedQkv)
-}
-
 /// The one-process values of the tensor-parallel model, distinct everywhere.
 fn tp_whole() -> BTreeMap<String, Tensor> {
     let mut out = BTreeMap::new();
@@ -1092,15 +1077,6 @@ fn tp_whole() -> BTreeMap<String, Tensor> {
         out.insert(n.clone(), t);
     }
     out
-}
-
-fn varmap_of(parts: impl IntoIterator<Item = (String, Tensor)>) -> VarMap {
-    let varmap = VarMap::new();
-    for (n, t) in parts {
-        let v = Var::from_tensor(&t).unwrap();
-        varmap.data().lock().unwrap().insert(n, v);
-    }
-    varmap
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! sharded), behind one face, for the distributed checkpoint's tests.
 
 use super::models::{batch, mlp_uneven, values, Mlp, Values};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{loss, VarMap};
 use candle_parallel::checkpoint::distributed::{self as dcp, Checkpointer, StateDict};
 use candle_parallel::checkpoint::{self, LoadOptions};
@@ -10,13 +10,59 @@ use candle_parallel::ddp::{DdpConfig, Sharding};
 use candle_parallel::distributed::ProcessGroup;
 use candle_parallel::fsdp::{FsdpConfig, FullyShardedDataParallel};
 use candle_parallel::init::seeded_var_builder;
-use candle_parallel::optim::ElementwiseOptimizer;
+use candle_parallel::optim::{AdamWConfig, ElementwiseOptimizer};
+use candle_parallel::tensor_parallel::{ParallelPlan, ParallelStyle};
 use candle_parallel::DistributedDataParallel;
 use std::collections::BTreeSet;
 use std::path::Path;
 
 /// Rows of every step's global batch: worlds 1 to 5 share it evenly.
 pub const ROWS: usize = 60;
+
+/// The AdamW both checkpoint test files train with.
+pub const ADAMW: AdamWConfig = AdamWConfig {
+    lr: 0.01,
+    betas: (0.9, 0.999),
+    eps: 1e-8,
+    weight_decay: 0.01,
+    amsgrad: false,
+    maximize: false,
+};
+
+/// The tensor-parallel tests' plan: a column-cut `fc1`, a row-cut `fc2`, a packed `qkv`.
+pub fn tp_plan() -> ParallelPlan {
+    ParallelPlan::new()
+        .layer("fc1", ParallelStyle::Colwise)
+        .layer("fc2", ParallelStyle::Rowwise)
+        .layer("qkv", ParallelStyle::PackedQkv)
+}
+
+/// A `VarMap` of variables made from `parts`, by name.
+pub fn varmap_of(parts: impl IntoIterator<Item = (String, Tensor)>) -> VarMap {
+    let varmap = VarMap::new();
+    for (n, t) in parts {
+        let v = Var::from_tensor(&t).unwrap();
+        varmap.data().lock().unwrap().insert(n, v);
+    }
+    varmap
+}
+
+/// The name in `varmap` of each of `opt`'s variables, in the optimizer's order.
+pub fn names_of(varmap: &VarMap, opt: &impl ElementwiseOptimizer) -> Vec<String> {
+    let data = varmap.data().lock().unwrap();
+    opt.vars()
+        .iter()
+        .map(|v| {
+            let named = data
+                .iter()
+                .find(|(_, w)| w.as_tensor().id() == v.as_tensor().id());
+            named
+                .expect("an optimizer variable of the VarMap")
+                .0
+                .clone()
+        })
+        .collect()
+}
 
 /// A tensor's elements as the bits of their f64 values: equal means equal bit for bit.
 pub fn bits(t: &Tensor) -> Vec<u64> {
