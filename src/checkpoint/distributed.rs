@@ -412,6 +412,17 @@ impl Checkpointer {
         self.agree(loaded)
     }
 
+    /// As [`load`](Self::load), from `index`, which [`index`](Self::index) just read (the
+    /// layouts read it first, to learn the optimizer's keys): the index is not read again.
+    pub(crate) fn load_indexed(
+        &self,
+        index: &Index,
+        wanted: &BTreeMap<String, Wanted>,
+        options: LoadOptions,
+    ) -> Result<StateDict> {
+        self.agree(load_from(index, wanted, options))
+    }
+
     /// `result` of this rank, agreed by every rank: a failure anywhere is an error everywhere
     /// (a layout's checks before a load, so that no rank waits for one that gave up).
     pub(crate) fn agree<T>(&self, result: Result<T>) -> Result<T> {
@@ -485,17 +496,17 @@ fn load_from(
             }
             None => saved,
         };
-        let regions: Vec<&Region> = entry.pieces.iter().map(|p| &p.region).collect();
-        if let Some(fault) = region::tiling_fault(&entry.shape, &regions) {
-            return Err(bad(format!(
-                "`{key}`'s pieces in the index do not tile it: {fault}"
-            )));
-        }
         let stored_runs: Vec<_> = entry
             .pieces
             .iter()
             .map(|p| p.region.runs(&entry.shape))
             .collect();
+        let numel = entry.shape.iter().product();
+        if let Some(fault) = region::runs_tiling_fault(numel, &stored_runs) {
+            return Err(bad(format!(
+                "`{key}`'s pieces in the index do not tile it: {fault}"
+            )));
+        }
         let size = saved.size_in_bytes();
         let mut pieces = Vec::with_capacity(want.regions.len());
         for region in &want.regions {
@@ -596,7 +607,7 @@ pub fn load_training_state(
         &Device::Cpu,
         |_, shape| vec![Region::whole(shape)],
     ));
-    let loaded = checkpoints.load(&wanted, options)?;
+    let loaded = checkpoints.load_indexed(&index, &wanted, options)?;
     let state = optimizer_state(&loaded, &names, |_, t| Ok(t.clone()))?;
     opt.load_state(&state)?;
     for (name, var) in &vars {

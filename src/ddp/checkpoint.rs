@@ -208,7 +208,7 @@ impl<M> DistributedDataParallel<M> {
                 false => vec![Region::whole(shape)],
             },
         ));
-        let loaded = checkpoints.load(&wanted, options)?;
+        let loaded = checkpoints.load_indexed(&index, &wanted, options)?;
         let state = optimizer_state(&loaded, &names, |j, t| {
             let shape = self.params[slots[j]].var.dims();
             match sharded {

@@ -200,7 +200,7 @@ impl<M> FullyShardedDataParallel<M> {
         wanted.extend(optimizer_wanted(&index, &names, device, |_, shape| {
             vec![chunk_region(shape.iter().product(), world, rank)]
         }));
-        let loaded = checkpoints.load(&wanted, options)?;
+        let loaded = checkpoints.load_indexed(&index, &wanted, options)?;
         let numel = |i: usize| slots[i].shape.iter().product::<usize>();
         let state = optimizer_state(&loaded, &names, |j, t| {
             padded_chunk(t, numel(order[j]), world)

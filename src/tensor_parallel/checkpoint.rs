@@ -193,7 +193,7 @@ impl ParallelPlan {
                 .get(&names[i])
                 .map_or_else(Vec::new, |(_, r)| r.clone())
         }));
-        let loaded = checkpoints.load(&wanted, options)?;
+        let loaded = checkpoints.load_indexed(&index, &wanted, options)?;
         // A packed part's three boxes are laid back end to end.
         let state = optimizer_state(&loaded, &names, |_, t| Ok(t.clone()))?;
         opt.load_state(&state)?;

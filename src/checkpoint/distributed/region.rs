@@ -198,8 +198,14 @@ pub(crate) fn overlaps(source: &[Run], dest: &[Run]) -> Vec<Copy> {
 /// Whether `regions` of a tensor of `shape` cover it exactly once; if not, the first element
 /// range that is missing or held twice, said in words.
 pub(crate) fn tiling_fault(shape: &[usize], regions: &[&Region]) -> Option<String> {
-    let numel: usize = shape.iter().product();
-    let mut runs: Vec<Run> = regions.iter().flat_map(|r| r.runs(shape)).collect();
+    let runs: Vec<Vec<Run>> = regions.iter().map(|r| r.runs(shape)).collect();
+    runs_tiling_fault(shape.iter().product(), &runs)
+}
+
+/// [`tiling_fault`] of regions already made runs (each region's, of a tensor of `numel`
+/// elements).
+pub(crate) fn runs_tiling_fault(numel: usize, regions: &[Vec<Run>]) -> Option<String> {
+    let mut runs: Vec<&Run> = regions.iter().flatten().collect();
     runs.sort_by_key(|r| r.start);
     let mut next = 0;
     for r in runs {
