@@ -113,16 +113,18 @@ struct Issued {
 
 /// A collective enqueued on the communication stream.
 ///
-/// It holds the tensors NCCL reads (the issued inputs, the messages sent) until the consumer's
-/// stream has waited for the collective, as torch's `recordStream` does: their memory goes back
-/// to candle's stream only behind that wait. cudarc alone does not guarantee it: it keeps one
-/// read event per buffer, which the next read on candle's stream overwrites, and the free then
-/// waits for that read only, not for NCCL's. A `Work` dropped without `wait` makes the
+/// It holds the tensors NCCL reads and writes (the issued inputs, the messages sent, the
+/// outputs and received messages, all on candle's stream) until the consumer's stream has
+/// waited for the collective, as torch's `recordStream` does: their memory goes back to
+/// candle's stream only behind that wait. cudarc alone does not guarantee it: it keeps one read
+/// event per buffer, which the next read on candle's stream overwrites, and the free then waits
+/// for that read only, not for NCCL's; and on a device without its event tracking
+/// (`devices::cuda_device`) nothing else orders them. A `Work` dropped without `wait` makes the
 /// consumer's stream wait all the same, before the tensors go.
 struct Enqueued {
     done: CudaEvent,
     device: CudaDevice,
-    /// What NCCL reads, released once the consumer's stream is ordered after `done`.
+    /// What NCCL reads and writes, released once the consumer's stream is ordered after `done`.
     held: Vec<Tensor>,
 }
 
@@ -188,6 +190,18 @@ fn serialised() -> bool {
         }
         on
     })
+}
+
+/// Makes the communication stream `comm` wait until buffers just allocated on `device`'s stream
+/// exist (an allocation is ordered on its own stream only).
+fn after_allocation(device: &CudaDevice, comm: &CudaStream) -> Result<()> {
+    device
+        .cuda_stream()
+        .record_event(None)
+        .and_then(|allocated| comm.wait(&allocated))
+        .map_err(driver_error(
+            "ordering the communication stream after its buffers",
+        ))
 }
 
 fn driver_error(op: &'static str) -> impl FnOnce(DriverError) -> Error {
@@ -318,10 +332,14 @@ impl candle_core::CustomOp1 for NcclOp<'_> {
         macro_rules! run {
             ($src:expr, $t:ty, $variant:ident, $dt:ident) => {{
                 let src = $src.slice(start..end);
+                // On the consumer's stream, as torch allocates a collective's output: the
+                // buffer belongs to candle's stream like every other, so candle's copies and
+                // frees of it (which run on a buffer's own stream) stay on that stream. The
+                // communication stream waits for the allocation.
                 // SAFETY: NCCL writes every element of the output before anything reads it
                 // (readers wait for the collective's event).
-                let mut dst =
-                    unsafe { self.stream.alloc::<$t>(out) }.map_err(candle_core::Error::wrap)?;
+                let mut dst = unsafe { s.device.alloc::<$t>(out) }?;
+                after_allocation(&s.device, self.stream).map_err(candle_core::Error::wrap)?;
                 self.enqueue(&src, &mut dst, count, sys::ncclDataType_t::$dt)?;
                 CudaStorageSlice::$variant(dst)
             }};
@@ -396,12 +414,16 @@ impl NcclComm {
             Error::from(e)
         })?;
         let done = done.map_err(driver_error("recording the collective's completion"))?;
+        // The outputs are held too: a Work dropped unwaited frees them on candle's stream only
+        // once that stream has waited for NCCL's writes.
+        let mut held = issued.inputs;
+        held.extend(outs.iter().cloned());
         Ok(Finished {
             value: outs,
             device: Some(Box::new(Enqueued {
                 done,
                 device: self.device.clone(),
-                held: issued.inputs,
+                held,
             })),
         })
     }
@@ -437,10 +459,15 @@ impl NcclComm {
                 (*peer, storage, layout.clone())
             })
             .collect();
+        // Receive buffers on candle's stream, as collectives' outputs are.
+        let consumer = self.device.cuda_stream();
         let mut bufs = recvs
             .iter()
-            .map(|(_, meta)| alloc(stream, meta))
+            .map(|(_, meta)| alloc(&consumer, meta))
             .collect::<Result<Vec<_>>>()?;
+        if !bufs.is_empty() {
+            after_allocation(&self.device, stream)?;
+        }
         let mut uses = Vec::new();
         result::group_start().map_err(|e| self.failed("ncclGroupStart", e))?;
         let mut enqueued = Ok(());
@@ -527,13 +554,18 @@ impl NcclComm {
                     false,
                 )
             })
+            .collect::<Vec<Tensor>>();
+        let held = sends
+            .iter()
+            .map(|(_, t)| t.clone())
+            .chain(outs.iter().cloned())
             .collect();
         Ok(Finished {
             value: outs,
             device: Some(Box::new(Enqueued {
                 done,
                 device: self.device.clone(),
-                held: sends.iter().map(|(_, t)| t.clone()).collect(),
+                held,
             })),
         })
     }
