@@ -506,7 +506,9 @@ impl<M: ModuleT> Run<'_, M> {
             ),
         })?;
         Ok(match output {
-            Some(o) if !t.device().same_device(o.device()) => t.to_device(o.device())?,
+            Some(o) if !t.device().same_device(o.device()) => {
+                crate::util::ordered_copy::to_device(&t, o.device(), false)?
+            }
             _ => t,
         })
     }
