@@ -138,7 +138,7 @@ fn cpu_loads(pg: &ProcessGroup, comm: Duration) -> Result<Vec<(&'static str, Bus
 
 fn rank_main(o: &Options) -> Result<()> {
     let device = if o.cuda {
-        Device::new_cuda_with_stream(0)?
+        candle_parallel::devices::cuda_device(0)?
     } else {
         Device::Cpu
     };

@@ -67,7 +67,7 @@ const IN_POOL_VAR: &str = "CP_BENCH_IN_POOL";
 /// The device a job computes on: GPU 0 under `--cuda`, else the CPU.
 fn device() -> Result<Device> {
     Ok(if std::env::var_os(CUDA_VAR).is_some() {
-        Device::new_cuda_with_stream(0)?
+        candle_parallel::devices::cuda_device(0)?
     } else {
         Device::Cpu
     })

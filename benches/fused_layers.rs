@@ -120,7 +120,7 @@ fn main() -> Result<()> {
         }
     }
     let dev = if cuda {
-        Device::new_cuda_with_stream(0)?
+        candle_parallel::devices::cuda_device(0)?
     } else {
         Device::Cpu
     };

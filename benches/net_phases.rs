@@ -311,7 +311,7 @@ fn main() -> Result<()> {
     let device = if o.cpu || candle_parallel::devices::gpu_count() == 0 {
         Device::Cpu
     } else {
-        Device::new_cuda_with_stream(0)?
+        candle_parallel::devices::cuda_device(0)?
     };
     let (what, host) = if device.is_cuda() {
         ("GPU ms (CUDA events)", "host ms")

@@ -108,7 +108,7 @@ fn device(args: &Args) -> Result<Device> {
         return Ok(Device::Cpu);
     }
     let local = Rendezvous::from_env()?.local_rank;
-    Ok(Device::new_cuda_with_stream(local % gpus)?)
+    Ok(candle_parallel::devices::cuda_device(local % gpus)?)
 }
 
 fn rank_main(args: &Args) -> Result<()> {

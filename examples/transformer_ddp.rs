@@ -373,7 +373,12 @@ fn device(args: &Args) -> Result<Device> {
         return Ok(Device::Cpu);
     }
     let local = Rendezvous::from_env()?.local_rank;
-    Ok(Device::new_cuda_with_stream(local % gpus)?)
+    // Without cudarc's per-buffer events (faster), except under full sharding: on NCCL it has
+    // trained wrongly on such a device (issue 29; FullyShardedDataParallel warns).
+    Ok(match args.sharding {
+        ShardingArg::Full => Device::new_cuda_with_stream(local % gpus)?,
+        _ => candle_parallel::devices::cuda_device(local % gpus)?,
+    })
 }
 
 /// Linear warm-up over `warm` steps to `peak`, then a cosine decay to a tenth of it at step

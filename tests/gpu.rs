@@ -44,8 +44,8 @@ fn data_parallel_over_two_devices_on_gpu_0_matches_one_device() {
     if !have_gpu() {
         return;
     }
-    let d0 = Device::new_cuda_with_stream(0).unwrap();
-    let d1 = Device::new_cuda_with_stream(0).unwrap();
+    let d0 = candle_parallel::devices::cuda_device(0).unwrap();
+    let d1 = candle_parallel::devices::cuda_device(0).unwrap();
     assert!(!d0.same_device(&d1));
     let plain_vars = VarMap::new();
     let plain = Net::new(seeded_var_builder(&plain_vars, 5, DType::F32, &d0)).unwrap();
@@ -95,8 +95,8 @@ fn model_parallel_over_two_devices_of_gpu_0_matches_one_device() {
     if !have_gpu() {
         return;
     }
-    let d0 = Device::new_cuda_with_stream(0).unwrap();
-    let d1 = Device::new_cuda_with_stream(0).unwrap();
+    let d0 = candle_parallel::devices::cuda_device(0).unwrap();
+    let d1 = candle_parallel::devices::cuda_device(0).unwrap();
     let layers = |varmap: &VarMap, a: &Device, b: &Device| -> [Linear; 3] {
         let vb = |d: &Device| seeded_var_builder(varmap, 5, DType::F32, d);
         [
@@ -178,8 +178,8 @@ fn copies_between_two_devices_of_gpu_0_wait_for_the_kernels_that_fill_them() {
     if !have_gpu() {
         return;
     }
-    let a = Device::new_cuda_with_stream(0).unwrap();
-    let b = Device::new_cuda_with_stream(0).unwrap();
+    let a = candle_parallel::devices::cuda_device(0).unwrap();
+    let b = candle_parallel::devices::cuda_device(0).unwrap();
     let x0 = Tensor::randn(0f32, 1.0, (1024, 1024), &Device::Cpu).unwrap();
     let w0 = Tensor::randn(0f32, 1.0, (1024, 1024), &Device::Cpu).unwrap();
     for round in 0..10 {
@@ -220,7 +220,7 @@ fn in_process_ranks_on_two_devices_of_gpu_0_gather_what_the_others_computed() {
     }
     let x0 = Tensor::randn(0f32, 1.0, (512, 512), &Device::Cpu).unwrap();
     let diffs = distributed::spawn_threads(2, |pg| {
-        let device = Device::new_cuda_with_stream(0)?;
+        let device = candle_parallel::devices::cuda_device(0)?;
         let rank = pg.rank() as f64;
         let mine = (busy(&x0.to_device(&device)?) + rank)?;
         let all = pg.all_gather(&mine)?;
@@ -248,8 +248,8 @@ fn master_variables_on_another_device_are_refused() {
     if !have_gpu() {
         return;
     }
-    let d0 = Device::new_cuda_with_stream(0).unwrap();
-    let d1 = Device::new_cuda_with_stream(0).unwrap();
+    let d0 = candle_parallel::devices::cuda_device(0).unwrap();
+    let d1 = candle_parallel::devices::cuda_device(0).unwrap();
     let varmap = VarMap::new();
     Net::new(seeded_var_builder(&varmap, 0, DType::F32, &d1)).unwrap();
     let err = DataParallel::new(&varmap, vec![d0, d1], Net::new)
@@ -264,7 +264,7 @@ fn nccl_collectives_with_one_rank_return_the_input_on_its_gpu() {
     if !have_gpu() {
         return;
     }
-    let device = Device::new_cuda_with_stream(0).unwrap();
+    let device = candle_parallel::devices::cuda_device(0).unwrap();
     let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitConfig::default()).unwrap();
     assert_eq!(pg.backend(), Backend::Nccl);
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
@@ -316,7 +316,7 @@ fn the_tcp_backend_carries_cuda_tensors_between_two_processes() {
     // Collectives, messages and all-to-all. (NCCL's messages need two GPUs: NCCL refuses two
     // ranks on one device.)
     if is_child() {
-        let device = Device::new_cuda_with_stream(0).unwrap();
+        let device = candle_parallel::devices::cuda_device(0).unwrap();
         let options = InitConfig {
             backend: Some(Backend::Tcp),
             ..InitConfig::from_env().unwrap()
@@ -500,7 +500,7 @@ fn training_on_the_gpu_repeats_bit_for_bit() {
     if !have_gpu() {
         return;
     }
-    let device = Device::new_cuda_with_stream(0).unwrap();
+    let device = candle_parallel::devices::cuda_device(0).unwrap();
     let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitConfig::default()).unwrap();
     let batches: Vec<Tensor> = (0..10).map(|s| images(16, 200 + s, &device)).collect();
     type Run<'a> = Box<dyn Fn() -> std::collections::BTreeMap<String, Tensor> + 'a>;
@@ -548,7 +548,7 @@ fn nccl_async_collectives_and_a_new_group_with_one_rank_give_exact_numbers() {
     if !have_gpu() {
         return;
     }
-    let device = Device::new_cuda_with_stream(0).unwrap();
+    let device = candle_parallel::devices::cuda_device(0).unwrap();
     let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitConfig::default()).unwrap();
     let xs: Vec<Tensor> = [1usize, 1000, 1 << 22]
         .iter()
@@ -590,7 +590,7 @@ fn ddp_and_sync_batch_norm_on_nccl_with_one_rank_equal_the_plain_model() {
     if !have_gpu() {
         return;
     }
-    let device = Device::new_cuda_with_stream(0).unwrap();
+    let device = candle_parallel::devices::cuda_device(0).unwrap();
     let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitConfig::default()).unwrap();
     let d = ddp_against_one_process(&pg, &device, Net::new, 16, 10, false);
     eprintln!("DDP against the plain Net: {d}");
@@ -613,7 +613,7 @@ fn ddp_and_sync_batch_norm_on_nccl_with_one_rank_equal_the_plain_model() {
 #[test]
 fn ddp_and_sync_batch_norm_over_tcp_with_cuda_tensors_on_two_processes_equal_one_process() {
     if is_child() {
-        let device = Device::new_cuda_with_stream(0).unwrap();
+        let device = candle_parallel::devices::cuda_device(0).unwrap();
         let options = InitConfig {
             backend: Some(Backend::Tcp),
             ..InitConfig::from_env().unwrap()
@@ -698,7 +698,7 @@ fn our_cuda_conv_block_and_max_pool_equal_the_cpu_kernels_and_candles_ops() {
     if !have_gpu() {
         return;
     }
-    let gpu = Device::new_cuda_with_stream(0).unwrap();
+    let gpu = candle_parallel::devices::cuda_device(0).unwrap();
     let mut rng = candle_parallel::rng::Rng::new(11);
     let mut values = |shape: &[usize], integers: bool| {
         let n = shape.iter().product::<usize>();
@@ -902,7 +902,7 @@ fn the_optimizers_cuda_kernels_give_the_tensor_ops_and_the_cpu_kernels_numbers()
     if !have_gpu() {
         return;
     }
-    let gpu = Device::new_cuda_with_stream(0).unwrap();
+    let gpu = candle_parallel::devices::cuda_device(0).unwrap();
     let start = [
         Tensor::randn(0f32, 1., 1001, &Device::Cpu).unwrap(),
         Tensor::randn(0f32, 1., (37, 61), &Device::Cpu).unwrap(),
@@ -1043,7 +1043,7 @@ fn the_fused_layers_on_the_gpu_equal_their_cpu_kernels() {
     if !have_gpu() {
         return;
     }
-    let gpu = Device::new_cuda_with_stream(0).unwrap();
+    let gpu = candle_parallel::devices::cuda_device(0).unwrap();
     type Layer = fn(&[Tensor]) -> candle_core::Result<Tensor>;
     let angles = Tensor::randn(0f32, 1., (9, 4), &Device::Cpu).unwrap();
     let table = [angles.cos().unwrap(), angles.sin().unwrap()];
@@ -1229,7 +1229,7 @@ fn the_distributed_checkpoint_saves_gpu_state_and_loads_it_on_gpu_and_cpu() {
     if !have_gpu() {
         return;
     }
-    let device = Device::new_cuda_with_stream(0).unwrap();
+    let device = candle_parallel::devices::cuda_device(0).unwrap();
     let pg = ProcessGroup::new(&solo_rendezvous(), &device, InitConfig::default()).unwrap();
     let dir = common::temp_dir("gpu-dcp");
     let build = |seed| {

@@ -213,6 +213,7 @@ impl<M> FullyShardedDataParallel<M> {
     where
         F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
     {
+        warn_if_untracked_on_nccl(group, device);
         let everyone: Vec<usize> = (0..group.world_size()).collect();
         let own = group
             .new_group(&everyone)?
@@ -620,6 +621,30 @@ impl Drop for FsdpNoSync<'_> {
     fn drop(&mut self) {
         self.open.fetch_sub(1, Ordering::SeqCst);
     }
+}
+
+/// Says (once per process) that fully sharded training on NCCL has not yet been seen to train
+/// right on a device made without cudarc's event tracking
+/// ([`cuda_device`](crate::devices::cuda_device)): on an H200 on 2026-11-27 it trained far from
+/// the CPU's numbers with gradient clipping (loss 0.78 against 0.59), where DDP, ZeRO-2 and
+/// fully sharded over TCP gave the CPU's numbers on such a device.
+fn warn_if_untracked_on_nccl(group: &ProcessGroup, device: &Device) {
+    #[cfg(feature = "cuda")]
+    if let (crate::distributed::Backend::Nccl, Device::Cuda(cuda)) = (group.backend(), device) {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        if !cuda.is_event_tracking() {
+            SAID.call_once(|| {
+                log::warn!(
+                    "FullyShardedDataParallel on NCCL with a device made by \
+                     candle_parallel::devices::cuda_device (cudarc's event tracking off): this \
+                     combination trained wrongly on a GPU (2026-11-27, with gradient clipping); \
+                     until that is found, make the device with Device::new_cuda_with_stream"
+                )
+            });
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (group, device);
 }
 
 /// Fails when a variable belongs to two units, or to a unit and the root.
