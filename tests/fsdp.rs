@@ -378,6 +378,86 @@ fn ranks_that_build_different_models_get_an_error_naming_the_variable() {
     }
 }
 
+/// A block whose output is a view of its last product: the second half of `fc(x)` along the
+/// last dimension (a GLU's split, one part of a packed projection).
+struct Half(Linear);
+
+impl Module for Half {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.0.forward(x)?.narrow(2, DIM, DIM)
+    }
+}
+
+struct Halves {
+    emb: Embedding,
+    blocks: Vec<Unit<Half>>,
+    head: Linear,
+}
+
+impl Module for Halves {
+    fn forward(&self, tokens: &Tensor) -> candle_core::Result<Tensor> {
+        let mut x = tokens.apply(&self.emb)?;
+        for b in &self.blocks {
+            x = b.forward(&x)?;
+        }
+        x.apply(&self.head)
+    }
+}
+
+fn halves(vb: VarBuilder) -> candle_core::Result<Halves> {
+    Ok(Halves {
+        emb: embedding(VOCAB, DIM, vb.pp("emb"))?,
+        blocks: (0..2)
+            .map(|i| {
+                fsdp::unit(vb.pp(format!("h.{i}")), |vb| {
+                    Ok(Half(linear(DIM, 2 * DIM, vb)?))
+                })
+            })
+            .collect::<candle_core::Result<_>>()?,
+        head: linear(DIM, VOCAB, vb.pp("head"))?,
+    })
+}
+
+#[test]
+fn units_whose_output_is_a_view_train_as_ddp_does() {
+    // A unit's output enters the graph through an op that hands a compact tensor on: a view
+    // (here a narrow along the last dimension) was refused ("pass-through op given a view").
+    distributed::spawn_threads(2, |pg| {
+        let varmap = VarMap::new();
+        halves(seeded_var_builder(&varmap, SEED, DType::F32, &Device::Cpu))?;
+        let ddp = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, halves)?;
+        let config = FsdpConfig {
+            seed: Some(SEED),
+            ..FsdpConfig::default()
+        };
+        let f = FullyShardedDataParallel::with_config(
+            &VarMap::new(),
+            &pg,
+            &Device::Cpu,
+            config,
+            halves,
+        )?;
+        let mut ddp_step = optimizer(Opt::Sgd, ddp.parameters());
+        let mut fsdp_step = optimizer(Opt::Sgd, f.parameters());
+        for s in 0..5 {
+            let (x, y) = batch(s, pg.rank());
+            ddp_step(&ddp.backward(&lm_loss(&ddp.forward_t(&x, true)?, &y)?)?);
+            fsdp_step(&f.backward(&lm_loss(&f.forward_t(&x, true)?, &y)?)?);
+        }
+        let want: HashMap<String, Tensor> = ddp
+            .parameter_names()
+            .into_iter()
+            .zip(ddp.parameters())
+            .map(|(n, v)| (n, v.as_tensor().copy().unwrap()))
+            .collect();
+        let got: HashMap<String, Tensor> = f.full_parameters()?.into_iter().collect();
+        let d = max_diff(&want, &got);
+        assert!(d < 1e-5, "{d}");
+        Ok(())
+    })
+    .unwrap();
+}
+
 #[test]
 fn evaluation_forwards_equal_the_unsharded_model_and_keep_nothing() {
     distributed::spawn_threads(3, |pg| {

@@ -41,7 +41,7 @@ impl UnitOp {
         let out = if out.is_contiguous() && out.layout().start_offset() == 0 {
             out
         } else {
-            out.copy()?
+            out.force_contiguous()?
         };
         let piece = param.pieces[0].as_tensor().clone();
         let op = UnitOp {
