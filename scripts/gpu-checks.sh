@@ -116,6 +116,18 @@ run cifar_dp_1 ./cifar_dp --epochs 1 --devices 1
 # Tokens/s: the transformer's training step beside PyTorch's on the same GPU, and the sharded
 # configurations beside FSDP2's fully_shard at world size 1 on NCCL.
 T=120 run torch_transformer python3 torch_transformer_bench.py --device cuda --rust ./transformer_ddp
+# Is the transformer's step bound by the host? Its tokens/s at 8x the batch, and with cudarc's
+# per-argument event bookkeeping back on (candle_parallel::devices::cuda_device turns it off),
+# twice in alternation beside each other; PyTorch at the larger batch too.
+for i in 1 2; do
+  run "transformer_time_$i" ./transformer_ddp --time-steps 50
+  run "transformer_time_events_$i" env CANDLE_PARALLEL_EVENT_TRACKING=1 ./transformer_ddp \
+    --time-steps 50
+done
+run transformer_time_b256 ./transformer_ddp --time-steps 50 --batch-size 256
+run transformer_time_b256_events env CANDLE_PARALLEL_EVENT_TRACKING=1 ./transformer_ddp \
+  --time-steps 50 --batch-size 256
+run torch_transformer_b256 python3 torch_transformer_bench.py --device cuda --batch-size 256
 T=120 run torch_sharding python3 torch_sharding_bench.py --device cuda --worlds 1 --rust ./transformer_ddp
 # Where the Net's step time goes: phases and layers with CUDA events, ours (with and without
 # cuDNN) then PyTorch's.
@@ -123,6 +135,8 @@ run net_phases ./net_phases --batches 128,512 --steps 30
 # The same with candle's ops where ours run (on the GPU: the convolution blocks' and the
 # max-pooling's kernels of nn/conv_cuda.rs), to see what they change.
 run net_phases_candle ./net_phases --batches 128,512 --steps 30 --candle-kernels
+run net_phases_events env CANDLE_PARALLEL_EVENT_TRACKING=1 ./net_phases --batches 128,512 \
+  --steps 30
 run net_phases_cudnn ./net_phases_cudnn --batches 128,512 --steps 30
 run torch_net_phases python3 torch_net_bench.py --phases --batches 128,512 --steps 30
 # Images/s over 1, 2, 4 devices of GPU 0 (the README's single- against multi-device chart),
@@ -139,9 +153,9 @@ done
 # the MLP's backward when issued before it.
 run async_overlap ./async_overlap --cuda
 # DDP on NCCL with one rank against the plain step, beside PyTorch's.
-run ddp_throughput ./ddp_throughput --cuda
-# PyTorch's four models take about 3 minutes on the GPU (90 s cut it short on 2026-11-26).
-T=240 run torch_ddp_bench python3 torch_ddp_bench.py --device cuda
+# The Net only: the four models took over 3 minutes for PyTorch and 80 s for ours (2026-11-26).
+run ddp_throughput ./ddp_throughput --cuda --models net
+T=60 run torch_ddp_bench python3 torch_ddp_bench.py --device cuda --models net
 run cifar_ddp_bn ./cifar_ddp --epochs 1 --batch-norm
 # Once in six full runs of tests/gpu.rs (2026-11-26), DDP with SyncBatchNorm on NCCL left the
 # plain NetBn by 0.0028: the two tests that would show it again, three times more, with what
@@ -150,4 +164,16 @@ for i in 1 2 3; do
   run "sync_batch_norm_again_$i" ./gpu --test-threads=1 --nocapture ddp_and_sync_batch_norm \
     training_on_the_gpu_repeats_bit_for_bit
 done
+# Reads of GPU memory nothing wrote (compute-sanitizer's initcheck, packed beside the binaries
+# by gpu-pack.sh): a kernel that reads what an earlier use of the memory left would give results
+# that vary with the allocator's timing. Fully sharded on NCCL, every collective alone, in this
+# process (the launcher's variables make it rank 0 of a world of 1: the sanitizer follows no
+# child), 12 steps.
+if [[ -f sanitizer.txz ]]; then
+  [[ -x sanitizer/bin/compute-sanitizer ]] || { mkdir -p sanitizer && tar -xJf sanitizer.txz -C sanitizer; }
+  T=100 run initcheck_full env CANDLE_PARALLEL_NCCL_SYNC=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 \
+    LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29731 \
+    sanitizer/bin/compute-sanitizer --tool initcheck --print-limit 20 ./transformer_ddp \
+    --epochs 1 --train-size 384 --test-size 32 --sharding full
+fi
 echo "done at $((SECONDS - START))s; log: $LOG" | tee -a "$LOG"

@@ -6,6 +6,7 @@
 # proven, and those that would pass the budget stay here (named at the end).
 #
 #   scripts/gpu-pack.sh            # then, on the GPU machine, .gpu/gpu-checks.sh
+#   GPU_PACK_ONLY='gpu|transformer_ddp' scripts/gpu-pack.sh   # just those (a second sitting)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${CUDA_BUILD:-../shared/scripts/cuda-build.sh}
@@ -45,7 +46,15 @@ mkdir -p "$(dirname "$exclude")"
 mkdir -p .gpu
 grep -qx "/.gpu/" "$exclude" 2>/dev/null || echo "/.gpu/" >> "$exclude"
 rm -rf .gpu-b
-rm -f .gpu/*.xz
+rm -f .gpu/*.xz .gpu/sanitizer.txz
+# compute-sanitizer of the toolkit's version (NVIDIA's wheel, 4.5 MiB packed), for the sitting's
+# check of reads of GPU memory nothing wrote.
+san=$(mktemp -d)
+pip download -q --no-deps -d "$san" nvidia-cuda-sanitizer-api==13.0.85 &&
+  unzip -q -o "$san"/*.whl -d "$san" &&
+  tar -C "$san/nvidia/cu13" -cf - bin lib | xz -9e -T0 > .gpu/sanitizer.txz ||
+  echo "gpu-pack: no compute-sanitizer (its check is skipped there)" >&2
+rm -rf "$san"
 "$BUILD" --launcher > .gpu/run-on-gpu.sh
 chmod +x .gpu/run-on-gpu.sh
 cp scripts/gpu-checks.sh scripts/torch_net_bench.py scripts/torch_ddp_bench.py \
@@ -68,6 +77,9 @@ done
 # Least proven first (the order of gpu-checks.sh); what ran in an earlier sitting last.
 for name in gpu transformer_ddp cifar_dp net_phases net_phases_cudnn dp_throughput fused_layers \
   async_overlap ddp_throughput cifar_ddp; do
+  if [[ -n "${GPU_PACK_ONLY:-}" && ! "$name" =~ ^(${GPU_PACK_ONLY})$ ]]; then
+    continue
+  fi
   if [ -z "${exe[$name]:-}" ]; then
     echo "gpu-pack: cargo built no $name" >&2
     exit 1
