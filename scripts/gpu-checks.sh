@@ -96,6 +96,12 @@ for i in 1 2; do
     --sharding full
 done
 run transformer_full_clip ./transformer_ddp "${TR[@]}" --sharding full --clip-grad-norm 1
+# The same over TCP at world 1: NCCL's path against what world 1 alone does on the GPU (the
+# unit's weights are views into one gathered buffer there, separate tensors at world 2).
+run transformer_full_tcp_1 env CANDLE_PARALLEL_BACKEND=tcp ./transformer_ddp "${TR[@]}" \
+  --sharding full
+run transformer_full_clip_tcp_1 env CANDLE_PARALLEL_BACKEND=tcp ./transformer_ddp "${TR[@]}" \
+  --sharding full --clip-grad-norm 1
 run transformer_bf16_full_clip ./transformer_ddp "${TR[@]}" --sharding full --precision bf16 \
   --clip-grad-norm 1
 run transformer_bf16_full_clip_sync env CANDLE_PARALLEL_NCCL_SYNC=1 ./transformer_ddp "${TR[@]}" \
@@ -164,16 +170,4 @@ for i in 1 2 3; do
   run "sync_batch_norm_again_$i" ./gpu --test-threads=1 --nocapture ddp_and_sync_batch_norm \
     training_on_the_gpu_repeats_bit_for_bit
 done
-# Reads of GPU memory nothing wrote (compute-sanitizer's initcheck, packed beside the binaries
-# by gpu-pack.sh): a kernel that reads what an earlier use of the memory left would give results
-# that vary with the allocator's timing. Fully sharded on NCCL, every collective alone, in this
-# process (the launcher's variables make it rank 0 of a world of 1: the sanitizer follows no
-# child), 12 steps.
-if [[ -f sanitizer.txz ]]; then
-  [[ -x sanitizer/bin/compute-sanitizer ]] || { mkdir -p sanitizer && tar -xJf sanitizer.txz -C sanitizer; }
-  T=100 run initcheck_full env CANDLE_PARALLEL_NCCL_SYNC=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 \
-    LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29731 \
-    sanitizer/bin/compute-sanitizer --tool initcheck --print-limit 20 ./transformer_ddp \
-    --epochs 1 --train-size 384 --test-size 32 --sharding full
-fi
 echo "done at $((SECONDS - START))s; log: $LOG" | tee -a "$LOG"

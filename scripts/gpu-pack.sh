@@ -46,15 +46,7 @@ mkdir -p "$(dirname "$exclude")"
 mkdir -p .gpu
 grep -qx "/.gpu/" "$exclude" 2>/dev/null || echo "/.gpu/" >> "$exclude"
 rm -rf .gpu-b
-rm -f .gpu/*.xz .gpu/sanitizer.txz
-# compute-sanitizer of the toolkit's version (NVIDIA's wheel, 4.5 MiB packed), for the sitting's
-# check of reads of GPU memory nothing wrote.
-san=$(mktemp -d)
-pip download -q --no-deps -d "$san" nvidia-cuda-sanitizer-api==13.0.85 &&
-  unzip -q -o "$san"/*.whl -d "$san" &&
-  tar -C "$san/nvidia/cu13" -cf - bin lib | xz -9e -T0 > .gpu/sanitizer.txz ||
-  echo "gpu-pack: no compute-sanitizer (its check is skipped there)" >&2
-rm -rf "$san"
+rm -f .gpu/*.xz
 "$BUILD" --launcher > .gpu/run-on-gpu.sh
 chmod +x .gpu/run-on-gpu.sh
 cp scripts/gpu-checks.sh scripts/torch_net_bench.py scripts/torch_ddp_bench.py \
