@@ -333,6 +333,23 @@ pub enum Error {
         parameter: String,
     },
 
+    /// The loss reached a variable of the `VarMap` itself through candle's ops, not the copy
+    /// DistributedDataParallel hands the model: that part of its gradient would not be
+    /// averaged over the ranks, and the averaged gradient would replace it.
+    #[error(
+        "DistributedDataParallel: rank {rank}: the loss used the variable `{parameter}` of the \
+         VarMap directly (a candle op on the Var from VarMap or parameters()), not the model's \
+         copy of it: that gradient would bypass DDP's average and be lost; compute the loss \
+         from the wrapped model's output only (a penalty on the weights belongs in the \
+         optimizer's weight decay, or in the model's forward)"
+    )]
+    VariableUsedDirectly {
+        /// This rank.
+        rank: usize,
+        /// The variable.
+        parameter: String,
+    },
+
     /// `DistributedDataParallel::backward` ran with no forward since the last one.
     #[error(
         "DistributedDataParallel: backward was called without a forward since the last backward \

@@ -403,6 +403,34 @@ fn calling_loss_backward_instead_of_the_wrappers_is_reported_at_the_next_forward
 }
 
 #[test]
+fn a_loss_that_uses_a_variable_itself_is_an_error_on_every_rank_naming_it() {
+    // A penalty on the weights taken from the VarMap (or parameters()) through candle's ops:
+    // its gradient would bypass the average, and the averaged gradient used to replace it in
+    // silence.
+    let errors = distributed::spawn_threads(2, |pg| {
+        let varmap = VarMap::new();
+        let model = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, mlp)?;
+        let (x, y) = share(0, 2, PER, pg.rank());
+        let weight = model.parameters()[0].as_tensor().clone();
+        let l = (loss::cross_entropy(&model.forward_t(&x, true)?, &y)?
+            + (weight.sqr()?.sum_all()? * 1e-3)?)?;
+        let err = model.backward(&l).unwrap_err();
+        // The next iteration, from the model's output only, works.
+        let l = loss::cross_entropy(&model.forward_t(&x, true)?, &y)?;
+        model.backward(&l)?;
+        Ok((err, model.parameter_names()[0].clone()))
+    })
+    .unwrap();
+    for (rank, (err, name)) in errors.into_iter().enumerate() {
+        assert!(
+            matches!(&err, Error::VariableUsedDirectly { rank: r, parameter } if *r == rank && *parameter == name),
+            "{err}"
+        );
+        assert!(err.to_string().contains("directly"), "{err}");
+    }
+}
+
+#[test]
 fn a_rank_killed_during_backward_is_named_by_the_others_backward() {
     if is_child() {
         let pg = join_child();

@@ -450,6 +450,7 @@ impl State {
             return Err(e);
         }
         if self.iteration.phase == Phase::Accumulating {
+            self.refuse_direct_uses(grads)?;
             for (p, sum) in self.setup.params.iter().zip(&self.accumulated) {
                 if let Some(sum) = sum {
                     grads.insert(p.var.as_tensor(), sum.clone());
@@ -497,6 +498,9 @@ impl State {
             None => used_here,
         };
         self.unused = (0..n).filter(|&i| !used_anywhere[i]).collect();
+        // After this iteration's collectives, so that a rank that fails here leaves none half
+        // done on the others.
+        self.refuse_direct_uses(grads)?;
         let scale = std::mem::replace(&mut self.scale, 1.0);
         let scaled =
             |g: Tensor| -> Result<Tensor> { Ok(if scale == 1.0 { g } else { (g * scale)? }) };
@@ -527,6 +531,24 @@ impl State {
             self.rebuild_buckets()?;
         }
         self.report_unused()
+    }
+
+    /// Fails when `grads` (candle's backward of the loss) holds a gradient of a variable
+    /// itself: the model computes with copies, so that gradient comes from a direct use of the
+    /// variable, which the averaged gradient handed out would overwrite in silence.
+    fn refuse_direct_uses(&self, grads: &GradStore) -> Result<()> {
+        let direct = self
+            .setup
+            .params
+            .iter()
+            .find(|p| grads.get(p.var.as_tensor()).is_some());
+        match direct {
+            Some(p) => Err(Error::VariableUsedDirectly {
+                rank: self.setup.group.rank(),
+                parameter: p.name.clone(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Issues the all-reduce (max) of this rank's 0/1 map of parameters that got a gradient
@@ -646,7 +668,9 @@ mod tests {
         spawn_threads(1, |pg| {
             let w = Var::ones(2, DType::F32, &Device::Cpu)?;
             let r = reducer(pg, &w);
-            let mut grads = w.as_tensor().sum_all()?.backward()?;
+            // Candle's backward of a loss of the model's copies: no gradient of `w` itself.
+            let other = Var::ones(1, DType::F32, &Device::Cpu)?;
+            let mut grads = other.as_tensor().sum_all()?.backward()?;
             let g = Tensor::new(&[2f32, 3.], &Device::Cpu)?;
             let named_w = |e: &Error| e.to_string().contains("`w`");
 
@@ -668,6 +692,15 @@ mod tests {
             let err = r.prepare_for_backward(true).unwrap_err();
             assert!(matches!(err, Error::UnfinishedReduction { .. }) && named_w(&err));
 
+            // A loss that used `w` itself: its gradient would be replaced in silence.
+            r.prepare_for_backward(true)?;
+            r.mark_ready(0, &g);
+            let mut direct = w.as_tensor().sum_all()?.backward()?;
+            let err = r
+                .finalize_backward(&mut direct, Instant::now())
+                .unwrap_err();
+            assert!(matches!(err, Error::VariableUsedDirectly { .. }) && named_w(&err));
+
             r.prepare_for_backward(true)?;
             r.mark_ready(0, &g);
             r.finalize_backward(&mut grads, Instant::now())?;
@@ -682,14 +715,18 @@ mod tests {
         spawn_threads(1, |pg| {
             let w = Var::ones(2, DType::F32, &Device::Cpu)?;
             let r = reducer(pg, &w);
-            let mut grads = w.as_tensor().sum_all()?.backward()?;
+            // Each backward's own store, of a loss of the model's copies (not of `w` itself).
+            let other = Var::ones(1, DType::F32, &Device::Cpu)?;
+            let store = || other.as_tensor().sum_all()?.backward();
             let g = Tensor::new(&[2f32, 3.], &Device::Cpu)?;
             r.prepare_for_backward(false)?;
             r.mark_ready(0, &g);
+            let mut grads = store()?;
             r.finalize_backward(&mut grads, Instant::now())?;
             assert_eq!(grads.get(&w).unwrap().to_vec1::<f32>()?, [2., 3.]);
             r.prepare_for_backward(true)?;
             r.mark_ready(0, &g);
+            let mut grads = store()?;
             r.finalize_backward(&mut grads, Instant::now())?;
             assert_eq!(grads.get(&w).unwrap().to_vec1::<f32>()?, [4., 6.]);
             Ok(())
