@@ -96,6 +96,20 @@ pub fn clip_grad_norm_parts(
                 .into(),
         });
     }
+    // A variable in two parts (or twice in one) would count twice in the norm.
+    let mut seen = std::collections::HashSet::new();
+    for (k, &(vars, _)) in parts.iter().enumerate() {
+        if let Some(v) = vars.iter().find(|v| !seen.insert(v.as_tensor().id())) {
+            return Err(Error::InvalidArgument {
+                what: "clip_grad_norm parts",
+                detail: format!(
+                    "a variable of shape {:?} appears twice (the second time in part {k}): its \
+                     gradient would count twice in the total norm; list each variable once",
+                    v.dims()
+                ),
+            });
+        }
+    }
     if max_norm.is_nan() {
         return Err(Error::InvalidArgument {
             what: "clip_grad_norm max_norm",
@@ -272,6 +286,14 @@ mod tests {
         for p in [0.0, -1.0, f64::NAN] {
             assert!(clip_grad_norm(&mut grads, &vars, 1.0, p, false).is_err());
         }
+        // A variable listed twice, in one part or in two, would count twice in the norm.
+        let twice = [vars[0].clone(), vars[1].clone(), vars[0].clone()];
+        let err = clip_grad_norm(&mut grads, &twice, 1.0, 2.0, false).unwrap_err();
+        assert!(err.to_string().contains("appears twice"), "{err}");
+        let (first, second) = (&vars[..1], &vars[..]);
+        let parts = [(first, None), (second, None)];
+        let err = clip_grad_norm_parts(&mut grads, &parts, 1.0, 2.0, false).unwrap_err();
+        assert!(err.to_string().contains("in part 1"), "{err}");
         let (vars, mut grads) = grads_of(&[&[3., -4.]]);
         clip_grad_value(&mut grads, &vars, 3.5).unwrap();
         let g = grads
