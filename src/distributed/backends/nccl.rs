@@ -7,12 +7,15 @@
 //!   (candle's stream, as seen from the issuing thread), and the communication stream waits
 //!   for it before NCCL reads them: the collective sees every kernel launched before the call,
 //!   and none launched after it has to wait;
-//! - outputs are allocated on the communication stream, and
+//! - outputs are allocated on candle's stream (as torch allocates them on the current stream),
+//!   and the communication stream waits for the allocation;
 //!   [`Work::wait`](crate::distributed::Work::wait) makes the consumer's stream wait for an
 //!   event recorded after the NCCL call: kernels launched afterwards read the result, and the
-//!   host never waits for the GPU. (cudarc's per-buffer events, active once the communication
-//!   stream exists, order later uses and the frees of inputs and outputs across the two
-//!   streams as well.)
+//!   host never waits for the GPU;
+//! - inputs and outputs are held until the consumer's stream has waited, so that their memory
+//!   returns to candle's stream only behind NCCL. These explicit orders are all there is on a
+//!   device without cudarc's per-buffer events (`devices::cuda_device`); with them, cudarc
+//!   orders the same uses again.
 //!
 //! So compute on candle's stream overlaps communication on the group's stream. Every group has
 //! a stream of its own: two groups' collectives, issued from two threads in any order, never
@@ -42,7 +45,7 @@ use crate::distributed::ReduceOp;
 use crate::error::{device_name, Error, Result};
 use crate::util::sync::lock;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DriverError, SyncOnDrop,
+    self, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DriverError, SyncOnDrop,
 };
 use candle_core::cuda_backend::cudarc::nccl::{result, sys};
 use candle_core::cuda_backend::CudaStorageSlice;
@@ -167,8 +170,8 @@ impl Drop for Enqueued {
         if let Err(e) = self.order() {
             // Freeing under NCCL could corrupt whatever reuses the memory: leak it instead.
             log::error!(
-                "NCCL: {e}; the collective's {} input tensor(s) are kept (leaked) rather than \
-                 freed while NCCL may still read them",
+                "NCCL: {e}; the collective's {} tensor(s) are kept (leaked) rather than freed \
+                 while NCCL may still use them",
                 self.held.len()
             );
             std::mem::forget(std::mem::take(&mut self.held));
@@ -176,17 +179,45 @@ impl Drop for Enqueued {
     }
 }
 
-/// Whether every collective runs alone (`CANDLE_PARALLEL_NCCL_SYNC=1`): the producer's stream
-/// finished before it is issued and the communication stream after, so that nothing overlaps
-/// across the two streams. A diagnostic: if results that vary from run to run repeat under it,
-/// an ordering between the streams is missing; if they still vary, the cause is elsewhere
-/// (cuBLAS, for one, promises repeatable results only with one stream active).
+/// Leaks `tensors` after a failed NCCL call: NCCL may still use their memory, and no event
+/// orders candle's stream after it, so freeing them could hand the memory to a kernel while
+/// NCCL writes it.
+fn keep(tensors: Vec<Tensor>) {
+    if !tensors.is_empty() {
+        log::error!(
+            "NCCL: after the failed call its {} tensor(s) are kept (leaked) rather than freed \
+             while NCCL may still use them",
+            tensors.len()
+        );
+        std::mem::forget(tensors);
+    }
+}
+
+/// Whether collectives run with both streams finished around them
+/// (`CANDLE_PARALLEL_NCCL_SYNC=1`): the producer's stream when the call is issued, the
+/// communication stream after the NCCL call. A diagnostic, and a partial one: the issuing
+/// thread goes on launching kernels on candle's stream while the worker runs the call (as
+/// fully sharded's prefetch does), so those may still overlap it.
 fn serialised() -> bool {
     static SERIALISED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *SERIALISED.get_or_init(|| {
         let on = std::env::var("CANDLE_PARALLEL_NCCL_SYNC").is_ok_and(|v| v == "1");
         if on {
             log::warn!("CANDLE_PARALLEL_NCCL_SYNC=1: every NCCL collective runs alone (slow)");
+        }
+        on
+    })
+}
+
+/// Whether every collective's output is filled with NaN (all bytes 0xFF) on candle's stream
+/// before NCCL writes it (`CANDLE_PARALLEL_NCCL_POISON=1`): a diagnostic that turns any read of
+/// an output before NCCL has written it into NaN.
+fn poisoned() -> bool {
+    static POISONED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *POISONED.get_or_init(|| {
+        let on = std::env::var("CANDLE_PARALLEL_NCCL_POISON").is_ok_and(|v| v == "1");
+        if on {
+            log::warn!("CANDLE_PARALLEL_NCCL_POISON=1: every NCCL output starts as NaN");
         }
         on
     })
@@ -231,7 +262,7 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
 }
 
 /// One NCCL call as a candle custom op, so that it reads candle's buffers and hands back a
-/// tensor over a buffer of the communication stream.
+/// tensor over a fresh buffer of candle's stream, written on the communication stream.
 struct NcclOp<'a> {
     kind: Kind,
     comm: sys::ncclComm_t,
@@ -277,8 +308,9 @@ impl NcclOp<'_> {
         let (sp, dp) = (sp as *const std::ffi::c_void, dp as *mut std::ffi::c_void);
         let st = self.stream.cu_stream() as sys::cudaStream_t;
         // SAFETY: `sp` holds `count` elements and `dp` `output_len(count)` elements of the type
-        // `dt` names, both on the communicator's device; the guards keep them alive and record
-        // their use on `stream` once the call is enqueued.
+        // `dt` names, both on the communicator's device; the guards keep them alive (and, where
+        // cudarc tracks events, record their use on `stream`) until the call is enqueued, and
+        // `Enqueued` holds them after.
         let status = unsafe {
             match self.kind {
                 Kind::AllReduce(op) => {
@@ -339,6 +371,17 @@ impl candle_core::CustomOp1 for NcclOp<'_> {
                 // SAFETY: NCCL writes every element of the output before anything reads it
                 // (readers wait for the collective's event).
                 let mut dst = unsafe { s.device.alloc::<$t>(out) }?;
+                if poisoned() {
+                    let consumer = s.device.cuda_stream();
+                    let (ptr, _written) = dst.device_ptr_mut(&consumer);
+                    let bytes = out * std::mem::size_of::<$t>();
+                    // SAFETY: `ptr` holds `out` elements of `$t` on this device, just
+                    // allocated on `consumer`, which fills them in its order.
+                    unsafe {
+                        driver::result::memset_d8_async(ptr, 0xFF, bytes, consumer.cu_stream())
+                    }
+                    .map_err(candle_core::Error::wrap)?;
+                }
                 after_allocation(&s.device, self.stream).map_err(candle_core::Error::wrap)?;
                 self.enqueue(&src, &mut dst, count, sys::ncclDataType_t::$dt)?;
                 CudaStorageSlice::$variant(dst)
@@ -391,33 +434,58 @@ impl NcclComm {
         if grouped {
             result::group_start().map_err(|e| self.failed("ncclGroupStart", e))?;
         }
-        let outs: candle_core::Result<Vec<Tensor>> = issued
-            .inputs
-            .iter()
-            .map(|t| t.apply_op1_no_bwd(&op))
-            .collect();
-        if grouped {
-            result::group_end().map_err(|e| self.failed("ncclGroupEnd", e))?;
+        // Output by output, so that those already enqueued are known when one fails.
+        let mut outs = Vec::with_capacity(issued.inputs.len());
+        let mut failed = None;
+        for t in &issued.inputs {
+            match t.apply_op1_no_bwd(&op) {
+                Ok(out) => outs.push(out),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
         }
+        // The outputs are held too: a Work dropped unwaited frees them on candle's stream only
+        // once that stream has waited for NCCL's writes.
+        let mut held = issued.inputs;
+        held.extend(outs.iter().cloned());
+        let ended = match grouped {
+            true => result::group_end()
+                .map(|_| ())
+                .map_err(|e| self.failed("ncclGroupEnd", e)),
+            false => Ok(()),
+        };
         let done = stream.record_event(None);
-        if serialised() {
-            stream.synchronize().map_err(driver_error(
+        let synced = match serialised() {
+            true => stream.synchronize().map_err(driver_error(
                 "finishing the collective (CANDLE_PARALLEL_NCCL_SYNC)",
-            ))?;
-        }
+            )),
+            false => Ok(()),
+        };
         drop(guard);
-        let outs = outs.map_err(|e| {
+        let failed = failed.map(|e| {
             self.mesh.fail(Broken {
                 lost: None,
                 detail: format!("an NCCL call failed on rank {}: {e}", self.mesh.rank()),
             });
             Error::from(e)
-        })?;
-        let done = done.map_err(driver_error("recording the collective's completion"))?;
-        // The outputs are held too: a Work dropped unwaited frees them on candle's stream only
-        // once that stream has waited for NCCL's writes.
-        let mut held = issued.inputs;
-        held.extend(outs.iter().cloned());
+        });
+        let done = match (failed, ended, synced) {
+            (Some(e), _, _) | (None, Err(e), _) | (None, Ok(()), Err(e)) => Err(e),
+            (None, Ok(()), Ok(())) => {
+                done.map_err(driver_error("recording the collective's completion"))
+            }
+        };
+        let done = match done {
+            Ok(done) => done,
+            Err(e) => {
+                // NCCL may still read or write what was enqueued, and nothing orders candle's
+                // stream after it: keep the buffers rather than free them under it.
+                keep(held);
+                return Err(e);
+            }
+        };
         Ok(Finished {
             value: outs,
             device: Some(Box::new(Enqueued {
@@ -531,14 +599,28 @@ impl NcclComm {
                 }
             }
         }
-        let ended = result::group_end().map_err(|e| self.failed("ncclGroupEnd", e));
+        let ended = result::group_end()
+            .map(|_| ())
+            .map_err(|e| self.failed("ncclGroupEnd", e));
         let done = stream.record_event(None);
         drop(uses);
         drop(held);
         drop(guard);
-        enqueued?;
-        ended?;
-        let done = done.map_err(driver_error("recording the messages' completion"))?;
+        let done = match (enqueued, ended) {
+            (Err(e), _) | (Ok(()), Err(e)) => Err(e),
+            (Ok(()), Ok(())) => done.map_err(driver_error("recording the messages' completion")),
+        };
+        let done = match done {
+            Ok(done) => done,
+            Err(e) => {
+                // NCCL may still read the sends and write the receives: keep both rather than
+                // free them under it (the receives' buffers, and a clone of each send, which
+                // outlives the caller's).
+                keep(sends.iter().map(|(_, t)| t.clone()).collect());
+                std::mem::forget(bufs);
+                return Err(e);
+            }
+        };
         let outs = bufs
             .into_iter()
             .zip(recvs)
