@@ -1471,3 +1471,95 @@ fn o_under_ddp_a_checkpointed_block_whose_output_is_a_view_trains_as_one_process
         }
     }
 }
+
+/// A linear layer, then this crate's `nn::batch_norm` last: the block's training output is the
+/// norm's, a transpose (candle-nn's BatchNorm and SyncBatchNorm alike return one).
+struct NormLast {
+    fc: Linear,
+    bn: candle_parallel::nn::BatchNorm,
+}
+
+impl ModuleT for NormLast {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        self.bn.forward_t(&self.fc.forward(x)?, train)
+    }
+}
+
+/// A (possibly checkpointed) [`NormLast`] block, then a head.
+struct NormLastNet(Checkpointed<NormLast>, Linear);
+
+impl ModuleT for NormLastNet {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        self.1.forward(&self.0.forward_t(x, train)?)
+    }
+}
+
+fn norm_last_net(checkpointed: bool) -> impl Fn(VarBuilder) -> candle_core::Result<NormLastNet> {
+    move |vb| {
+        let block = checkpoint_if(checkpointed, vb.pp("blk"), |vb| {
+            Ok(NormLast {
+                fc: linear(4, 4, vb.pp("fc"))?,
+                bn: candle_parallel::nn::batch_norm(4, 1e-5, vb.pp("bn"))?,
+            })
+        })?;
+        Ok(NormLastNet(block, linear(4, 2, vb.pp("head"))?))
+    }
+}
+
+#[test]
+fn o_a_checkpointed_block_ending_with_batch_norm_trains_as_without_checkpointing() {
+    // Observed before the fix: "pass-through op given a view (Layout { shape: [12, 4], stride:
+    // [1, 12], .. })" at the first training forward: the norm's output is a transpose.
+    let sgd = SgdConfig {
+        lr: 0.1,
+        ..Default::default()
+    };
+    let one_process = |checkpointed: bool| -> Named {
+        let varmap = VarMap::new();
+        let vb = seeded_var_builder(&varmap, 11, DType::F32, &CPU);
+        let model = norm_last_net(checkpointed)(vb).unwrap();
+        let mut opt = Sgd::new(varmap.all_vars(), sgd).unwrap();
+        for step in 0..3 {
+            let out = model.forward_t(&rows(step, 12, 4), true).unwrap();
+            opt.backward_step(&out.sqr().unwrap().mean_all().unwrap())
+                .unwrap_or_else(|e| panic!("checkpointed {checkpointed}: {e}"));
+        }
+        named(&varmap)
+    };
+    let plain = one_process(false);
+    let d = max_abs_diff(&values(&plain), &values(&one_process(true)));
+    assert!(d < 1e-6, "one process, checkpointed vs plain: {d}");
+    // Under DDP with SyncBatchNorm: statistics over both ranks' rows, as one process's.
+    let ranks = bounded(Duration::from_secs(60), move || {
+        distributed::spawn_threads(2, move |pg| {
+            let varmap = VarMap::new();
+            norm_last_net(false)(seeded_var_builder(&varmap, 11, DType::F32, &CPU))?;
+            let config = DdpConfig {
+                sync_batch_norm: true,
+                ..Default::default()
+            };
+            let model = DistributedDataParallel::with_config(
+                &varmap,
+                &pg,
+                &CPU,
+                config,
+                norm_last_net(true),
+            )?;
+            let mut opt = Sgd::new(model.parameters(), sgd)?;
+            for step in 0..3 {
+                let x = rows(step, 12, 4).narrow(0, 6 * pg.rank(), 6)?;
+                let loss = model.forward_t(&x, true)?.sqr()?.mean_all()?;
+                opt.step(&model.backward(&loss)?)?;
+            }
+            Ok(named(&varmap))
+        })
+    })
+    .unwrap();
+    for got in &ranks {
+        let d = max_abs_diff(&values(&plain), &values(got));
+        assert!(
+            d < 1e-5,
+            "DDP with SyncBatchNorm, checkpointed, vs one process: {d}"
+        );
+    }
+}
