@@ -156,6 +156,60 @@ fn train_and_compare(tp: &ProcessGroup) {
     assert_as_one_process(tp, &losses, &want, &varmap, mlp_parts(&layers, tp));
 }
 
+/// The block's output and the input's gradient for `x` (a view of a batch), by the uncut
+/// layers in one process and by the cut ones on each of 2 thread ranks.
+#[test]
+fn a_column_parallel_layer_given_a_view_of_a_batch_computes_as_one_process() {
+    // Observed before the fix: a batch's rows at an offset (a data-parallel replica's share)
+    // failed in `copy_to` with "pass-through op given a view": its `contiguous()` keeps a
+    // narrow of whole rows as it is, and the op's forward refused any layout but a compact one.
+    type View = fn(&Tensor) -> Tensor;
+    let views: [(&str, View); 3] = [
+        ("rows 3.. (offset 24)", |b| b.narrow(0, 3, 3).unwrap()),
+        ("columns 2..", |b| b.narrow(1, 2, IN).unwrap()),
+        ("a transpose", |b| {
+            b.t().unwrap().contiguous().unwrap().t().unwrap()
+        }),
+    ];
+    for (what, view) in views {
+        let base = |wide: bool| {
+            let (x, _) = batch(0);
+            match wide {
+                // Two more columns in front, for the column view.
+                true => Tensor::cat(&[&x.narrow(1, 0, 2).unwrap(), &x], 1).unwrap(),
+                false => x,
+            }
+        };
+        let wide = what.starts_with("columns");
+        let run = |x: &Tensor, fc1: &dyn Fn(&Tensor) -> Tensor, fc2: &dyn Fn(&Tensor) -> Tensor| {
+            let x = Var::from_tensor(x).unwrap();
+            let out = fc2(&gelu_erf(&fc1(&view(x.as_tensor()))).unwrap());
+            let grads = out.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+            (out, grads.get(x.as_tensor()).unwrap().clone())
+        };
+        let (_, fc1, fc2) = full_layers(&VarMap::new());
+        let (want_out, want_grad) = run(&base(wide), &|x| fc1.forward(x).unwrap(), &|h| {
+            fc2.forward(h).unwrap()
+        });
+        distributed::spawn_threads(2, move |tp| {
+            let layers = full_layers(&VarMap::new());
+            let varmap = varmap_of(mlp_parts(&layers, &tp));
+            let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+            let col = ColumnParallelLinear::new(IN, HIDDEN, vb.pp("fc1"), &tp)?;
+            let row = RowParallelLinear::new(HIDDEN, IN, vb.pp("fc2"), &tp)?;
+            let (out, grad) = run(
+                &base(wide),
+                &|x| col.forward(x).unwrap_or_else(|e| panic!("{what}: {e}")),
+                &|h| row.forward(h).unwrap(),
+            );
+            let (d_out, d_grad) = (max_diff(&out, &want_out), max_diff(&grad, &want_grad));
+            assert!(d_out < 1e-5 && d_grad < 1e-5, "{what}: {d_out}, {d_grad}");
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
 #[test]
 fn an_mlp_cut_over_2_and_4_threads_trains_as_one_process() {
     for ranks in [2, 4] {

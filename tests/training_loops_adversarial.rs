@@ -1296,3 +1296,270 @@ fn n_grad_scaler_unscale_with_a_duplicated_variable() {
         }
     }
 }
+
+// =============================================================================================
+// O. A checkpointed block whose output is a view of its last product: a GLU's half (a narrow
+// at an offset), a transpose, a broadcast, the first part of a `chunk`, the first rows.
+//
+// Expected: the gradients of the plain block, bit for bit, in one process (to rounding for the
+// transpose and the broadcast, which the next layer reads in another order); under DDP the steps of one process on the whole batch.
+// Observed: every forward failed with "pass-through op given a view (Layout { .. }): make it
+// contiguous first" except the first rows, whose output kept the product's whole buffer alive
+// (twice the activation the block was checkpointed to drop).
+// Cause: src/activation_checkpointing/pin.rs `attach` made a view compact with `Tensor::copy`,
+// which keeps the view's layout, and the op's forward (src/util/pass_through.rs) refused any
+// layout but a compact one, and cloned a compact one's storage whole.
+
+/// How [`ViewOut`] returns (a function of each row of) its product `(n, 2 * 4)`, as an
+/// `(n, 4)` view.
+#[derive(Clone, Copy, Debug)]
+enum View {
+    /// The second half of each row: a narrow at an offset.
+    SecondHalf,
+    /// The first half, through `chunk` (offset 0, rows strided).
+    FirstChunk,
+    /// The first half, laid out column-major (a transpose of a compact `(4, n)`).
+    Transpose,
+    /// Each row's mean, broadcast over 4 columns.
+    Broadcast,
+    /// The first half made compact, as the first `n` rows of a `(2n, 4)` buffer.
+    FirstRows,
+}
+
+struct ViewOut(Linear, View);
+
+impl Module for ViewOut {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let n = x.dim(0)?;
+        let y = self.0.forward(x)?;
+        match self.1 {
+            View::SecondHalf => y.narrow(1, 4, 4),
+            View::FirstChunk => Ok(y.chunk(2, 1)?[0].clone()),
+            View::Transpose => y.narrow(1, 0, 4)?.t()?.contiguous()?.t(),
+            View::Broadcast => y.mean_keepdim(1)?.broadcast_as((n, 4)),
+            View::FirstRows => {
+                let h = y.narrow(1, 0, 4)?.contiguous()?;
+                Tensor::cat(&[&h, &h], 0)?.narrow(0, 0, n)
+            }
+        }
+    }
+}
+
+/// Two blocks returning `view` (checkpointed or not) and a head.
+struct ViewNet(Vec<Checkpointed<ViewOut>>, Linear);
+
+impl Module for ViewNet {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = x.clone();
+        for b in &self.0 {
+            h = b.forward(&h)?;
+        }
+        h.apply(&self.1)
+    }
+}
+
+fn view_net(
+    checkpointed: bool,
+    view: View,
+) -> impl Fn(VarBuilder) -> candle_core::Result<ViewNet> + Send + Sync + Copy {
+    move |vb| {
+        let blocks = (0..2)
+            .map(|i| {
+                checkpoint_if(checkpointed, vb.pp(format!("b{i}")), move |vb| {
+                    Ok(ViewOut(linear(4, 8, vb)?, view))
+                })
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(ViewNet(blocks, linear(4, 3, vb.pp("head"))?))
+    }
+}
+
+const VIEWS: [View; 5] = [
+    View::SecondHalf,
+    View::FirstChunk,
+    View::Transpose,
+    View::Broadcast,
+    View::FirstRows,
+];
+
+#[test]
+fn o_a_checkpointed_block_whose_output_is_a_view_has_the_plain_blocks_gradients() {
+    for view in VIEWS {
+        // Rows 3.. of a larger batch: the input is a view too.
+        let x = rows(1, 9, 4).narrow(0, 3, 6).unwrap();
+        let grads = |checkpointed: bool| -> candle_core::Result<Named> {
+            let varmap = VarMap::new();
+            let vb = seeded_var_builder(&varmap, 5, DType::F32, &CPU);
+            let model = view_net(checkpointed, view)(vb)?;
+            if checkpointed {
+                // The block's output holds its own values only, not the product's buffer.
+                let out = model.0[0].forward(&x)?;
+                let (storage, _) = out.storage_and_layout();
+                let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(buffer)) = &*storage
+                else {
+                    panic!("an f32 CPU tensor")
+                };
+                assert_eq!(
+                    buffer.len(),
+                    out.elem_count(),
+                    "{view:?}: the output's buffer"
+                );
+            }
+            let g = model.forward(&x)?.sqr()?.sum_all()?.backward()?;
+            let mut out: Named = varmap
+                .data()
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(n, v)| {
+                    let g = g.get(v.as_tensor()).expect("every variable has a gradient");
+                    (n.clone(), g.flatten_all().unwrap().to_vec1().unwrap())
+                })
+                .collect();
+            out.sort_by(|a, b| a.0.cmp(&b.0));
+            Ok(out)
+        };
+        let plain = grads(false).unwrap();
+        let ckpt = grads(true).unwrap_or_else(|e| panic!("{view:?}: {e}"));
+        match view {
+            // The head reads the checkpointed output compact, the plain one column-major or
+            // broadcast: candle's matmul sums in another order.
+            View::Transpose | View::Broadcast => {
+                let d = max_abs_diff(&values(&ckpt), &values(&plain));
+                assert!(d < 1e-4, "{view:?}: checkpointed vs plain gradients, {d}");
+            }
+            _ => assert_eq!(ckpt, plain, "{view:?}: checkpointed vs plain gradients"),
+        }
+    }
+}
+
+#[test]
+fn o_under_ddp_a_checkpointed_block_whose_output_is_a_view_trains_as_one_process() {
+    let sgd = SgdConfig {
+        lr: 0.1,
+        ..Default::default()
+    };
+    for view in VIEWS {
+        let varmap = VarMap::new();
+        let model =
+            view_net(false, view)(seeded_var_builder(&varmap, 5, DType::F32, &CPU)).unwrap();
+        let mut opt = Sgd::new(varmap.all_vars(), sgd).unwrap();
+        for step in 0..3 {
+            let loss = model.forward(&rows(step, 8, 4)).unwrap().sqr().unwrap();
+            opt.backward_step(&loss.mean_all().unwrap()).unwrap();
+        }
+        let want = named(&varmap);
+        let got = bounded(Duration::from_secs(60), move || {
+            distributed::spawn_threads(2, move |pg| {
+                let varmap = VarMap::new();
+                view_net(false, view)(seeded_var_builder(&varmap, 5, DType::F32, &CPU))?;
+                let ddp = DistributedDataParallel::new(&varmap, &pg, &CPU, view_net(true, view))?;
+                let mut opt = Sgd::new(ddp.parameters(), sgd)?;
+                for step in 0..3 {
+                    // This rank's half of the batch: a narrow at an offset on rank 1.
+                    let x = rows(step, 8, 4).narrow(0, 4 * pg.rank(), 4)?;
+                    let loss = ddp.forward_t(&x, true)?.sqr()?.mean_all()?;
+                    opt.step(&ddp.backward(&loss)?)?;
+                }
+                Ok(named(&varmap))
+            })
+        })
+        .unwrap_or_else(|e| panic!("{view:?}: {e}"));
+        for g in &got {
+            let d = max_abs_diff(&values(&want), &values(g));
+            assert!(d < 1e-5, "{view:?}: DDP vs one process, {d}");
+        }
+    }
+}
+
+/// A linear layer, then this crate's `nn::batch_norm` last: the block's training output is the
+/// norm's, a transpose (candle-nn's BatchNorm and SyncBatchNorm alike return one).
+struct NormLast {
+    fc: Linear,
+    bn: candle_parallel::nn::BatchNorm,
+}
+
+impl ModuleT for NormLast {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        self.bn.forward_t(&self.fc.forward(x)?, train)
+    }
+}
+
+/// A (possibly checkpointed) [`NormLast`] block, then a head.
+struct NormLastNet(Checkpointed<NormLast>, Linear);
+
+impl ModuleT for NormLastNet {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        self.1.forward(&self.0.forward_t(x, train)?)
+    }
+}
+
+fn norm_last_net(checkpointed: bool) -> impl Fn(VarBuilder) -> candle_core::Result<NormLastNet> {
+    move |vb| {
+        let block = checkpoint_if(checkpointed, vb.pp("blk"), |vb| {
+            Ok(NormLast {
+                fc: linear(4, 4, vb.pp("fc"))?,
+                bn: candle_parallel::nn::batch_norm(4, 1e-5, vb.pp("bn"))?,
+            })
+        })?;
+        Ok(NormLastNet(block, linear(4, 2, vb.pp("head"))?))
+    }
+}
+
+#[test]
+fn o_a_checkpointed_block_ending_with_batch_norm_trains_as_without_checkpointing() {
+    // Observed before the fix: "pass-through op given a view (Layout { shape: [12, 4], stride:
+    // [1, 12], .. })" at the first training forward: the norm's output is a transpose.
+    let sgd = SgdConfig {
+        lr: 0.1,
+        ..Default::default()
+    };
+    let one_process = |checkpointed: bool| -> Named {
+        let varmap = VarMap::new();
+        let vb = seeded_var_builder(&varmap, 11, DType::F32, &CPU);
+        let model = norm_last_net(checkpointed)(vb).unwrap();
+        let mut opt = Sgd::new(varmap.all_vars(), sgd).unwrap();
+        for step in 0..3 {
+            let out = model.forward_t(&rows(step, 12, 4), true).unwrap();
+            opt.backward_step(&out.sqr().unwrap().mean_all().unwrap())
+                .unwrap_or_else(|e| panic!("checkpointed {checkpointed}: {e}"));
+        }
+        named(&varmap)
+    };
+    let plain = one_process(false);
+    let d = max_abs_diff(&values(&plain), &values(&one_process(true)));
+    assert!(d < 1e-6, "one process, checkpointed vs plain: {d}");
+    // Under DDP with SyncBatchNorm: statistics over both ranks' rows, as one process's.
+    let ranks = bounded(Duration::from_secs(60), move || {
+        distributed::spawn_threads(2, move |pg| {
+            let varmap = VarMap::new();
+            norm_last_net(false)(seeded_var_builder(&varmap, 11, DType::F32, &CPU))?;
+            let config = DdpConfig {
+                sync_batch_norm: true,
+                ..Default::default()
+            };
+            let model = DistributedDataParallel::with_config(
+                &varmap,
+                &pg,
+                &CPU,
+                config,
+                norm_last_net(true),
+            )?;
+            let mut opt = Sgd::new(model.parameters(), sgd)?;
+            for step in 0..3 {
+                let x = rows(step, 12, 4).narrow(0, 6 * pg.rank(), 6)?;
+                let loss = model.forward_t(&x, true)?.sqr()?.mean_all()?;
+                opt.step(&model.backward(&loss)?)?;
+            }
+            Ok(named(&varmap))
+        })
+    })
+    .unwrap();
+    for got in &ranks {
+        let d = max_abs_diff(&values(&plain), &values(got));
+        assert!(
+            d < 1e-5,
+            "DDP with SyncBatchNorm, checkpointed, vs one process: {d}"
+        );
+    }
+}

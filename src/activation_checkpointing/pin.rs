@@ -102,11 +102,8 @@ pub(super) fn attach(
     xs: &Tensor,
     out: Tensor,
 ) -> candle_core::Result<Tensor> {
-    let out = if out.is_contiguous() && out.layout().start_offset() == 0 {
-        out
-    } else {
-        out.copy()?
-    };
+    // `out` may be a view (a narrow, a transpose, a broadcast): `Core` hands on a compact copy
+    // of its values.
     let mut marker = Tensor::zeros(1, DType::F32, out.device())?;
     for (index, (name, p)) in recompute.params.iter().enumerate() {
         if p.track_op() && !is_default_buffer(name, p.dtype()) {
@@ -124,7 +121,7 @@ pub(super) fn attach(
     xs.apply_op2(&marker, core)
 }
 
-/// A copy of `t`'s compact storage: the forward of an op that hands `t` on.
+/// A compact copy of `t`'s values: the forward of an op that hands `t` on.
 fn hand_on_cpu(t: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
     let (storage, layout) = t.storage_and_layout();
     match &*storage {

@@ -47,9 +47,11 @@ fn differs(a: &Tensor, b: &Tensor) -> Result<bool> {
     Ok((ne - both_nan)?.sum_all()?.to_scalar::<f32>()? > 0.0)
 }
 
-/// This rank's chunk of `param`, as a tensor of its own.
+/// This rank's chunk of `param`, as a tensor of its own: a compact one (the chunk is a narrow
+/// of the whole parameter, whose `copy` would clone the whole storage, and `synced` would hold
+/// every parameter whole on every rank).
 fn cut(param: &Param, group: &ProcessGroup) -> Result<Tensor> {
-    Ok(chunk_of(param.var.as_tensor(), group.world_size(), group.rank())?.copy()?)
+    Ok(chunk_of(param.var.as_tensor(), group.world_size(), group.rank())?.force_contiguous()?)
 }
 
 impl Zero2 {
@@ -239,5 +241,32 @@ impl Zero2 {
              model.parameters() (this rank's pieces), or its learning rate was 0, or the step \
              was skipped (said once)"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{CpuStorage, Storage};
+
+    #[test]
+    fn a_cut_piece_holds_its_chunk_only() {
+        let sizes = crate::distributed::spawn_threads(2, |pg| {
+            let var = Var::from_tensor(&Tensor::arange(0f32, 12., &Device::Cpu)?.reshape((3, 4))?)?;
+            let param = Param {
+                name: "w".into(),
+                var,
+                grad_dtype: DType::F32,
+            };
+            let piece = cut(&param, &pg)?;
+            let (storage, _) = piece.storage_and_layout();
+            let Storage::Cpu(CpuStorage::F32(buffer)) = &*storage else {
+                panic!("an f32 CPU tensor")
+            };
+            Ok((buffer.len(), piece.to_vec1::<f32>()?))
+        })
+        .unwrap();
+        assert_eq!(sizes[0], (6, (0..6).map(|i| i as f32).collect::<Vec<_>>()));
+        assert_eq!(sizes[1], (6, (6..12).map(|i| i as f32).collect::<Vec<_>>()));
     }
 }

@@ -67,8 +67,8 @@ impl ProcessGroup {
                 detail: format!("{op} has no gradient here; use sum or avg"),
             });
         }
-        // A fresh contiguous result, so that the op's forward may clone its storage whole.
-        let reduced = self.all_reduce(t, op)?.contiguous()?;
+        // The op's forward hands on a compact copy of the result, whatever its layout.
+        let reduced = self.all_reduce(t, op)?;
         let group = self.clone();
         Ok(t.apply_op2(&reduced, AllReduceGrad { group, op })?)
     }

@@ -37,12 +37,8 @@ impl UnitOp {
     /// `out` (computed from `xs` without a graph) as the output of a `UnitOp` over `xs` and the
     /// unit's first piece.
     pub fn attach(param: Arc<FlatParam>, run: Run, xs: &Tensor, out: Tensor) -> Result<Tensor> {
-        // The op's forward copies a compact tensor's storage.
-        let out = if out.is_contiguous() && out.layout().start_offset() == 0 {
-            out
-        } else {
-            out.force_contiguous()?
-        };
+        // `out` may be a view (a narrow, a packed projection's part): the op's forward hands
+        // on a compact copy of its values.
         let piece = param.pieces[0].as_tensor().clone();
         let op = UnitOp {
             iteration: param.iteration(),

@@ -69,8 +69,7 @@ pub fn copy_to(x: &Tensor, tp: &ProcessGroup) -> Result<Tensor> {
     if tp.world_size() == 1 {
         return Ok(x.clone());
     }
-    let x = x.contiguous()?;
-    handed_on(&x, &x, tp, Backward::AllReduce)
+    handed_on(x, x, tp, Backward::AllReduce)
 }
 
 /// Megatron's `g`: all-reduce (sum) over `tp` forward, the gradient unchanged backward.
@@ -150,7 +149,8 @@ fn handed_on(x: &Tensor, result: &Tensor, tp: &ProcessGroup, backward: Backward)
         tp: tp.clone(),
         backward,
     };
-    Ok(x.apply_op2(&result.contiguous()?, op)?)
+    // The op's forward hands on a compact copy of `result`, whatever its layout.
+    Ok(x.apply_op2(result, op)?)
 }
 
 /// Hands on its second input (the collective's result); the backward runs the conjugate
