@@ -102,6 +102,9 @@ run transformer_full_tcp_1 env CANDLE_PARALLEL_BACKEND=tcp ./transformer_ddp "${
   --sharding full
 run transformer_full_clip_tcp_1 env CANDLE_PARALLEL_BACKEND=tcp ./transformer_ddp "${TR[@]}" \
   --sharding full --clip-grad-norm 1
+# Every NCCL output NaN until NCCL writes it: a NaN loss names a read before the write.
+run transformer_full_poison env CANDLE_PARALLEL_NCCL_POISON=1 ./transformer_ddp "${TR[@]}" \
+  --sharding full --clip-grad-norm 1
 run transformer_bf16_full_clip ./transformer_ddp "${TR[@]}" --sharding full --precision bf16 \
   --clip-grad-norm 1
 run transformer_bf16_full_clip_sync env CANDLE_PARALLEL_NCCL_SYNC=1 ./transformer_ddp "${TR[@]}" \

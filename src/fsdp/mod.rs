@@ -626,8 +626,9 @@ impl Drop for FsdpNoSync<'_> {
 /// Says (once per process) that fully sharded training on NCCL has not yet been seen to train
 /// right on a device made without cudarc's event tracking
 /// ([`cuda_device`](crate::devices::cuda_device)): on an H200 on 2026-11-27 it trained far from
-/// the CPU's numbers with gradient clipping (loss 0.78 against 0.59), where DDP, ZeRO-2 and
-/// fully sharded over TCP gave the CPU's numbers on such a device.
+/// the CPU's numbers with gradient clipping (loss 0.78 against 0.59), where fully sharded over
+/// TCP, and DDP and SyncBatchNorm on NCCL in `tests/gpu.rs`, gave the CPU's numbers on such a
+/// device.
 fn warn_if_untracked_on_nccl(group: &ProcessGroup, device: &Device) {
     #[cfg(feature = "cuda")]
     if let (crate::distributed::Backend::Nccl, Device::Cuda(cuda)) = (group.backend(), device) {

@@ -135,8 +135,10 @@ fn checked_state(
                         found: t.dims().to_vec(),
                     });
                 }
-                // A copy, so that the caller's tensors and ours never share storage.
-                Ok(t.to_device(var.device())?.to_dtype(dtype(var))?.copy()?)
+                // A copy, so that the caller's tensors and ours never share storage; between
+                // two CUDA devices, ordered on both streams.
+                let moved = crate::util::ordered_copy::to_device(t, var.device(), false)?;
+                Ok(moved.to_dtype(dtype(var))?.copy()?)
             })
             .collect::<crate::Result<Vec<_>>>()?;
         out.push(Some(tensors));

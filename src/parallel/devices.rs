@@ -52,10 +52,11 @@ pub fn gpu_count() -> usize {
 /// Without the `cuda` feature, or without that GPU, it fails with candle's error.
 ///
 /// One exception for now: `FullyShardedDataParallel` on NCCL trained wrongly on such a device
-/// on a GPU (with gradient clipping: loss 0.78 where the CPU gives 0.59), while DDP, ZeRO-2,
-/// `DataParallel`, SyncBatchNorm and fully sharded over TCP gave the CPU's numbers. Until that
-/// is found, give fully sharded training a device from `Device::new_cuda_with_stream`; it warns
-/// otherwise.
+/// on a GPU (with gradient clipping: loss 0.78 where the CPU gives 0.59), while `DataParallel`,
+/// DDP and SyncBatchNorm on NCCL (`tests/gpu.rs`) and DDP and fully sharded over TCP gave the
+/// CPU's numbers. (At world size 1 DDP and ZeRO-2 make no collective call while training:
+/// there only fully sharded training runs NCCL every step.) Until that is found, give fully
+/// sharded training a device from `Device::new_cuda_with_stream`; it warns otherwise.
 ///
 /// ```rust
 /// use candle_parallel::devices::{cuda_device, gpu_count};
