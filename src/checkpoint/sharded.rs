@@ -40,7 +40,7 @@ pub(crate) fn put_part(
         true => chunk_of(t, world, rank)?,
         false => t.clone(),
     };
-    let part = chunk.narrow(0, 0, within.len())?.copy()?;
+    let part = chunk.narrow(0, 0, within.len())?.force_contiguous()?;
     out.insert(format!("{key}@{}", within.start), part);
     Ok(())
 }

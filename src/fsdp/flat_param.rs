@@ -223,11 +223,12 @@ impl FlatParam {
             flat = group.broadcast(&flat, 0)?;
         }
         let range = layout.shard_range(rank);
-        // Copies of their own, so that the full buffer is freed now.
+        // Copies of their own elements only (a view's `copy` would copy the whole buffer for
+        // each), so that the full buffer is freed now.
         let pieces = layout
             .split_shard(&flat.narrow(0, range.start, range.len())?)?
             .iter()
-            .map(|chunk| Ok(Var::from_tensor(&chunk.copy()?)?))
+            .map(|chunk| Ok(Var::from_tensor(&chunk.force_contiguous()?)?))
             .collect::<Result<Vec<_>>>()?;
         drop(flat);
         broadcast_buffers(group, &buffers)?;
