@@ -10,6 +10,11 @@ use crate::error::Error;
 use crate::util::sync::lock;
 use std::io::Write;
 
+/// How often, and how far apart, the `Abort` frame is tried on a healthy peer's busy writer
+/// (100 ms in all).
+const ABORT_TRIES: usize = 50;
+const ABORT_RETRY: std::time::Duration = std::time::Duration::from_millis(2);
+
 impl MeshState {
     /// Breaks the mesh for `reason` (unless already broken), tells every peer, and returns the
     /// error that now describes the mesh.
@@ -30,10 +35,23 @@ impl MeshState {
         if fresh {
             let payload = first.encode();
             let header = encode_header(Tag::control(FrameKind::Abort), payload.len());
-            for w in self.writers() {
-                // Best effort; a writer held by a send stuck on the lost peer is skipped.
-                if let Ok(mut s) = w.stream.try_lock() {
-                    let _ = s.write_all(&header).and_then(|()| s.write_all(&payload));
+            for (peer, p) in self.peers.iter().enumerate() {
+                let Some(p) = p else { continue };
+                // Best effort; the lost peer's writer (which a send stuck on it may hold) is
+                // tried once. Another peer's may be busy with a frame for a moment: it is
+                // tried for a while, so that the peer learns which rank was lost rather than
+                // seeing this rank leave and naming it instead.
+                let tries = if first.lost == Some(peer) {
+                    1
+                } else {
+                    ABORT_TRIES
+                };
+                for _ in 0..tries {
+                    if let Ok(mut s) = p.writer.stream.try_lock() {
+                        let _ = s.write_all(&header).and_then(|()| s.write_all(&payload));
+                        break;
+                    }
+                    std::thread::sleep(ABORT_RETRY);
                 }
             }
         }
