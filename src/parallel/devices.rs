@@ -40,10 +40,10 @@ pub fn gpu_count() -> usize {
 /// of the host's time per op: off, the Net's step at batch 128 took 1.2-1.5 ms of GPU time
 /// instead of 2.0-2.3 and the small transformer trained 1.1-2.0x faster (H200, 2026-11-27, two
 /// calls, `net_phases` and `transformer_ddp --time-steps`). candle-parallel orders every use
-/// it makes of a second stream itself, as PyTorch does: NCCL waits for an event recorded where its inputs were made,
-/// allocates its outputs on the device's stream and keeps inputs and outputs alive until that
-/// stream has waited for the collective; copies between two devices make each stream wait for
-/// the other. Nothing else in a training step uses another stream.
+/// it makes of a second stream itself, as PyTorch does: NCCL waits for an event recorded where
+/// its inputs were made, allocates its outputs on the device's stream and keeps inputs and
+/// outputs alive until that stream has waited for the collective; copies between two devices
+/// make each stream wait for the other. Nothing else in a training step uses another stream.
 ///
 /// Use a device from here (`DataParallel`'s [`replica_devices`] are made so) unless your own
 /// code runs work on other streams of the same GPU and relies on cudarc to order it; then make

@@ -52,7 +52,7 @@ use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Shape, Storage, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -199,25 +199,33 @@ fn keep(tensors: Vec<Tensor>) {
 /// thread goes on launching kernels on candle's stream while the worker runs the call (as
 /// fully sharded's prefetch does), so those may still overlap it.
 fn serialised() -> bool {
-    static SERIALISED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SERIALISED.get_or_init(|| {
-        let on = std::env::var("CANDLE_PARALLEL_NCCL_SYNC").is_ok_and(|v| v == "1");
-        if on {
-            log::warn!("CANDLE_PARALLEL_NCCL_SYNC=1: every NCCL collective runs alone (slow)");
-        }
-        on
-    })
+    static SERIALISED: OnceLock<bool> = OnceLock::new();
+    switch(
+        &SERIALISED,
+        "CANDLE_PARALLEL_NCCL_SYNC",
+        "every NCCL collective runs alone (slow)",
+    )
 }
 
 /// Whether every collective's output is filled with NaN (all bytes 0xFF) on candle's stream
 /// before NCCL writes it (`CANDLE_PARALLEL_NCCL_POISON=1`): a diagnostic that turns any read of
 /// an output before NCCL has written it into NaN.
 fn poisoned() -> bool {
-    static POISONED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *POISONED.get_or_init(|| {
-        let on = std::env::var("CANDLE_PARALLEL_NCCL_POISON").is_ok_and(|v| v == "1");
+    static POISONED: OnceLock<bool> = OnceLock::new();
+    switch(
+        &POISONED,
+        "CANDLE_PARALLEL_NCCL_POISON",
+        "every NCCL output starts as NaN",
+    )
+}
+
+/// Whether the diagnostic switch `var` is on (`=1`), read once into `cell`; says `what` it does
+/// when it is.
+fn switch(cell: &OnceLock<bool>, var: &str, what: &str) -> bool {
+    *cell.get_or_init(|| {
+        let on = std::env::var(var).is_ok_and(|v| v == "1");
         if on {
-            log::warn!("CANDLE_PARALLEL_NCCL_POISON=1: every NCCL output starts as NaN");
+            log::warn!("{var}=1: {what}");
         }
         on
     })
