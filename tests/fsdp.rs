@@ -161,18 +161,23 @@ fn fsdp_model(
     blocks: usize,
     uses: &[usize],
 ) -> candle_parallel::Result<FullyShardedDataParallel<Model>> {
+    fully_sharded(pg, model(blocks, uses.to_vec()))
+}
+
+/// `build` under FSDP on the CPU, initialised from `SEED` on rank 0.
+fn fully_sharded<M, F>(
+    pg: &ProcessGroup,
+    build: F,
+) -> candle_parallel::Result<FullyShardedDataParallel<M>>
+where
+    F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
+{
     let config = FsdpConfig {
         // Ranks other than 0 start elsewhere: FSDP must take rank 0's values.
         seed: Some(if pg.rank() == 0 { SEED } else { 99 }),
         ..FsdpConfig::default()
     };
-    FullyShardedDataParallel::with_config(
-        &VarMap::new(),
-        pg,
-        &Device::Cpu,
-        config,
-        model(blocks, uses.to_vec()),
-    )
+    FullyShardedDataParallel::with_config(&VarMap::new(), pg, &Device::Cpu, config, build)
 }
 
 /// FSDP training for `STEPS` steps; the final (gathered) variables by name.
@@ -426,17 +431,7 @@ fn units_whose_output_is_a_view_train_as_ddp_does() {
         let varmap = VarMap::new();
         halves(seeded_var_builder(&varmap, SEED, DType::F32, &Device::Cpu))?;
         let ddp = DistributedDataParallel::new(&varmap, &pg, &Device::Cpu, halves)?;
-        let config = FsdpConfig {
-            seed: Some(SEED),
-            ..FsdpConfig::default()
-        };
-        let f = FullyShardedDataParallel::with_config(
-            &VarMap::new(),
-            &pg,
-            &Device::Cpu,
-            config,
-            halves,
-        )?;
+        let f = fully_sharded(&pg, halves)?;
         let mut ddp_step = optimizer(Opt::Sgd, ddp.parameters());
         let mut fsdp_step = optimizer(Opt::Sgd, f.parameters());
         for s in 0..5 {
