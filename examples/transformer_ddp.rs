@@ -75,6 +75,7 @@ use candle_parallel::fsdp::FsdpNoSync;
 use candle_parallel::init::seeded_var_builder;
 use candle_parallel::launch::{self, LaunchConfig};
 use candle_parallel::memory::{self, MemoryReport};
+use candle_parallel::nn;
 use candle_parallel::optim::{clip_grad_norm_parts, AdamW, AdamWConfig, FiniteLoss};
 use candle_parallel::sampler::{DistributedSampler, SamplerConfig};
 use candle_parallel::tensor_parallel::sum_sequence_parallel_gradients;
@@ -184,6 +185,11 @@ struct Args {
     /// f32; f16 trains with a gradient scaler).
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     precision: Precision,
+    /// The precision of the linear layers' f32 products (torch's
+    /// `set_float32_matmul_precision`): `medium` lets them round their operands to bf16, on
+    /// AMX tiles where the CPU has them (see candle_parallel::nn::MatmulPrecision).
+    #[arg(long, value_enum, default_value_t = MatmulArg::Highest)]
+    matmul_precision: MatmulArg,
     /// Clip the gradients' total 2-norm (over every rank's shard) to this before each step.
     #[arg(long, value_name = "N")]
     clip_grad_norm: Option<f64>,
@@ -235,6 +241,13 @@ enum Precision {
     F16,
 }
 
+/// `--matmul-precision`, torch's names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum MatmulArg {
+    Highest,
+    Medium,
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Compress {
     None,
@@ -259,6 +272,10 @@ fn main() -> Result<()> {
 /// The program, on a worker of rayon's pool.
 fn run() -> Result<()> {
     let args = Args::parse();
+    nn::set_float32_matmul_precision(match args.matmul_precision {
+        MatmulArg::Highest => nn::MatmulPrecision::Highest,
+        MatmulArg::Medium => nn::MatmulPrecision::Medium,
+    });
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
     anyhow::ensure!(args.accumulate > 0, "--accumulate must be at least 1");
     anyhow::ensure!(args.nproc > 0, "--nproc must be at least 1");

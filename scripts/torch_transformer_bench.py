@@ -11,6 +11,9 @@ loss and each gradient (pass: max |difference| <= 1e-5 x max(1, max |candle's va
     cargo run --release --example transformer_ddp -- --cpu --dump-step /tmp/step.safetensors
     python3 scripts/torch_transformer_bench.py --parity /tmp/step.safetensors
 
+`--matmul-precision medium` sets torch.set_float32_matmul_precision("medium") and the example's
+`--matmul-precision medium` (f32 models whose products may round their operands to bf16).
+
 Training speed, side by side: tokens/s of training steps (forward, loss, backward, AdamW) on
 one batch, PyTorch with 1 and 2 threads, and with --rust the example's `--time-steps` for
 candle with the same threads (RAYON_NUM_THREADS), same model flags and batch (`--precision
@@ -151,6 +154,7 @@ def sort_batch(n, digits, device, generator):
 
 def torch_tokens_per_s(a, threads):
     torch.set_num_threads(threads)
+    torch.set_float32_matmul_precision(a.matmul_precision)
     device = torch.device(a.device)
     torch.manual_seed(0)
     model = Transformer(a.layers, a.dim, a.heads, 2 * a.digits).to(device)
@@ -183,7 +187,7 @@ def torch_tokens_per_s(a, threads):
 def candle_tokens_per_s(a, threads):
     cmd = [a.rust, "--time-steps", str(a.steps), "--layers", str(a.layers), "--dim", str(a.dim),
            "--heads", str(a.heads), "--digits", str(a.digits), "--batch-size", str(a.batch_size),
-           "--precision", a.precision]
+           "--precision", a.precision, "--matmul-precision", a.matmul_precision]
     if a.device == "cpu":
         cmd.append("--cpu")
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
@@ -198,7 +202,8 @@ def speed(a):
     params = sum(p.numel() for p in Transformer(a.layers, a.dim, a.heads, 2 * a.digits).parameters())
     print(f"training tokens/s: {a.layers} layers, dim {a.dim}, {a.heads} heads ({params:,} "
           f"parameters), batch {a.batch_size} x {2 * a.digits} tokens, AdamW, {a.steps} steps "
-          f"after 3, {a.precision}, on {a.device}; PyTorch {torch.__version__}")
+          f"after 3, {a.precision}, matmul precision {a.matmul_precision}, on {a.device}; "
+          f"PyTorch {torch.__version__}")
     print(f"{'threads':>7} {'PyTorch':>10} {'candle':>10} {'candle/PyTorch':>15}")
     for threads in (1, 2) if a.device == "cpu" else (1,):
         t = torch_tokens_per_s(a, threads)
@@ -225,6 +230,10 @@ def main():
     p.add_argument("--precision", choices=["f32", "bf16"], default="f32",
                    help="bf16: torch.autocast against the example's DDP on one process with "
                         "MixedPrecision::bf16() (f32 weights and AdamW in both)")
+    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest",
+                   help="medium: f32 products may round their operands to bf16, "
+                        "torch.set_float32_matmul_precision and the example's "
+                        "--matmul-precision (AMX tiles where the CPU has them)")
     a = p.parse_args()
     if not a.parity:
         a.speed = True  # the default: what runs without a file from the Rust side

@@ -243,6 +243,7 @@ impl<M> DistributedDataParallel<M> {
             buffer_names.iter().any(|b| b == last)
         };
         let precision = config.mixed_precision;
+        precision.warn_if_slow_on(device);
         let registry = Registry::new(varmap, device, is_buffer, reducer.clone())
             .compute_in(precision.param_dtype);
         // SyncBatchNorm gets a group of its own: its backward collectives must not interleave

@@ -214,6 +214,7 @@ impl<M> FullyShardedDataParallel<M> {
         F: Fn(VarBuilder) -> candle_core::Result<M> + Send + Sync + 'static,
     {
         warn_if_untracked_on_nccl(group, device);
+        config.mixed_precision.warn_if_slow_on(device);
         let everyone: Vec<usize> = (0..group.world_size()).collect();
         let own = group
             .new_group(&everyone)?

@@ -121,11 +121,11 @@ pub(super) fn sum_partials(partials: Vec<Vec<f32>>, len: usize) -> Vec<f32> {
 
 /// A matrix view of a slice: `rows x cols`, element `(i, j)` at `i * rs + j * cs`.
 pub(super) struct Mat<P> {
-    ptr: P,
-    rows: usize,
-    cols: usize,
-    rs: isize,
-    cs: isize,
+    pub(super) ptr: P,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) rs: isize,
+    pub(super) cs: isize,
 }
 
 impl<'a> Mat<&'a [f32]> {

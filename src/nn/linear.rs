@@ -18,10 +18,16 @@
 //!
 //! f16 and bf16 run the same f32 kernels and round their results once: their products and
 //! sums accumulate in f32, as torch's do (the crate's rule, see the [`nn` module docs](super)),
-//! where candle sums a bf16 bias gradient over 4096 rows of ones to 256. f64, other devices
+//! where candle sums a bf16 bias gradient over 4096 rows of ones to 256. Where the CPU has AMX
+//! tiles, bf16 layers run their three products on them (bf16 operands, f32 sums, as oneDNN
+//! does for torch), and so do f32 layers under [`MatmulPrecision::Medium`]
+//! ([`set_float32_matmul_precision`], torch's `"medium"`). f64, other devices
 //! (CUDA) and one-dimensional inputs take candle's product, with the bias added in f32 for f16
 //! and bf16 so that its gradient is summed there. A batch of no rows gives the weight and the
 //! bias gradients of zeros, as in torch.
+//!
+//! [`MatmulPrecision::Medium`]: super::MatmulPrecision::Medium
+//! [`set_float32_matmul_precision`]: super::set_float32_matmul_precision
 //!
 //! ```rust
 //! use candle_core::{DType, Device, Module, Tensor};
@@ -39,6 +45,7 @@
 //! ```
 
 use super::accumulate::{self, empty_output};
+use super::amx;
 use super::backward::{hand_over, through, Held};
 use super::conv_kernel::{f32_slice, with_f32};
 use super::kernels::{for_each_chunk, matmul, matmul_threaded, ours_in_f32, Mat};
@@ -135,6 +142,7 @@ fn fused(
         k,
         o,
         activation,
+        tiles: amx::tiles_for(dtype),
         saved: Mutex::new(Saved::Nothing),
     };
     let mut out_dims = dims.to_vec();
@@ -159,6 +167,10 @@ struct LinearOp {
     k: usize,
     o: usize,
     activation: Activation,
+    /// Whether the three products run in bf16 on AMX tiles (a bf16 layer where the CPU has
+    /// them): the inputs, bf16 values, are exact in f32 and rounded back; the gradient at the
+    /// product is rounded to bf16 as torch's bf16 backward has it.
+    tiles: bool,
     /// Set by the forward.
     saved: Mutex<Saved>,
 }
@@ -185,7 +197,18 @@ impl candle_core::CustomOp3 for LinearOp {
         let b = f32_slice(bs, bl, "bias")?;
         let (k, o) = (self.k, self.o);
         let mut y = vec![0f32; self.n * o];
-        if k > 0 && self.n < o {
+        if k > 0 && self.tiles {
+            for row in y.chunks_mut(o) {
+                row.copy_from_slice(b);
+            }
+            // y (n x o) += x (n x k) . wᵀ (k x o), in bf16 on the tiles.
+            amx::matmul(
+                Mat::rows(&mut y, o),
+                Mat::rows_of(x, k),
+                Mat::transposed(w, k),
+                true,
+            );
+        } else if k > 0 && self.n < o {
             // Few rows: split over the weight, which each thread would otherwise read whole.
             for row in y.chunks_mut(o) {
                 row.copy_from_slice(b);
@@ -291,6 +314,16 @@ impl LinearOp {
                 if o == 0 {
                     return Ok(()); // no outputs: a zero gradient
                 }
+                if self.tiles {
+                    // dx (n x k) = g (n x o) . w (o x k), in bf16 on the tiles.
+                    amx::matmul(
+                        Mat::rows(&mut dx, k),
+                        Mat::rows_of(g, o),
+                        Mat::rows_of(w, k),
+                        false,
+                    );
+                    return Ok(());
+                }
                 if n < k {
                     // Few rows: split over the weight, as in the forward.
                     matmul_threaded(
@@ -325,6 +358,16 @@ impl LinearOp {
             with_f32(x, |x| {
                 if n == 0 {
                     return Ok(()); // an empty batch: a zero gradient
+                }
+                if self.tiles {
+                    // dw (o x k) = gᵀ (o x n) . x (n x k), in bf16 on the tiles.
+                    amx::matmul(
+                        Mat::rows(&mut dw, k),
+                        Mat::transposed(g, o),
+                        Mat::rows_of(x, k),
+                        false,
+                    );
+                    return Ok(());
                 }
                 for_each_chunk(&mut dw, k, |first, rows| {
                     let count = rows.len() / k;

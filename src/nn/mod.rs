@@ -64,6 +64,7 @@
 //! ```
 
 mod accumulate;
+mod amx;
 pub mod attention;
 mod backward;
 mod conv;
@@ -84,6 +85,10 @@ mod rows;
 mod simd;
 mod sync_batch_norm;
 
+pub(crate) use amx::slow_candle_bf16;
+pub use amx::{
+    bf16_tiles_available, float32_matmul_precision, set_float32_matmul_precision, MatmulPrecision,
+};
 pub use backward::backward;
 pub(crate) use backward::{copy_gradient, GradientHook};
 pub use candle_nn::LayerNormConfig;

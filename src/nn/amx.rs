@@ -1,0 +1,759 @@
+//! bf16 matrix products on Intel's AMX tiles, for the layers' bf16 compute on CPUs that have
+//! them (Sapphire Rapids and later Xeons): what oneDNN gives PyTorch's bf16 `Linear` there.
+//!
+//! `dst (+)= a . b` with `a` and `b` rounded to bf16 (to nearest, even) and every product and
+//! sum in f32, as torch's bf16 matmul: `tdpbf16ps` multiplies a 16 x 32 bf16 tile by a
+//! 32 x 16 one into 16 x 16 f32 sums. Both operands are first copied into tiles of bf16, which
+//! takes any strides (a transposed weight, columns of a gradient), zero-padded to whole tiles;
+//! `dst` is then computed by blocks of 32 x 32 (four sums, two tiles of each operand), split
+//! over candle's thread pool, the blocks of one 32-column stripe of `b` next to each other so
+//! that its tiles stay in the core's cache.
+//!
+//! Used where [`available`]: an x86-64 Linux CPU with AMX-TILE and AMX-BF16 whose kernel grants
+//! the process the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), and not switched off with
+//! `CANDLE_PARALLEL_AMX=0`. The hardware treats bf16 subnormals as zero, as oneDNN's do.
+
+use super::kernels::{threads, Mat};
+use rayon::prelude::*;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+/// Rows of a tile, and rows (pairs of rows, for `b`) of a tile's worth of `k`.
+const TILE: usize = 16;
+/// Values of `k` in one step: a tile row of `a` holds 32 bf16 (64 bytes).
+const STEP: usize = 32;
+/// Rows of `dst` (columns, for `b`) in a block: two tiles.
+const BLOCK: usize = 2 * TILE;
+/// bf16 values in one packed block of one step: 32 rows of 32 values (2 KiB).
+const PANEL: usize = BLOCK * STEP;
+
+/// The precision of the f32 matrix products in this crate's linear layers ([`nn::linear`],
+/// [`nn::linear_relu`], [`nn::linear_gelu`]), torch's `torch.set_float32_matmul_precision`.
+///
+/// [`nn::linear`]: super::linear
+/// [`nn::linear_relu`]: super::linear_relu
+/// [`nn::linear_gelu`]: super::linear_gelu
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum MatmulPrecision {
+    /// f32 products (the default).
+    #[default]
+    Highest,
+    /// Products may round their two operands to bf16 (every product and sum stays f32), as
+    /// torch's `"medium"`: they do where the CPU has AMX tiles, which makes them several times
+    /// faster; elsewhere they stay f32. The tensors, and every other op, stay f32: mixed
+    /// precision's speed without candle's bf16 element-wise ops.
+    Medium,
+}
+
+static MATMUL_PRECISION: AtomicU8 = AtomicU8::new(0);
+
+/// Sets, for the whole process, the precision of this crate's f32 linear layers' products
+/// ([`MatmulPrecision`]). Ops already recorded for a backward keep the precision their forward
+/// used.
+///
+/// ```rust
+/// use candle_parallel::nn::{self, MatmulPrecision};
+/// nn::set_float32_matmul_precision(MatmulPrecision::Medium);
+/// assert_eq!(nn::float32_matmul_precision(), MatmulPrecision::Medium);
+/// nn::set_float32_matmul_precision(MatmulPrecision::Highest);
+/// ```
+pub fn set_float32_matmul_precision(precision: MatmulPrecision) {
+    MATMUL_PRECISION.store(precision as u8, Ordering::Relaxed);
+}
+
+/// The precision set by [`set_float32_matmul_precision`] (`Highest` until then).
+pub fn float32_matmul_precision() -> MatmulPrecision {
+    match MATMUL_PRECISION.load(Ordering::Relaxed) {
+        0 => MatmulPrecision::Highest,
+        _ => MatmulPrecision::Medium,
+    }
+}
+
+/// Whether a linear layer computing in `dtype` runs its products on AMX tiles: bf16 layers,
+/// and f32 ones under [`MatmulPrecision::Medium`], where [`available`].
+pub(super) fn tiles_for(dtype: candle_core::DType) -> bool {
+    use candle_core::DType;
+    let wanted = match dtype {
+        DType::BF16 => true,
+        DType::F32 => float32_matmul_precision() == MatmulPrecision::Medium,
+        _ => false,
+    };
+    wanted && available()
+}
+
+/// Whether this machine runs bf16 products on AMX tiles: an x86-64 Linux CPU with AMX-TILE
+/// and AMX-BF16 whose kernel grants the tile state, and not switched off with
+/// `CANDLE_PARALLEL_AMX=0` (checked once). Where false, [`MatmulPrecision::Medium`] changes
+/// nothing and bf16 layers compute their products in f32.
+pub fn bf16_tiles_available() -> bool {
+    available()
+}
+
+/// Whether the CPU has AVX512-BF16, where candle 0.11's bf16 element-wise CPU ops take a path
+/// that converts 8 values per call of a function it cannot inline: bf16 tensors' adds run
+/// several times slower than f32's there (a bf16 transformer step 9x slower than f32 measured,
+/// see `docs/CPU_SPEED.md`).
+pub(crate) fn slow_candle_bf16() -> bool {
+    static SLOW: OnceLock<bool> = OnceLock::new();
+    *SLOW.get_or_init(tiles::avx512_bf16)
+}
+
+/// [`bf16_tiles_available`].
+pub(super) fn available() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        let wanted = !matches!(
+            std::env::var("CANDLE_PARALLEL_AMX").as_deref(),
+            Ok("0" | "off" | "false")
+        );
+        let on = wanted && tiles::enable();
+        if on {
+            log::debug!("bf16 products run on AMX tiles (CANDLE_PARALLEL_AMX=0 turns this off)");
+        }
+        on
+    })
+}
+
+/// `x` rounded to bf16, to nearest even (NaN stays NaN), as its 16 bits.
+#[inline(always)]
+pub(super) fn bf16_bits(x: f32) -> u16 {
+    // Branch-free, for the packing loops to vectorise.
+    let bits = x.to_bits();
+    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+    let quiet = ((bits >> 16) | 0x40) as u16;
+    if x.is_nan() {
+        quiet
+    } else {
+        rounded
+    }
+}
+
+/// `dst = a . b`, or `dst += a . b` when `accumulate`, in bf16 with f32 sums, split over
+/// candle's threads. The caller has checked [`available`]; the shapes agree (as
+/// [`super::kernels::matmul`] checks).
+pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accumulate: bool) {
+    // The tile instructions fault unless the process asked for their state (in `available`).
+    assert!(
+        available(),
+        "bf16 matmul on AMX tiles where they are not available"
+    );
+    let (m, n, k) = (dst.rows, dst.cols, a.cols);
+    assert!(
+        a.rows == m && b.rows == k && b.cols == n,
+        "bf16 matmul of {}x{} by {}x{} into {m}x{n}",
+        a.rows,
+        a.cols,
+        b.rows,
+        b.cols
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    let steps = k.div_ceil(STEP);
+    let a_tiles = pack(&a, steps, Side::Rows);
+    let b_tiles = pack(&b, steps, Side::Columns);
+    let (row_blocks, col_blocks) = (m.div_ceil(BLOCK), n.div_ceil(BLOCK));
+    let out = Out {
+        ptr: dst.ptr.as_mut_ptr(),
+        rs: dst.rs,
+        cs: dst.cs,
+        rows: m,
+        cols: n,
+    };
+    // The blocks in the order they run: a group of row blocks whose packed rows of `a` fit in
+    // half the core's cache (2 MiB on the CPUs with AMX) meets every stripe of `b`, each stripe
+    // meeting the group's row blocks one after the other (so its tiles stay in cache too).
+    let group = (512 * 1024 / (steps * PANEL * 2).max(1)).max(1);
+    let order: Vec<(usize, usize)> = (0..row_blocks)
+        .step_by(group)
+        .flat_map(|g| {
+            (0..col_blocks).flat_map(move |stripe| {
+                (g..(g + group).min(row_blocks)).map(move |row| (row, stripe))
+            })
+        })
+        .collect();
+    let jobs = order.len();
+    let runs = (4 * threads()).min(jobs);
+    (0..runs).into_par_iter().for_each(|run| {
+        let (first, last) = (run * jobs / runs, (run + 1) * jobs / runs);
+        let mut sums = [0f32; BLOCK * BLOCK];
+        tiles::with_config(|| {
+            for &(row, stripe) in &order[first..last] {
+                let a_panel = &a_tiles[row * steps * PANEL / 2..(row + 1) * steps * PANEL / 2];
+                let b_panel =
+                    &b_tiles[stripe * steps * PANEL / 2..(stripe + 1) * steps * PANEL / 2];
+                // SAFETY: both panels hold `steps` packed blocks of PANEL values, and `sums`
+                // BLOCK x BLOCK f32: what the kernel reads and writes; the tile state is
+                // configured on this thread by `with_config`.
+                unsafe {
+                    tiles::block(
+                        a_panel.as_ptr().cast(),
+                        b_panel.as_ptr().cast(),
+                        steps,
+                        &mut sums,
+                    )
+                };
+                out.write(row * BLOCK, stripe * BLOCK, &sums, accumulate);
+            }
+        });
+    });
+}
+
+/// Which operand a packing is for: `a`, whose tiles hold rows, or `b`, whose tiles hold pairs
+/// of rows interleaved by column (the layout `tdpbf16ps` reads its second operand in).
+#[derive(Clone, Copy, PartialEq)]
+enum Side {
+    Rows,
+    Columns,
+}
+
+/// `mat` in bf16 tiles: for each block of 32 rows (`Rows`) or columns (`Columns`), `steps`
+/// panels of PANEL values, zero past the matrix. Values go in pairs along `k` (a u32 each: the
+/// lower `k` in the low half), which both layouts keep together.
+fn pack(mat: &Mat<&[f32]>, steps: usize, side: Side) -> Vec<u32> {
+    let (lines, depth) = match side {
+        Side::Rows => (mat.rows, mat.cols),
+        Side::Columns => (mat.cols, mat.rows),
+    };
+    let blocks = lines.div_ceil(BLOCK);
+    let mut tiles = vec![0u32; blocks * steps * PANEL / 2];
+    if tiles.is_empty() {
+        return tiles;
+    }
+    let (rs, cs) = (mat.rs as usize, mat.cs as usize);
+    let packer = Packer {
+        data: mat.ptr,
+        side,
+        lines,
+        depth,
+        // Element (line, depth) of the operand lies at line * ls + depth * ds.
+        ls: if side == Side::Rows { rs } else { cs },
+        ds: if side == Side::Rows { cs } else { rs },
+    };
+    let panels = Panels(tiles.as_mut_ptr());
+    let panels = &panels;
+    // Panel (block, step) of the output, which one job alone writes.
+    let panel = |block: usize, step: usize| {
+        let at = (block * steps + step) * PANEL / 2;
+        // SAFETY: `at + PANEL / 2 <= tiles.len()`, and each (block, step) is filled once.
+        unsafe { std::slice::from_raw_parts_mut(panels.0.add(at), PANEL / 2) }
+    };
+    let jobs = (4 * threads()).min(blocks.max(steps));
+    if packer.ls == 1 && packer.ds != 1 {
+        // Lines side by side: along the source's rows, steps outer (each step reads 32 rows
+        // once, from end to end), split over threads by steps.
+        let per = steps.div_ceil(jobs);
+        (0..steps.div_ceil(per)).into_par_iter().for_each(|job| {
+            let mut scratch = Scratch::default();
+            for step in job * per..((job + 1) * per).min(steps) {
+                for block in 0..blocks {
+                    packer.fill(block, step, panel(block, step), &mut scratch);
+                }
+            }
+        });
+    } else {
+        let per = blocks.div_ceil(jobs);
+        (0..blocks.div_ceil(per)).into_par_iter().for_each(|job| {
+            let mut scratch = Scratch::default();
+            for block in job * per..((job + 1) * per).min(blocks) {
+                for step in 0..steps {
+                    packer.fill(block, step, panel(block, step), &mut scratch);
+                }
+            }
+        });
+    }
+    tiles
+}
+
+/// The packed tiles, written by panels from several threads.
+struct Panels(*mut u32);
+
+// SAFETY: each thread writes panels no other writes (see `pack`), while `pack` holds the
+// vector.
+unsafe impl Sync for Panels {}
+
+/// What packing reads: an operand, its shape along lines (rows of `a`, columns of `b`) and
+/// `k`, and their strides.
+struct Packer<'a> {
+    data: &'a [f32],
+    side: Side,
+    lines: usize,
+    depth: usize,
+    ls: usize,
+    ds: usize,
+}
+
+/// One panel's pairs, gathered in the order the source lies in: line by line, or pair by pair.
+struct Scratch {
+    by_line: [[u32; STEP / 2]; BLOCK],
+    by_pair: [[u32; BLOCK]; STEP / 2],
+}
+
+impl Default for Scratch {
+    fn default() -> Self {
+        Self {
+            by_line: [[0; STEP / 2]; BLOCK],
+            by_pair: [[0; BLOCK]; STEP / 2],
+        }
+    }
+}
+
+impl Packer<'_> {
+    /// Fills `panel` with step `step` of block `block`: the pairs gathered in the order the
+    /// source lies in, then laid out as the panel wants (copied, or transposed), zero past the
+    /// matrix.
+    fn fill(&self, block: usize, step: usize, panel: &mut [u32], scratch: &mut Scratch) {
+        let (data, ls, ds) = (self.data, self.ls, self.ds);
+        let first = block * BLOCK;
+        let count = BLOCK.min(self.lines - first);
+        let d0 = step * STEP;
+        let width = STEP.min(self.depth - d0);
+        let pairs = width.div_ceil(2);
+        let pair = |lo: f32, hi: f32| u32::from(bf16_bits(lo)) | u32::from(bf16_bits(hi)) << 16;
+        if ls != 1 || ds == 1 {
+            let by_line = &mut scratch.by_line;
+            for (l, row) in by_line.iter_mut().enumerate() {
+                if l >= count {
+                    row.fill(0);
+                    continue;
+                }
+                let base = (first + l) * ls + d0 * ds;
+                if ds == 1 {
+                    let run = &data[base..base + width];
+                    pairs_along(&mut row[..width / 2], &run[..width / 2 * 2]);
+                    if width % 2 == 1 {
+                        row[width / 2] = pair(run[width - 1], 0.0);
+                    }
+                } else {
+                    for (p, v) in row.iter_mut().enumerate().take(pairs) {
+                        let hi = if 2 * p + 1 < width {
+                            data[base + (2 * p + 1) * ds]
+                        } else {
+                            0.0
+                        };
+                        *v = pair(data[base + 2 * p * ds], hi);
+                    }
+                }
+                row[pairs..].fill(0);
+            }
+            match self.side {
+                Side::Rows => {
+                    for (l, row) in by_line.iter().enumerate() {
+                        panel[l * STEP / 2..(l + 1) * STEP / 2].copy_from_slice(row);
+                    }
+                }
+                Side::Columns => {
+                    for (l, row) in by_line.iter().enumerate() {
+                        let tile = (l / TILE) * (TILE * STEP / 2) + l % TILE;
+                        for (p, &v) in row.iter().enumerate() {
+                            panel[tile + p * TILE] = v;
+                        }
+                    }
+                }
+            }
+        } else {
+            // Lines side by side (and k strided): two runs along them per pair.
+            let by_pair = &mut scratch.by_pair;
+            for (p, row) in by_pair.iter_mut().enumerate() {
+                if p >= pairs {
+                    row.fill(0);
+                    continue;
+                }
+                let lo = &data[first + (d0 + 2 * p) * ds..][..count];
+                if 2 * p + 1 < width {
+                    let hi = &data[first + (d0 + 2 * p + 1) * ds..][..count];
+                    pairs_across(&mut row[..count], lo, hi);
+                } else {
+                    for (v, &a) in row.iter_mut().zip(lo) {
+                        *v = pair(a, 0.0);
+                    }
+                }
+                row[count..].fill(0);
+            }
+            match self.side {
+                Side::Columns => {
+                    for (p, row) in by_pair.iter().enumerate() {
+                        for tile in 0..BLOCK / TILE {
+                            let at = tile * (TILE * STEP / 2) + p * TILE;
+                            panel[at..at + TILE]
+                                .copy_from_slice(&row[tile * TILE..(tile + 1) * TILE]);
+                        }
+                    }
+                }
+                Side::Rows => {
+                    for (p, row) in by_pair.iter().enumerate() {
+                        for (l, &v) in row.iter().enumerate() {
+                            panel[l * STEP / 2 + p] = v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `out[i]` = the bf16 pair of `run[2i]` and `run[2i + 1]` (`run` twice as long as `out`).
+fn pairs_along(out: &mut [u32], run: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2; the lengths are as documented (checked inside).
+        return unsafe { simd::pairs_along(out, run) };
+    }
+    for (v, two) in out.iter_mut().zip(run.chunks_exact(2)) {
+        *v = u32::from(bf16_bits(two[0])) | u32::from(bf16_bits(two[1])) << 16;
+    }
+}
+
+/// `out[i]` = the bf16 pair of `lo[i]` and `hi[i]` (all three as long).
+fn pairs_across(out: &mut [u32], lo: &[f32], hi: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2; the lengths are as documented (checked inside).
+        return unsafe { simd::pairs_across(out, lo, hi) };
+    }
+    for ((v, &a), &b) in out.iter_mut().zip(lo).zip(hi) {
+        *v = u32::from(bf16_bits(a)) | u32::from(bf16_bits(b)) << 16;
+    }
+}
+
+/// The packing's rounding, 8 values at a time (AVX2: every CPU with AMX has it).
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use super::bf16_bits;
+    use std::arch::x86_64::*;
+
+    /// The bits of 8 f32 rounded to bf16, each in the upper half of its 32-bit lane (the lower
+    /// half is garbage), as [`bf16_bits`] rounds (NaN stays NaN).
+    #[target_feature(enable = "avx2")]
+    unsafe fn rounded(x: __m256) -> __m256i {
+        let bits = _mm256_castps_si256(x);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        let sum = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+        let quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x0040_0000));
+        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+        _mm256_blendv_epi8(sum, quiet, nan)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn pairs_along(out: &mut [u32], run: &[f32]) {
+        assert_eq!(run.len(), 2 * out.len());
+        let mut i = 0;
+        while i + 8 <= out.len() {
+            let a = rounded(_mm256_loadu_ps(run.as_ptr().add(2 * i)));
+            let b = rounded(_mm256_loadu_ps(run.as_ptr().add(2 * i + 8)));
+            // The upper halves as u16, in order: pack (per 128-bit half) and restore the order.
+            let packed = _mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16));
+            let ordered = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+            _mm256_storeu_si256(out.as_mut_ptr().add(i).cast(), ordered);
+            i += 8;
+        }
+        for j in i..out.len() {
+            out[j] = u32::from(bf16_bits(run[2 * j])) | u32::from(bf16_bits(run[2 * j + 1])) << 16;
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn pairs_across(out: &mut [u32], lo: &[f32], hi: &[f32]) {
+        assert!(lo.len() == out.len() && hi.len() == out.len());
+        let upper = _mm256_set1_epi32(0xffff_0000u32 as i32);
+        let mut i = 0;
+        while i + 8 <= out.len() {
+            let a = rounded(_mm256_loadu_ps(lo.as_ptr().add(i)));
+            let b = rounded(_mm256_loadu_ps(hi.as_ptr().add(i)));
+            let v = _mm256_or_si256(_mm256_srli_epi32(a, 16), _mm256_and_si256(b, upper));
+            _mm256_storeu_si256(out.as_mut_ptr().add(i).cast(), v);
+            i += 8;
+        }
+        for j in i..out.len() {
+            out[j] = u32::from(bf16_bits(lo[j])) | u32::from(bf16_bits(hi[j])) << 16;
+        }
+    }
+}
+
+/// `dst`'s elements, written by blocks from several threads.
+struct Out {
+    ptr: *mut f32,
+    rs: isize,
+    cs: isize,
+    rows: usize,
+    cols: usize,
+}
+
+// SAFETY: the threads write disjoint blocks of `dst` (each block's job runs once), which the
+// caller borrows mutably for the whole product.
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// Writes (adds, when `accumulate`) the part of the 32 x 32 `sums` that lies inside `dst`
+    /// at rows and columns from `(i0, j0)`.
+    fn write(&self, i0: usize, j0: usize, sums: &[f32; BLOCK * BLOCK], accumulate: bool) {
+        let (rows, cols) = (BLOCK.min(self.rows - i0), BLOCK.min(self.cols - j0));
+        for r in 0..rows {
+            for c in 0..cols {
+                let offset = (i0 + r) as isize * self.rs + (j0 + c) as isize * self.cs;
+                // SAFETY: (i0 + r, j0 + c) is inside dst's rows and columns, whose strides
+                // the view's constructor checked against its slice; no other thread writes
+                // this block.
+                unsafe {
+                    let p = self.ptr.offset(offset);
+                    let v = sums[r * BLOCK + c];
+                    *p = if accumulate { *p + v } else { v };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod tiles {
+    use super::{BLOCK, PANEL, STEP, TILE};
+    use std::arch::asm;
+    use std::arch::x86_64::__cpuid_count;
+
+    /// Whether the CPU has AMX-TILE and AMX-BF16 and the kernel gives this process the tile
+    /// data state.
+    pub(super) fn enable() -> bool {
+        // SAFETY: cpuid leaf 7 exists on every x86-64 CPU that could have AMX (leaf 0 says how
+        // many there are). (Newer Rust has made `__cpuid_count` safe.)
+        #[allow(unused_unsafe)]
+        let (max_leaf, features) = unsafe { (__cpuid_count(0, 0).eax, __cpuid_count(7, 0)) };
+        let (amx_bf16, amx_tile) = (features.edx & (1 << 22) != 0, features.edx & (1 << 24) != 0);
+        if max_leaf < 7 || !amx_bf16 || !amx_tile {
+            return false;
+        }
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: arch_prctl with these arguments only asks for a permission.
+        let granted = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            )
+        };
+        if granted != 0 {
+            log::info!(
+                "the CPU has AMX but the kernel refused its tile state ({}): bf16 products \
+                 run in f32",
+                std::io::Error::last_os_error()
+            );
+        }
+        granted == 0
+    }
+
+    /// Whether the CPU has AVX512-BF16 (cpuid leaf 7, subleaf 1, EAX bit 5).
+    pub(super) fn avx512_bf16() -> bool {
+        // SAFETY: as in `enable`.
+        #[allow(unused_unsafe)]
+        let (max_leaf, subleaf_1) = unsafe { (__cpuid_count(0, 0).eax, __cpuid_count(7, 1)) };
+        max_leaf >= 7 && subleaf_1.eax & (1 << 5) != 0
+    }
+
+    /// Runs `f` with the tiles configured on this thread (8 tiles of 16 rows of 64 bytes),
+    /// releasing them after.
+    pub(super) fn with_config(f: impl FnOnce()) {
+        let mut config = [0u8; 64];
+        config[0] = 1; // palette 1
+        for tile in 0..8 {
+            config[16 + 2 * tile..18 + 2 * tile].copy_from_slice(&(STEP as u16 * 2).to_le_bytes());
+            config[48 + tile] = TILE as u8;
+        }
+        // SAFETY: `enable` returned true (the only way here), so the instructions exist and
+        // the process may use the tile state; the configuration is a valid palette-1 one.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) config.as_ptr(), options(nostack)) };
+        f();
+        // SAFETY: as above.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+
+    /// `sums` (32 x 32, row-major) = the product of one block of packed rows of `a` and one
+    /// of packed columns of `b`, over `steps` panels of each.
+    ///
+    /// # Safety
+    /// `a` and `b` point to `steps * PANEL` bf16 values each; the tiles are configured on this
+    /// thread ([`with_config`]).
+    pub(super) unsafe fn block(
+        a: *const u16,
+        b: *const u16,
+        steps: usize,
+        sums: &mut [f32; BLOCK * BLOCK],
+    ) {
+        const _: () = assert!(PANEL == 1024 && BLOCK == 32);
+        // tmm0..3 the four 16 x 16 sums; tmm4, tmm5 the two 16-row tiles of a's panel;
+        // tmm6, tmm7 the two 16-column tiles of b's.
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "test {steps}, {steps}",
+            "jz 3f",
+            "2:",
+            "tileloadd tmm4, [{a} + {row}]",
+            "tileloadd tmm5, [{a} + {row} + 1024]",
+            "tileloadd tmm6, [{b} + {row}]",
+            "tileloadd tmm7, [{b} + {row} + 1024]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a}, 2048",
+            "add {b}, 2048",
+            "dec {steps}",
+            "jnz 2b",
+            "3:",
+            "tilestored [{c} + {out_row}], tmm0",
+            "tilestored [{c} + {out_row} + 64], tmm1",
+            "tilestored [{c} + {out_row} + 2048], tmm2",
+            "tilestored [{c} + {out_row} + 2112], tmm3",
+            a = inout(reg) a => _,
+            b = inout(reg) b => _,
+            steps = inout(reg) steps => _,
+            c = in(reg) sums.as_mut_ptr(),
+            row = in(reg) 64usize,
+            out_row = in(reg) 128usize,
+            options(nostack),
+        );
+    }
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+mod tiles {
+    use super::BLOCK;
+
+    /// No AMX off x86-64 Linux.
+    pub(super) fn enable() -> bool {
+        false
+    }
+
+    /// No AVX512-BF16 off x86-64.
+    pub(super) fn avx512_bf16() -> bool {
+        false
+    }
+
+    /// Never reached: [`super::available`] is false.
+    pub(super) fn with_config(f: impl FnOnce()) {
+        f()
+    }
+
+    /// Never reached: [`super::available`] is false.
+    pub(super) unsafe fn block(
+        _: *const u16,
+        _: *const u16,
+        _: usize,
+        _: &mut [f32; BLOCK * BLOCK],
+    ) {
+        unreachable!("AMX tiles exist only on x86-64")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `a . b` in f64 over the bf16 roundings of `a` and `b` (row-major, `m x k`, `k x n`).
+    fn reference(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
+        let round = |x: f32| f32::from_bits((bf16_bits(x) as u32) << 16) as f64;
+        let mut out = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k)
+                    .map(|p| round(a[i * k + p]) * round(b[p * n + j]))
+                    .sum();
+            }
+        }
+        out
+    }
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let x = (i as u32)
+                    .wrapping_mul(2_654_435_761)
+                    .wrapping_add(seed.wrapping_mul(40_503));
+                (x >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bf16_rounding_is_to_nearest_even() {
+        for x in [
+            1.0f32,
+            -2.5,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            3.4e38,
+            1e-40,
+            0.0,
+            -0.0,
+        ] {
+            assert_eq!(bf16_bits(x), half::bf16::from_f32(x).to_bits(), "{x}");
+        }
+        assert!(f32::from_bits((bf16_bits(f32::NAN) as u32) << 16).is_nan());
+    }
+
+    #[test]
+    fn products_of_odd_shapes_and_strides_equal_the_bf16_reference() {
+        if !available() {
+            eprintln!("skipped: no AMX tiles on this machine");
+            return;
+        }
+        for (m, k, n) in [
+            (1, 1, 1),
+            (5, 7, 3),
+            (33, 65, 31),
+            (64, 32, 64),
+            (70, 100, 129),
+            (3, 300, 2),
+        ] {
+            let (a, b) = (values(m * k, 1), values(k * n, 2));
+            let want = reference(&a, &b, m, k, n);
+            // a row-major and b as the transpose of a row-major n x k copy: both pack orders.
+            let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+            for (accumulate, b_view) in [(false, 0), (true, 1)] {
+                let mut dst = vec![0.5f32; m * n];
+                let bm = if b_view == 0 {
+                    Mat::rows_of(&b, n)
+                } else {
+                    Mat::transposed(&bt, k)
+                };
+                matmul(Mat::rows(&mut dst, n), Mat::rows_of(&a, k), bm, accumulate);
+                let offset = if accumulate { 0.5 } else { 0.0 };
+                for (got, want) in dst.iter().zip(&want) {
+                    let tol = 1e-6 * k as f64 + 1e-6;
+                    assert!(
+                        (*got as f64 - offset - want).abs() <= tol,
+                        "{m}x{k}x{n}: {got} against {want}"
+                    );
+                }
+            }
+            // a read with neither stride 1: every other value of a matrix twice as wide.
+            let wide: Vec<f32> = a.iter().flat_map(|&v| [v, f32::NAN]).collect();
+            let mut dst = vec![0f32; m * n];
+            let a_view = Mat::strided(&wide, m, k, 2 * k, 2);
+            matmul(Mat::rows(&mut dst, n), a_view, Mat::rows_of(&b, n), false);
+            for (got, want) in dst.iter().zip(&want) {
+                assert!(
+                    (*got as f64 - want).abs() <= 1e-6 * k as f64 + 1e-6,
+                    "{m}x{k}x{n} (wide)"
+                );
+            }
+            // a read as columns of a wider matrix's transpose (rows one apart).
+            let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
+            let mut dst = vec![0f32; m * n];
+            matmul(
+                Mat::rows(&mut dst, n),
+                Mat::transposed(&at, m),
+                Mat::rows_of(&b, n),
+                false,
+            );
+            for (got, want) in dst.iter().zip(&want) {
+                assert!(
+                    (*got as f64 - want).abs() <= 1e-6 * k as f64 + 1e-6,
+                    "{m}x{k}x{n} (at)"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! `nn::set_float32_matmul_precision(Medium)` (torch's `"medium"`) and bf16 layers on AMX
+//! tiles: the linear layers' products equal an f64 reference over bf16-rounded operands (the
+//! output, and the gradients of the input, the weight and the bias), differ from the f32
+//! products, and a small MLP trains to within bf16's reach of its f32 losses. One test in its
+//! own binary: the precision is process-wide. Where the CPU has no AMX tiles, `Medium` must
+//! change nothing: the test checks that instead.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_nn::{Linear, Optimizer};
+use candle_parallel::nn::{self, MatmulPrecision};
+use candle_parallel::rng::Rng;
+
+/// `len` standard normal values.
+fn normals(rng: &mut Rng, len: usize) -> Vec<f32> {
+    (0..len).map(|_| rng.normal() as f32).collect()
+}
+
+/// `t`'s values rounded to bf16, in f64.
+fn bf16_f64(t: &Tensor) -> Result<Tensor> {
+    t.to_dtype(DType::BF16)?.to_dtype(DType::F64)
+}
+
+/// The largest |a - b| over the largest |b| (at least 1).
+fn relative(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let (a, b) = (a.to_dtype(DType::F64)?, b.to_dtype(DType::F64)?);
+    let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f64>()?;
+    let scale = b.abs()?.max_all()?.to_scalar::<f64>()?.max(1.0);
+    Ok(diff / scale)
+}
+
+/// One layer's output and the gradients of `sum(y * r)` for x, w and b, with candle's f32 ops
+/// applied to `x`, `w` (strided: a transposed copy viewed back) and `b`.
+fn layer_and_grads(x: &Var, w: &Var, b: &Var, r: &Tensor) -> Result<Vec<Tensor>> {
+    let w_view = w.as_tensor().t()?.contiguous()?.t()?;
+    let y = nn::linear_gelu(
+        x.as_tensor(),
+        &Linear::new(w_view, Some(b.as_tensor().clone())),
+    )?;
+    let grads = (&y * r)?.sum_all()?.backward()?;
+    let mut out = vec![y];
+    for v in [x, w, b] {
+        out.push(grads.get(v).expect("every input gets a gradient").clone());
+    }
+    Ok(out)
+}
+
+/// The same in f64 from bf16-rounded operands of each product, as the tiles compute: the
+/// layer's input and weight; in backward, the gradient at the product (after GELU's
+/// derivative) with the weight, and with the input.
+fn reference(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> Result<Vec<Tensor>> {
+    let (xr, wr) = (bf16_f64(x)?, bf16_f64(w)?);
+    let b = b.to_dtype(DType::F64)?;
+    let pre = xr.matmul(&wr.t()?)?.broadcast_add(&b)?;
+    let y = pre.gelu_erf()?;
+    // d gelu(u) / du = Φ(u) + u φ(u).
+    let phi = ((pre.sqr()? * -0.5)?.exp()? / (2.0 * std::f64::consts::PI).sqrt())?;
+    let cdf = (((&pre / 2f64.sqrt())?.erf()? + 1.0)? * 0.5)?;
+    let g = (r.to_dtype(DType::F64)? * (cdf + (&pre * phi)?)?)?;
+    let gr = bf16_f64(&g.to_dtype(DType::F32)?)?;
+    let dx = gr.matmul(&wr)?;
+    let dw = gr.t()?.matmul(&xr)?;
+    let db = g.sum(0)?;
+    Ok(vec![y, dx, dw, db])
+}
+
+/// Losses of 20 SGD steps of a 3-layer MLP (64 -> 96 -> 80 -> 10, GELU) on fixed data.
+fn mlp_losses() -> anyhow::Result<Vec<f32>> {
+    let dev = Device::Cpu;
+    let mut rng = Rng::new(7);
+    let mut layer = |i: usize, o: usize| -> Result<(Var, Var, Linear)> {
+        let scale = 1.0 / (i as f32).sqrt();
+        let w: Vec<f32> = normals(&mut rng, o * i).iter().map(|v| v * scale).collect();
+        let (w, b) = (
+            Var::from_vec(w, (o, i), &dev)?,
+            Var::zeros(o, DType::F32, &dev)?,
+        );
+        let linear = Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
+        Ok((w, b, linear))
+    };
+    let (mut vars, mut layers) = (Vec::new(), Vec::new());
+    for (i, o) in [(64, 96), (96, 80), (80, 10)] {
+        let (w, b, linear) = layer(i, o)?;
+        vars.extend([w, b]);
+        layers.push(linear);
+    }
+    let x = Tensor::from_vec(normals(&mut rng, 256 * 64), (256, 64), &dev)?;
+    let labels: Vec<u32> = (0..256).map(|i| (i * 7 % 10) as u32).collect();
+    let labels = Tensor::from_vec(labels, 256, &dev)?;
+    let mut sgd = candle_nn::SGD::new(vars, 0.1)?;
+    let mut losses = Vec::new();
+    for _ in 0..20 {
+        let h = nn::linear_gelu(&x, &layers[0])?;
+        let h = nn::linear_gelu(&h, &layers[1])?;
+        let logits = nn::linear(&h, &layers[2])?;
+        let loss = candle_nn::loss::cross_entropy(&logits, &labels)?;
+        losses.push(loss.to_scalar::<f32>()?);
+        sgd.backward_step(&loss)?;
+    }
+    Ok(losses)
+}
+
+#[test]
+fn medium_precision_rounds_the_products_operands_to_bf16_and_trains() -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let mut rng = Rng::new(3);
+    // Odd sizes: 37 rows, 70 inputs, 45 outputs (none a multiple of a tile).
+    let (n, k, o) = (37, 70, 45);
+    let x = Var::from_vec(normals(&mut rng, n * k), (n, k), &dev)?;
+    let w = Var::from_vec(normals(&mut rng, o * k), (o, k), &dev)?;
+    let b = Var::from_vec(normals(&mut rng, o), o, &dev)?;
+    let r = Tensor::from_vec(normals(&mut rng, n * o), (n, o), &dev)?;
+
+    assert_eq!(nn::float32_matmul_precision(), MatmulPrecision::Highest);
+    let highest = layer_and_grads(&x, &w, &b, &r)?;
+    let losses_highest = mlp_losses()?;
+    nn::set_float32_matmul_precision(MatmulPrecision::Medium);
+    let medium = layer_and_grads(&x, &w, &b, &r)?;
+    let losses_medium = mlp_losses()?;
+    nn::set_float32_matmul_precision(MatmulPrecision::Highest);
+
+    let names = [
+        "output",
+        "input gradient",
+        "weight gradient",
+        "bias gradient",
+    ];
+    if !nn::bf16_tiles_available() {
+        eprintln!("no AMX tiles here: checking that Medium changes nothing");
+        for ((h, m), name) in highest.iter().zip(&medium).zip(names) {
+            assert_eq!(relative(m, h)?, 0.0, "{name}");
+        }
+        assert_eq!(losses_medium, losses_highest);
+        return Ok(());
+    }
+    let want = reference(
+        x.as_tensor(),
+        w.as_tensor(),
+        b.as_tensor(),
+        &r.to_dtype(DType::F64)?,
+    )?;
+    for (((h, m), want), name) in highest.iter().zip(&medium).zip(&want).zip(names) {
+        // f32 sums of up to 70 products: well inside 1e-5 of the largest value.
+        let err = relative(m, want)?;
+        assert!(err < 1e-5, "{name}: {err:e} from the bf16 reference");
+        // bf16 operands move the result by about 2^-9 relative: visibly, and no more.
+        let moved = relative(m, h)?;
+        assert!(
+            moved > 1e-5 && moved < 3e-2,
+            "{name}: {moved:e} from the f32 products"
+        );
+    }
+    // The MLP learns the same: losses fall alike, within bf16's reach of f32's.
+    for (step, (m, h)) in losses_medium.iter().zip(&losses_highest).enumerate() {
+        assert!(
+            (m - h).abs() <= 1e-2 * h.abs(),
+            "step {step}: loss {m} under Medium, {h} in f32"
+        );
+    }
+    assert!(
+        losses_medium[19] < 0.9 * losses_medium[0],
+        "{losses_medium:?}"
+    );
+    assert_ne!(losses_medium, losses_highest);
+
+    // bf16 layers run on the tiles too: the product of bf16 x and w equals the reference.
+    let (xb, wb) = (x.to_dtype(DType::BF16)?, w.to_dtype(DType::BF16)?);
+    let y = nn::linear(&xb, &Linear::new(wb, None))?;
+    let want = bf16_f64(x.as_tensor())?.matmul(&bf16_f64(w.as_tensor())?.t()?)?;
+    assert_eq!(y.dtype(), DType::BF16);
+    // One bf16 rounding of the output: 2^-8 relative.
+    assert!(relative(&y, &want)? < 8e-3);
+    Ok(())
+}
