@@ -63,7 +63,8 @@ fn reference(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> Result<Vec<Tenso
     Ok(vec![y, dx, dw, db])
 }
 
-/// Losses of 20 SGD steps of a 3-layer MLP (64 -> 96 -> 80 -> 10, GELU) on fixed data.
+/// Losses of 20 SGD steps of a 3-layer MLP (64 -> 256 -> 160 -> 10, GELU) on 512 fixed rows:
+/// the first two layers' products large enough for the tiles.
 fn mlp_losses() -> anyhow::Result<Vec<f32>> {
     let dev = Device::Cpu;
     let mut rng = Rng::new(7);
@@ -78,15 +79,15 @@ fn mlp_losses() -> anyhow::Result<Vec<f32>> {
         Ok((w, b, linear))
     };
     let (mut vars, mut layers) = (Vec::new(), Vec::new());
-    for (i, o) in [(64, 96), (96, 80), (80, 10)] {
+    for (i, o) in [(64, 256), (256, 160), (160, 10)] {
         let (w, b, linear) = layer(i, o)?;
         vars.extend([w, b]);
         layers.push(linear);
     }
-    let x = Tensor::from_vec(normals(&mut rng, 256 * 64), (256, 64), &dev)?;
-    let labels: Vec<u32> = (0..256).map(|i| (i * 7 % 10) as u32).collect();
-    let labels = Tensor::from_vec(labels, 256, &dev)?;
-    let mut sgd = candle_nn::SGD::new(vars, 0.1)?;
+    let x = Tensor::from_vec(normals(&mut rng, 512 * 64), (512, 64), &dev)?;
+    let labels: Vec<u32> = (0..512).map(|i| (i * 7 % 10) as u32).collect();
+    let labels = Tensor::from_vec(labels, 512, &dev)?;
+    let mut sgd = candle_nn::SGD::new(vars, 0.5)?;
     let mut losses = Vec::new();
     for _ in 0..20 {
         let h = nn::linear_gelu(&x, &layers[0])?;
@@ -103,8 +104,8 @@ fn mlp_losses() -> anyhow::Result<Vec<f32>> {
 fn medium_precision_rounds_the_products_operands_to_bf16_and_trains() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let mut rng = Rng::new(3);
-    // Odd sizes: 37 rows, 70 inputs, 45 outputs (none a multiple of a tile).
-    let (n, k, o) = (37, 70, 45);
+    // Odd sizes (none a multiple of a tile), each product large enough for the tiles.
+    let (n, k, o) = (301, 171, 290);
     let x = Var::from_vec(normals(&mut rng, n * k), (n, k), &dev)?;
     let w = Var::from_vec(normals(&mut rng, o * k), (o, k), &dev)?;
     let b = Var::from_vec(normals(&mut rng, o), o, &dev)?;
@@ -139,9 +140,17 @@ fn medium_precision_rounds_the_products_operands_to_bf16_and_trains() -> anyhow:
         &r.to_dtype(DType::F64)?,
     )?;
     for (((h, m), want), name) in highest.iter().zip(&medium).zip(&want).zip(names) {
-        // f32 sums of up to 70 products: well inside 1e-5 of the largest value.
+        // f32 sums of up to 301 products: well inside 1e-5 of the largest value; for the two
+        // products of the backward, 1e-4: their operand, the gradient through GELU, is
+        // computed in f32 here and in f64 in the reference, and where the two fall either side
+        // of a bf16 rounding boundary one product moves by 2^-8 (measured 1.2e-5).
         let err = relative(m, want)?;
-        assert!(err < 1e-5, "{name}: {err:e} from the bf16 reference");
+        let tol = if name.ends_with("put gradient") || name.starts_with("weight") {
+            1e-4
+        } else {
+            1e-5
+        };
+        assert!(err < tol, "{name}: {err:e} from the bf16 reference");
         // bf16 operands move the result by about 2^-9 relative: visibly, and no more.
         let moved = relative(m, h)?;
         assert!(
@@ -163,6 +172,7 @@ fn medium_precision_rounds_the_products_operands_to_bf16_and_trains() -> anyhow:
     assert_ne!(losses_medium, losses_highest);
 
     // bf16 layers run on the tiles too: the product of bf16 x and w equals the reference.
+    // (Too small a product stays f32: that the bf16 layer tests in tests/layers.rs cover.)
     let (xb, wb) = (x.to_dtype(DType::BF16)?, w.to_dtype(DType::BF16)?);
     let y = nn::linear(&xb, &Linear::new(wb, None))?;
     let want = bf16_f64(x.as_tensor())?.matmul(&bf16_f64(w.as_tensor())?.t()?)?;

@@ -39,8 +39,9 @@ pub enum MatmulPrecision {
     #[default]
     Highest,
     /// Products may round their two operands to bf16 (every product and sum stays f32), as
-    /// torch's `"medium"`: they do where the CPU has AMX tiles, which makes them several times
-    /// faster; elsewhere they stay f32. The tensors, and every other op, stay f32: mixed
+    /// torch's `"medium"`: they do where the CPU has AMX tiles and the product is large enough
+    /// to gain (a layer's rows and outputs both in the hundreds, see the guide
+    /// `docs/CPU_SPEED.md`), which makes it several times faster; elsewhere they stay f32. The tensors, and every other op, stay f32: mixed
     /// precision's speed without candle's bf16 element-wise ops.
     Medium,
 }
@@ -96,6 +97,16 @@ pub fn bf16_tiles_available() -> bool {
 pub(crate) fn slow_candle_bf16() -> bool {
     static SLOW: OnceLock<bool> = OnceLock::new();
     *SLOW.get_or_init(tiles::avx512_bf16)
+}
+
+/// Whether a product of `m x k` by `k x n` gains from the tiles: packing both operands costs
+/// about a nanosecond per value, and the tiles save about 6 ps per multiply-add over f32's
+/// AVX-512 products, so each packed value must take part in some 2mn / (m + n) >= 128
+/// products (a batch of 64 rows through a 4096-wide layer does not: measured slower); and
+/// each of the `m x n` sums, which leave the tiles through memory, must gather `k >= 128`
+/// products (the weight gradient of a batch of 64 rows: measured slower).
+pub(super) fn worth(m: usize, k: usize, n: usize) -> bool {
+    2 * m * n >= 128 * (m + n) && k >= 128
 }
 
 /// [`bf16_tiles_available`].

@@ -19,8 +19,8 @@
 //! f16 and bf16 run the same f32 kernels and round their results once: their products and
 //! sums accumulate in f32, as torch's do (the crate's rule, see the [`nn` module docs](super)),
 //! where candle sums a bf16 bias gradient over 4096 rows of ones to 256. Where the CPU has AMX
-//! tiles, bf16 layers run their three products on them (bf16 operands, f32 sums, as oneDNN
-//! does for torch), and so do f32 layers under [`MatmulPrecision::Medium`]
+//! tiles, bf16 layers run their products on them where large enough to gain (bf16 operands,
+//! f32 sums, as oneDNN does for torch), and so do f32 layers under [`MatmulPrecision::Medium`]
 //! ([`set_float32_matmul_precision`], torch's `"medium"`). f64, other devices
 //! (CUDA) and one-dimensional inputs take candle's product, with the bias added in f32 for f16
 //! and bf16 so that its gradient is summed there. A batch of no rows gives the weight and the
@@ -167,8 +167,9 @@ struct LinearOp {
     k: usize,
     o: usize,
     activation: Activation,
-    /// Whether the three products run in bf16 on AMX tiles (a bf16 layer where the CPU has
-    /// them): the inputs, bf16 values, are exact in f32 and rounded back; the gradient at the
+    /// Whether the products run in bf16 on AMX tiles (a bf16 layer where the CPU has them, or
+    /// an f32 one under `MatmulPrecision::Medium`), those large enough to gain
+    /// ([`amx::worth`]): bf16 inputs are exact in f32 and rounded back; the gradient at the
     /// product is rounded to bf16 as torch's bf16 backward has it.
     tiles: bool,
     /// Set by the forward.
@@ -197,7 +198,7 @@ impl candle_core::CustomOp3 for LinearOp {
         let b = f32_slice(bs, bl, "bias")?;
         let (k, o) = (self.k, self.o);
         let mut y = vec![0f32; self.n * o];
-        if k > 0 && self.tiles {
+        if k > 0 && self.tiles && amx::worth(self.n, k, o) {
             for row in y.chunks_mut(o) {
                 row.copy_from_slice(b);
             }
@@ -314,7 +315,7 @@ impl LinearOp {
                 if o == 0 {
                     return Ok(()); // no outputs: a zero gradient
                 }
-                if self.tiles {
+                if self.tiles && amx::worth(n, o, k) {
                     // dx (n x k) = g (n x o) . w (o x k), in bf16 on the tiles.
                     amx::matmul(
                         Mat::rows(&mut dx, k),
@@ -359,7 +360,7 @@ impl LinearOp {
                 if n == 0 {
                     return Ok(()); // an empty batch: a zero gradient
                 }
-                if self.tiles {
+                if self.tiles && amx::worth(o, n, k) {
                     // dw (o x k) = gᵀ (o x n) . x (n x k), in bf16 on the tiles.
                     amx::matmul(
                         Mat::rows(&mut dw, k),
