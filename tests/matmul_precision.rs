@@ -63,7 +63,7 @@ fn reference(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> Result<Vec<Tenso
     Ok(vec![y, dx, dw, db])
 }
 
-/// Losses of 20 SGD steps of a 3-layer MLP (64 -> 256 -> 160 -> 10, GELU) on 512 fixed rows:
+/// Losses of 20 SGD steps of a 3-layer MLP (128 -> 256 -> 160 -> 10, GELU) on 512 fixed rows:
 /// the first two layers' products large enough for the tiles.
 fn mlp_losses() -> anyhow::Result<Vec<f32>> {
     let dev = Device::Cpu;
@@ -79,12 +79,12 @@ fn mlp_losses() -> anyhow::Result<Vec<f32>> {
         Ok((w, b, linear))
     };
     let (mut vars, mut layers) = (Vec::new(), Vec::new());
-    for (i, o) in [(64, 256), (256, 160), (160, 10)] {
+    for (i, o) in [(128, 256), (256, 160), (160, 10)] {
         let (w, b, linear) = layer(i, o)?;
         vars.extend([w, b]);
         layers.push(linear);
     }
-    let x = Tensor::from_vec(normals(&mut rng, 512 * 64), (512, 64), &dev)?;
+    let x = Tensor::from_vec(normals(&mut rng, 512 * 128), (512, 128), &dev)?;
     let labels: Vec<u32> = (0..512).map(|i| (i * 7 % 10) as u32).collect();
     let labels = Tensor::from_vec(labels, 512, &dev)?;
     let mut sgd = candle_nn::SGD::new(vars, 0.5)?;
@@ -117,6 +117,17 @@ fn medium_precision_rounds_the_products_operands_to_bf16_and_trains() -> anyhow:
     nn::set_float32_matmul_precision(MatmulPrecision::Medium);
     let medium = layer_and_grads(&x, &w, &b, &r)?;
     let losses_medium = mlp_losses()?;
+    // Empty products under Medium (no rows and no outputs over 200 inputs; no inputs): zeros.
+    for (n, k, o) in [(0, 200, 0), (0, 0, 150), (4, 0, 150)] {
+        let xs = Var::zeros((n, k), DType::F32, &dev)?;
+        let ws = Var::ones((o, k), DType::F32, &dev)?;
+        let y = nn::linear(xs.as_tensor(), &Linear::new(ws.as_tensor().clone(), None))?;
+        assert_eq!(y.dims(), [n, o]);
+        let grads = y.sum_all()?.backward()?;
+        let dw = grads.get(&ws).expect("the weight gets a gradient");
+        assert_eq!(dw.dims(), [o, k]);
+        assert_eq!(dw.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+    }
     nn::set_float32_matmul_precision(MatmulPrecision::Highest);
 
     let names = [

@@ -41,8 +41,9 @@ pub enum MatmulPrecision {
     /// Products may round their two operands to bf16 (every product and sum stays f32), as
     /// torch's `"medium"`: they do where the CPU has AMX tiles and the product is large enough
     /// to gain (a layer's rows and outputs both in the hundreds, see the guide
-    /// `docs/CPU_SPEED.md`), which makes it several times faster; elsewhere they stay f32. The tensors, and every other op, stay f32: mixed
-    /// precision's speed without candle's bf16 element-wise ops.
+    /// `docs/CPU_SPEED.md`), which makes it several times faster; elsewhere they stay f32.
+    /// The tensors, and every other op, stay f32: mixed precision's speed without candle's
+    /// bf16 element-wise ops.
     Medium,
 }
 
@@ -90,13 +91,19 @@ pub fn bf16_tiles_available() -> bool {
     available()
 }
 
-/// Whether the CPU has AVX512-BF16, where candle 0.11's bf16 element-wise CPU ops take a path
-/// that converts 8 values per call of a function it cannot inline: bf16 tensors' adds run
-/// several times slower than f32's there (a bf16 transformer step 9x slower than f32 measured,
-/// see `docs/CPU_SPEED.md`).
+/// Whether candle 0.11's bf16 element-wise CPU ops take their slow path here: on a CPU with
+/// AVX512-BF16 and AVX512-VL (candle's own test), they convert 8 values per call of a function
+/// they cannot inline, and bf16 tensors' adds run several times slower than f32's (a bf16
+/// transformer step 9x slower than f32 measured, see `docs/CPU_SPEED.md`).
 pub(crate) fn slow_candle_bf16() -> bool {
-    static SLOW: OnceLock<bool> = OnceLock::new();
-    *SLOW.get_or_init(tiles::avx512_bf16)
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// Whether a product of `m x k` by `k x n` gains from the tiles: packing both operands costs
@@ -106,7 +113,7 @@ pub(crate) fn slow_candle_bf16() -> bool {
 /// each of the `m x n` sums, which leave the tiles through memory, must gather `k >= 128`
 /// products (the weight gradient of a batch of 64 rows: measured slower).
 pub(super) fn worth(m: usize, k: usize, n: usize) -> bool {
-    2 * m * n >= 128 * (m + n) && k >= 128
+    m > 0 && n > 0 && 2 * m * n >= 128 * (m + n) && k >= 128
 }
 
 /// [`bf16_tiles_available`].
@@ -160,6 +167,24 @@ pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accum
     if m == 0 || n == 0 {
         return;
     }
+    // The writes below go through a raw pointer from several threads, the reads index the
+    // slices: every view must lie within its slice (as `Mat`'s constructors check) and dst's
+    // elements must not overlap (rows after rows, or columns after columns).
+    let inside = |rows: usize, cols: usize, rs: isize, cs: isize, len: usize| {
+        rows == 0
+            || cols == 0
+            || (rs >= 0 && cs >= 0 && (rows - 1) * (rs as usize) + (cols - 1) * (cs as usize) < len)
+    };
+    let (drs, dcs) = (dst.rs.max(0) as usize, dst.cs.max(0) as usize);
+    assert!(
+        inside(m, n, dst.rs, dst.cs, dst.ptr.len())
+            && (m == 1 || n == 1 || drs >= n * dcs || dcs >= m * drs)
+            && (m == 1 || drs > 0)
+            && (n == 1 || dcs > 0)
+            && inside(m, k, a.rs, a.cs, a.ptr.len())
+            && inside(k, n, b.rs, b.cs, b.ptr.len()),
+        "bf16 matmul: views outside their values or an output that overlaps itself"
+    );
     let steps = k.div_ceil(STEP);
     let a_tiles = pack(&a, steps, Side::Rows);
     let b_tiles = pack(&b, steps, Side::Columns);
@@ -172,7 +197,7 @@ pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accum
         cols: n,
     };
     // The blocks in the order they run: a group of row blocks whose packed rows of `a` fit in
-    // half the core's cache (2 MiB on the CPUs with AMX) meets every stripe of `b`, each stripe
+    // a quarter of the core's cache (512 KiB of 2 MiB on the CPUs with AMX) meets every stripe of `b`, each stripe
     // meeting the group's row blocks one after the other (so its tiles stay in cache too).
     let group = (512 * 1024 / (steps * PANEL * 2).max(1)).max(1);
     let order: Vec<(usize, usize)> = (0..row_blocks)
@@ -552,14 +577,6 @@ mod tiles {
         granted == 0
     }
 
-    /// Whether the CPU has AVX512-BF16 (cpuid leaf 7, subleaf 1, EAX bit 5).
-    pub(super) fn avx512_bf16() -> bool {
-        // SAFETY: as in `enable`.
-        #[allow(unused_unsafe)]
-        let (max_leaf, subleaf_1) = unsafe { (__cpuid_count(0, 0).eax, __cpuid_count(7, 1)) };
-        max_leaf >= 7 && subleaf_1.eax & (1 << 5) != 0
-    }
-
     /// Runs `f` with the tiles configured on this thread (8 tiles of 16 rows of 64 bytes),
     /// releasing them after.
     pub(super) fn with_config(f: impl FnOnce()) {
@@ -634,11 +651,6 @@ mod tiles {
 
     /// No AMX off x86-64 Linux.
     pub(super) fn enable() -> bool {
-        false
-    }
-
-    /// No AVX512-BF16 off x86-64.
-    pub(super) fn avx512_bf16() -> bool {
         false
     }
 
@@ -717,6 +729,8 @@ mod tests {
             (64, 32, 64),
             (70, 100, 129),
             (3, 300, 2),
+            // 128 steps of k: groups of 2 row blocks, so 2 groups meet every stripe.
+            (100, 4096, 40),
         ] {
             let (a, b) = (values(m * k, 1), values(k * n, 2));
             let want = reference(&a, &b, m, k, n);

@@ -20,8 +20,10 @@
 //! sums accumulate in f32, as torch's do (the crate's rule, see the [`nn` module docs](super)),
 //! where candle sums a bf16 bias gradient over 4096 rows of ones to 256. Where the CPU has AMX
 //! tiles, bf16 layers run their products on them where large enough to gain (bf16 operands,
-//! f32 sums, as oneDNN does for torch), and so do f32 layers under [`MatmulPrecision::Medium`]
-//! ([`set_float32_matmul_precision`], torch's `"medium"`). f64, other devices
+//! f32 sums, as oneDNN does for torch; the gradient at the product, an f32 sum, is rounded to
+//! bf16 for the backward's two products, as torch's bf16 backward has it), and so do f32
+//! layers under [`MatmulPrecision::Medium`] ([`set_float32_matmul_precision`], torch's
+//! `"medium"`). f64, other devices
 //! (CUDA) and one-dimensional inputs take candle's product, with the bias added in f32 for f16
 //! and bf16 so that its gradient is summed there. A batch of no rows gives the weight and the
 //! bias gradients of zeros, as in torch.
