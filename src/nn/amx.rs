@@ -275,29 +275,24 @@ fn pack(mat: &Mat<&[f32]>, steps: usize, side: Side) -> Vec<u32> {
         unsafe { std::slice::from_raw_parts_mut(panels.0.add(at), PANEL / 2) }
     };
     let jobs = (4 * threads()).min(blocks.max(steps));
-    if packer.ls == 1 && packer.ds != 1 {
-        // Lines side by side: along the source's rows, steps outer (each step reads 32 rows
-        // once, from end to end), split over threads by steps.
-        let per = steps.div_ceil(jobs);
-        (0..steps.div_ceil(per)).into_par_iter().for_each(|job| {
-            let mut scratch = Scratch::default();
-            for step in job * per..((job + 1) * per).min(steps) {
-                for block in 0..blocks {
-                    packer.fill(block, step, panel(block, step), &mut scratch);
-                }
-            }
-        });
+    // Lines side by side: along the source's rows, steps outer (each step reads 32 rows once,
+    // from end to end), split over threads by steps; else by blocks, blocks outer.
+    let steps_outer = packer.ls == 1 && packer.ds != 1;
+    let (outer, inner) = if steps_outer {
+        (steps, blocks)
     } else {
-        let per = blocks.div_ceil(jobs);
-        (0..blocks.div_ceil(per)).into_par_iter().for_each(|job| {
-            let mut scratch = Scratch::default();
-            for block in job * per..((job + 1) * per).min(blocks) {
-                for step in 0..steps {
-                    packer.fill(block, step, panel(block, step), &mut scratch);
-                }
+        (blocks, steps)
+    };
+    let per = outer.div_ceil(jobs);
+    (0..outer.div_ceil(per)).into_par_iter().for_each(|job| {
+        let mut scratch = Scratch::default();
+        for o in job * per..((job + 1) * per).min(outer) {
+            for i in 0..inner {
+                let (block, step) = if steps_outer { (i, o) } else { (o, i) };
+                packer.fill(block, step, panel(block, step), &mut scratch);
             }
-        });
-    }
+        }
+    });
     tiles
 }
 
