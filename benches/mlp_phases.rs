@@ -8,6 +8,7 @@
 //!     cargo bench --bench mlp_phases
 //!     cargo bench --bench mlp_phases -- --threads 1 --batch 64 --steps 10 --models nn
 //!     cargo bench --bench mlp_phases -- --threads 2 --in-pool   # as transformer_ddp runs
+//!     cargo bench --bench mlp_phases -- --matmul-precision medium  # bf16 products, both sides
 //!
 //! Medians over `--steps` repetitions after 3 warm-up ones. `scripts/torch_mlp_phases.py`
 //! times the same in PyTorch with the same threads; this bench runs it when `python3 -c
@@ -34,6 +35,8 @@ struct Options {
     threads: Option<usize>,
     models: String,
     in_pool: bool,
+    /// `highest` or `medium` (torch's `set_float32_matmul_precision`, for both sides).
+    matmul_precision: String,
 }
 
 fn parse() -> Result<Options> {
@@ -43,6 +46,7 @@ fn parse() -> Result<Options> {
         threads: None,
         models: "candle-nn,nn".into(),
         in_pool: false,
+        matmul_precision: "highest".into(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -58,6 +62,9 @@ fn parse() -> Result<Options> {
             "--threads" => o.threads = Some(value("--threads")?),
             "--models" => o.models = args.next().context("--models needs a value")?,
             "--in-pool" => o.in_pool = true,
+            "--matmul-precision" => {
+                o.matmul_precision = args.next().context("--matmul-precision needs a value")?
+            }
             "--bench" => {}
             other => anyhow::bail!("unknown argument {other}"),
         }
@@ -94,10 +101,19 @@ fn main() -> Result<()> {
     if let Some(n) = o.threads {
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
+    nn::set_float32_matmul_precision(match o.matmul_precision.as_str() {
+        "highest" => nn::MatmulPrecision::Highest,
+        "medium" => nn::MatmulPrecision::Medium,
+        other => anyhow::bail!("--matmul-precision {other:?}: highest or medium"),
+    });
     let threads = candle_core::utils::get_num_threads();
     println!(
-        "the 25.2 M MLP, batch {}, {threads} threads, ms (median of {})",
-        o.batch, o.steps
+        "the 25.2 M MLP, batch {}, {threads} threads, matmul precision {} (bf16 tiles: {}), ms \
+         (median of {})",
+        o.batch,
+        o.matmul_precision,
+        nn::bf16_tiles_available(),
+        o.steps
     );
     let measure = || -> Result<Vec<(&str, [f64; 3])>> {
         let mut rows = Vec::new();
@@ -123,6 +139,7 @@ fn main() -> Result<()> {
         .args(["--batch", &o.batch.to_string()])
         .args(["--steps", &o.steps.to_string()])
         .args(["--threads", &threads.to_string()])
+        .args(["--matmul-precision", &o.matmul_precision])
         .output();
     let torch: Option<[f64; 3]> = match torch {
         Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout)

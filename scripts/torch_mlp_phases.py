@@ -29,8 +29,10 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--matmul-precision", choices=["highest", "medium"], default="highest")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    torch.set_float32_matmul_precision(a.matmul_precision)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
                           nn.Linear(4096, 1024))
