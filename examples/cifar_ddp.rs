@@ -316,7 +316,10 @@ impl Training<'_> {
             at.position += batch.len();
             // Every rank takes a step of the same size: the job's images.
             bar.inc((batch.len() * world) as u64);
-            if let Some(c) = self.checkpoints.filter(|_| at.step % self.every == 0) {
+            if let Some(c) = self
+                .checkpoints
+                .filter(|_| at.step.is_multiple_of(self.every))
+            {
                 if let Some(f) = self.finite.as_ref() {
                     f.check()?;
                 }

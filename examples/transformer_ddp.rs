@@ -328,14 +328,14 @@ impl Args {
             return Ok(());
         }
         anyhow::ensure!(
-            self.heads % t == 0 && self.dim % t == 0,
+            self.heads.is_multiple_of(t) && self.dim.is_multiple_of(t),
             "--tensor-parallel {t} must divide --heads {} and --dim {}: each rank takes a share \
              of the heads and of the MLP's features",
             self.heads,
             self.dim
         );
         anyhow::ensure!(
-            !self.sequence_parallel || (2 * self.digits) % t == 0,
+            !self.sequence_parallel || (2 * self.digits).is_multiple_of(t),
             "--sequence-parallel over {t} ranks needs a sequence (2 x --digits = {}) that is a \
              multiple of {t}",
             2 * self.digits
@@ -644,7 +644,7 @@ fn rank_main(args: &Args) -> Result<()> {
             }
             at.position += chunk.len();
             if let Some(c) = &checkpoints {
-                if step % args.checkpoint_every == 0 {
+                if step.is_multiple_of(args.checkpoint_every) {
                     if let Some(f) = finite.as_ref() {
                         f.check()?;
                     }

@@ -87,7 +87,7 @@ impl DistributedSampler {
         if len == 0 {
             return invalid("the dataset is empty: there is nothing to sample".into());
         }
-        let num_samples = if options.drop_last && len % num_replicas != 0 {
+        let num_samples = if options.drop_last && !len.is_multiple_of(num_replicas) {
             // ceil((len - R) / R), 0 when len < R.
             len.saturating_sub(num_replicas).div_ceil(num_replicas)
         } else {

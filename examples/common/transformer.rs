@@ -54,7 +54,7 @@ impl Config {
                 self.dim, self.heads, self.layers
             ));
         }
-        if self.dim % self.heads != 0 {
+        if !self.dim.is_multiple_of(self.heads) {
             return Err(format!(
                 "--dim {} is not a multiple of --heads {}: each head takes dim / heads channels",
                 self.dim, self.heads
@@ -251,7 +251,7 @@ impl Transformer {
         match &self.tp {
             Some(tp) if tp.sequence_parallel => {
                 let ranks = tp.group.world_size();
-                if t % ranks != 0 {
+                if !t.is_multiple_of(ranks) {
                     candle_core::bail!(
                         "sequence parallel over {ranks} ranks needs sequences whose length is a \
                          multiple of {ranks}, not {t}: change --digits"

@@ -90,7 +90,7 @@ pub struct Resumed {
 /// of `world`: the same samples of the epoch used (see the module docs).
 fn translate(saved: Progress, saved_world: usize, world: usize, rank: usize) -> Progress {
     let used = saved.position * saved_world;
-    if used % world != 0 && rank == 0 {
+    if !used.is_multiple_of(world) && rank == 0 {
         log::warn!(
             "the checkpoint's position ({} samples of each of {saved_world} ranks' shares, {used} \
              in all) does not divide among {world} ranks: resuming at {} each, so {} samples \

@@ -143,7 +143,10 @@ pub fn conv2d(
     cfg: Conv2dConfig,
     vb: VarBuilder,
 ) -> Result<Conv2d> {
-    if cfg.groups == 0 || in_channels % cfg.groups != 0 || out_channels % cfg.groups != 0 {
+    if cfg.groups == 0
+        || !in_channels.is_multiple_of(cfg.groups)
+        || !out_channels.is_multiple_of(cfg.groups)
+    {
         candle_core::bail!(
             "conv2d `{}`: {in_channels} input and {out_channels} output channels are not \
              divisible by {} groups",

@@ -144,7 +144,7 @@ impl<'a> Mat<&'a [f32]> {
     /// transposed: a `count x (data.len() / cols)` view where they lie.
     pub fn columns_transposed(data: &'a [f32], cols: usize, first: usize, count: usize) -> Self {
         assert!(
-            first + count <= cols && data.len() % cols.max(1) == 0,
+            first + count <= cols && data.len().is_multiple_of(cols.max(1)),
             "columns {first}..{} of a matrix of {cols} columns ({} values)",
             first + count,
             data.len()

@@ -121,7 +121,7 @@ impl Schedule {
                 return bad("interleaved 1F1B with 0 stages per rank; hold at least 1".into());
             }
             let rounds = (n_microbatches / pp).max(1);
-            if n_microbatches % rounds != 0 {
+            if !n_microbatches.is_multiple_of(rounds) {
                 return bad(format!(
                     "interleaved 1F1B needs the number of micro-batches to be a multiple of \
                      the number of rounds ({rounds} = max(1, {n_microbatches} / {pp})), as \

@@ -138,7 +138,7 @@ pub(super) fn check_placement(
             detail,
         })
     };
-    if num_stages == 0 || num_stages % pp != 0 {
+    if num_stages == 0 || !num_stages.is_multiple_of(pp) {
         return bad(format!(
             "{num_stages} stages over a pipeline group of {pp} ranks; the number of stages \
              must be a positive multiple of the group's size"

@@ -13,7 +13,7 @@ use candle_nn::VarBuilder;
 /// The heads of rank `tp.rank()`: `heads / tp`, or an error naming both numbers.
 fn local_heads(heads: usize, tp: &ProcessGroup) -> Result<usize> {
     let ranks = tp.world_size();
-    if heads == 0 || heads % ranks != 0 {
+    if heads == 0 || !heads.is_multiple_of(ranks) {
         return Err(Error::InvalidArgument {
             what: "tensor-parallel attention",
             detail: format!(
@@ -63,7 +63,7 @@ impl ParallelAttention {
     /// `dim` wide with `heads` heads in all, this rank's `heads / tp` built from `vb`.
     pub fn new(dim: usize, heads: usize, vb: VarBuilder, tp: &ProcessGroup) -> Result<Self> {
         let local = local_heads(heads, tp)?;
-        if dim % heads != 0 {
+        if !dim.is_multiple_of(heads) {
             return Err(Error::InvalidArgument {
                 what: "tensor-parallel attention",
                 detail: format!("width {dim} is not a multiple of the {heads} heads"),

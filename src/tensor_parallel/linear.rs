@@ -10,7 +10,7 @@ use candle_nn::{Linear, VarBuilder};
 /// `n` split evenly over `tp`, or an error naming both.
 fn split(n: usize, tp: &ProcessGroup, what: &str) -> Result<usize> {
     let ranks = tp.world_size();
-    if n % ranks != 0 {
+    if !n.is_multiple_of(ranks) {
         return Err(Error::InvalidArgument {
             what: "tensor-parallel split",
             detail: format!(

@@ -12,7 +12,7 @@ use candle_nn::VarBuilder;
 /// The tokens `start..end` of a vocabulary of `vocab` this rank holds.
 fn range(vocab: usize, tp: &ProcessGroup) -> Result<(usize, usize)> {
     let ranks = tp.world_size();
-    if vocab == 0 || vocab % ranks != 0 {
+    if vocab == 0 || !vocab.is_multiple_of(ranks) {
         return Err(Error::InvalidArgument {
             what: "vocabulary-parallel split",
             detail: format!(
