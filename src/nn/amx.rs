@@ -6,8 +6,9 @@
 //! 32 x 16 one into 16 x 16 f32 sums. Both operands are first copied into tiles of bf16, which
 //! takes any strides (a transposed weight, columns of a gradient), zero-padded to whole tiles;
 //! `dst` is then computed by blocks of 32 x 32 (four sums, two tiles of each operand), split
-//! over candle's thread pool, the blocks of one 32-column stripe of `b` next to each other so
-//! that its tiles stay in the core's cache.
+//! over candle's thread pool: a group of row blocks of `a` that fits in a quarter of the core's
+//! cache meets every 32-column stripe of `b`, each stripe its rows one after the other, so
+//! that both stay in cache. Only products large enough to gain come here ([`worth`]).
 //!
 //! Used where [`available`]: an x86-64 Linux CPU with AMX-TILE and AMX-BF16 whose kernel grants
 //! the process the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), and not switched off with
