@@ -130,15 +130,20 @@ fn medium_precision_rounds_the_products_operands_to_bf16_and_trains() -> anyhow:
     }
     nn::set_float32_matmul_precision(MatmulPrecision::Highest);
 
-    let names = [
-        "output",
-        "input gradient",
-        "weight gradient",
-        "bias gradient",
+    // Each result's name and its tolerance against the bf16 reference: f32 sums of up to 301
+    // products, well inside 1e-5 of the largest value; for the two products of the backward,
+    // 1e-4: their operand, the gradient through GELU, is computed in f32 here and in f64 in the
+    // reference, and where the two fall either side of a bf16 rounding boundary one product
+    // moves by 2^-8 (measured 1.2e-5).
+    let results = [
+        ("output", 1e-5),
+        ("input gradient", 1e-4),
+        ("weight gradient", 1e-4),
+        ("bias gradient", 1e-5),
     ];
     if !nn::bf16_tiles_available() {
         eprintln!("no AMX tiles here: checking that Medium changes nothing");
-        for ((h, m), name) in highest.iter().zip(&medium).zip(names) {
+        for ((h, m), (name, _)) in highest.iter().zip(&medium).zip(results) {
             assert_eq!(relative(m, h)?, 0.0, "{name}");
         }
         assert_eq!(losses_medium, losses_highest);
@@ -150,19 +155,11 @@ fn medium_precision_rounds_the_products_operands_to_bf16_and_trains() -> anyhow:
         b.as_tensor(),
         &r.to_dtype(DType::F64)?,
     )?;
-    for (((h, m), want), name) in highest.iter().zip(&medium).zip(&want).zip(names) {
-        // f32 sums of up to 301 products: well inside 1e-5 of the largest value; for the two
-        // products of the backward, 1e-4: their operand, the gradient through GELU, is
-        // computed in f32 here and in f64 in the reference, and where the two fall either side
-        // of a bf16 rounding boundary one product moves by 2^-8 (measured 1.2e-5).
+    for (((h, m), want), (name, tol)) in highest.iter().zip(&medium).zip(&want).zip(results) {
         let err = relative(m, want)?;
-        let tol = if name.ends_with("put gradient") || name.starts_with("weight") {
-            1e-4
-        } else {
-            1e-5
-        };
         assert!(err < tol, "{name}: {err:e} from the bf16 reference");
-        // bf16 operands move the result by about 2^-9 relative: visibly, and no more.
+        // bf16 operands move the result visibly, and no more (measured 3e-3 to 2e-2 of the
+        // largest value).
         let moved = relative(m, h)?;
         assert!(
             moved > 1e-5 && moved < 3e-2,

@@ -147,6 +147,12 @@ pub(super) fn bf16_bits(x: f32) -> u16 {
     }
 }
 
+/// `lo` and `hi` rounded to bf16 as one pair: `lo` in the low half (the lower `k`).
+#[inline(always)]
+fn bf16_pair(lo: f32, hi: f32) -> u32 {
+    u32::from(bf16_bits(lo)) | u32::from(bf16_bits(hi)) << 16
+}
+
 /// `dst = a . b`, or `dst += a . b` when `accumulate`, in bf16 with f32 sums, split over
 /// candle's threads. The caller has checked [`available`]; the shapes agree (as
 /// [`super::kernels::matmul`] checks).
@@ -198,8 +204,9 @@ pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accum
         cols: n,
     };
     // The blocks in the order they run: a group of row blocks whose packed rows of `a` fit in
-    // a quarter of the core's cache (512 KiB of 2 MiB on the CPUs with AMX) meets every stripe of `b`, each stripe
-    // meeting the group's row blocks one after the other (so its tiles stay in cache too).
+    // a quarter of the core's cache (512 KiB of 2 MiB on the CPUs with AMX) meets every
+    // stripe of `b`, each stripe meeting the group's row blocks one after the other (so its
+    // tiles stay in cache too).
     let group = (512 * 1024 / (steps * PANEL * 2).max(1)).max(1);
     let order: Vec<(usize, usize)> = (0..row_blocks)
         .step_by(group)
@@ -209,6 +216,8 @@ pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accum
             })
         })
         .collect();
+    // The packed steps of block i (of rows of `a`, or columns of `b`).
+    let span = |i: usize| i * steps * PANEL / 2..(i + 1) * steps * PANEL / 2;
     let jobs = order.len();
     let runs = (4 * threads()).min(jobs);
     (0..runs).into_par_iter().for_each(|run| {
@@ -216,9 +225,7 @@ pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accum
         let mut sums = [0f32; BLOCK * BLOCK];
         tiles::with_config(|| {
             for &(row, stripe) in &order[first..last] {
-                let a_panel = &a_tiles[row * steps * PANEL / 2..(row + 1) * steps * PANEL / 2];
-                let b_panel =
-                    &b_tiles[stripe * steps * PANEL / 2..(stripe + 1) * steps * PANEL / 2];
+                let (a_panel, b_panel) = (&a_tiles[span(row)], &b_tiles[span(stripe)]);
                 // SAFETY: both panels hold `steps` packed blocks of PANEL values, and `sums`
                 // BLOCK x BLOCK f32: what the kernel reads and writes; the tile state is
                 // configured on this thread by `with_config`.
@@ -341,7 +348,6 @@ impl Packer<'_> {
         let d0 = step * STEP;
         let width = STEP.min(self.depth - d0);
         let pairs = width.div_ceil(2);
-        let pair = |lo: f32, hi: f32| u32::from(bf16_bits(lo)) | u32::from(bf16_bits(hi)) << 16;
         if ls != 1 || ds == 1 {
             let by_line = &mut scratch.by_line;
             for (l, row) in by_line.iter_mut().enumerate() {
@@ -354,7 +360,7 @@ impl Packer<'_> {
                     let run = &data[base..base + width];
                     pairs_along(&mut row[..width / 2], &run[..width / 2 * 2]);
                     if width % 2 == 1 {
-                        row[width / 2] = pair(run[width - 1], 0.0);
+                        row[width / 2] = bf16_pair(run[width - 1], 0.0);
                     }
                 } else {
                     for (p, v) in row.iter_mut().enumerate().take(pairs) {
@@ -363,7 +369,7 @@ impl Packer<'_> {
                         } else {
                             0.0
                         };
-                        *v = pair(data[base + 2 * p * ds], hi);
+                        *v = bf16_pair(data[base + 2 * p * ds], hi);
                     }
                 }
                 row[pairs..].fill(0);
@@ -397,7 +403,7 @@ impl Packer<'_> {
                     pairs_across(&mut row[..count], lo, hi);
                 } else {
                     for (v, &a) in row.iter_mut().zip(lo) {
-                        *v = pair(a, 0.0);
+                        *v = bf16_pair(a, 0.0);
                     }
                 }
                 row[count..].fill(0);
@@ -432,7 +438,7 @@ fn pairs_along(out: &mut [u32], run: &[f32]) {
         return unsafe { simd::pairs_along(out, run) };
     }
     for (v, two) in out.iter_mut().zip(run.chunks_exact(2)) {
-        *v = u32::from(bf16_bits(two[0])) | u32::from(bf16_bits(two[1])) << 16;
+        *v = bf16_pair(two[0], two[1]);
     }
 }
 
@@ -444,18 +450,18 @@ fn pairs_across(out: &mut [u32], lo: &[f32], hi: &[f32]) {
         return unsafe { simd::pairs_across(out, lo, hi) };
     }
     for ((v, &a), &b) in out.iter_mut().zip(lo).zip(hi) {
-        *v = u32::from(bf16_bits(a)) | u32::from(bf16_bits(b)) << 16;
+        *v = bf16_pair(a, b);
     }
 }
 
 /// The packing's rounding, 8 values at a time (AVX2: every CPU with AMX has it).
 #[cfg(target_arch = "x86_64")]
 mod simd {
-    use super::bf16_bits;
+    use super::bf16_pair;
     use std::arch::x86_64::*;
 
     /// The bits of 8 f32 rounded to bf16, each in the upper half of its 32-bit lane (the lower
-    /// half is garbage), as [`bf16_bits`] rounds (NaN stays NaN).
+    /// half is garbage), as [`super::bf16_bits`] rounds (NaN stays NaN).
     #[target_feature(enable = "avx2")]
     unsafe fn rounded(x: __m256) -> __m256i {
         let bits = _mm256_castps_si256(x);
@@ -480,7 +486,7 @@ mod simd {
             i += 8;
         }
         for j in i..out.len() {
-            out[j] = u32::from(bf16_bits(run[2 * j])) | u32::from(bf16_bits(run[2 * j + 1])) << 16;
+            out[j] = bf16_pair(run[2 * j], run[2 * j + 1]);
         }
     }
 
@@ -497,7 +503,7 @@ mod simd {
             i += 8;
         }
         for j in i..out.len() {
-            out[j] = u32::from(bf16_bits(lo[j])) | u32::from(bf16_bits(hi[j])) << 16;
+            out[j] = bf16_pair(lo[j], hi[j]);
         }
     }
 }
