@@ -17,7 +17,7 @@
 use super::kernels::{threads, Mat};
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 /// Rows of a tile, and rows (pairs of rows, for `b`) of a tile's worth of `k`.
 const TILE: usize = 16;
@@ -107,14 +107,19 @@ pub(crate) fn slow_candle_bf16() -> bool {
     }
 }
 
-/// Whether a product of `m x k` by `k x n` gains from the tiles: packing both operands costs
-/// about a nanosecond per value, and the tiles save about 6 ps per multiply-add over f32's
-/// AVX-512 products, so each packed value must take part in some 2mn / (m + n) >= 128
-/// products (a batch of 64 rows through a 4096-wide layer does not: measured slower); and
-/// each of the `m x n` sums, which leave the tiles through memory, must gather `k >= 128`
-/// products (the weight gradient of a batch of 64 rows: measured slower).
+/// Whether a product of `m x k` by `k x n` gains from the tiles. Both operands are first
+/// packed (about half a nanosecond per value of a weight, the costly one), and each of the
+/// `m x n` sums leaves the tiles through memory; the tiles then save about 15 ps per
+/// multiply-add over f32's AVX-512 products. So each sum must gather `k >= 128` products (a
+/// 4096 x 4096 result over 128: as fast as f32; over 64, the weight gradient of a batch of
+/// 64 rows, 1.6x slower), the product must be large enough to pay the packing (4 M
+/// multiply-adds: 32 x 256 x 256 runs as fast either way), and `b` at least 128 columns wide
+/// (512 x 256 x 64, the default transformer's fc2, is slower on the tiles: the packed rows of
+/// `a` serve too few columns). Few rows of `a` gain most: `gemm` packs a 4096 x 4096 weight
+/// for each product whatever the rows, and at 4 to 64 rows the tiles took half its time.
+/// A single row (a matrix-vector product) does not: the weight is read once either way.
 pub(super) fn worth(m: usize, k: usize, n: usize) -> bool {
-    m > 0 && n > 0 && 2 * m * n >= 128 * (m + n) && k >= 128
+    m >= 4 && n >= 128 && k >= 128 && m * k * n >= 1 << 22
 }
 
 /// [`bf16_tiles_available`].
@@ -241,6 +246,48 @@ pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accum
             }
         });
     });
+    keep(a_tiles);
+    keep(b_tiles);
+}
+
+/// Packing buffers kept for the next product: a weight's packed tiles are as large as half
+/// the weight (32 MiB for a 4096 x 4096 layer), past what the C allocator keeps, and fresh
+/// memory costs a page fault per page on its first write: packing a 4096 x 4096 weight took
+/// 21-29 ms in fresh memory against 7-10 ms in memory used before (this module's own
+/// packing, 2026-11-27, on the Xeon of docs/BENCHMARKS.md).
+static SPARE: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
+
+/// How many buffers [`SPARE`] holds at most: both operands of one product.
+const SPARES: usize = 2;
+
+/// An empty buffer with room for `len` values: the smallest kept one that is large enough,
+/// else the largest kept one grown (or a new one).
+fn buffer(len: usize) -> Vec<u32> {
+    let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
+    let fits = (0..spare.len())
+        .filter(|&i| spare[i].capacity() >= len)
+        .min_by_key(|&i| spare[i].capacity());
+    let largest = (0..spare.len()).max_by_key(|&i| spare[i].capacity());
+    let mut v = match fits.or(largest) {
+        Some(i) => spare.swap_remove(i),
+        None => Vec::new(),
+    };
+    drop(spare);
+    v.clear();
+    v.reserve_exact(len);
+    v
+}
+
+/// Keeps `v` for a later [`buffer`], dropping the smallest when more than [`SPARES`] are kept.
+fn keep(v: Vec<u32>) {
+    let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
+    spare.push(v);
+    if spare.len() > SPARES {
+        let smallest = (0..spare.len()).min_by_key(|&i| spare[i].capacity());
+        if let Some(i) = smallest {
+            spare.swap_remove(i);
+        }
+    }
 }
 
 /// Which operand a packing is for: `a`, whose tiles hold rows, or `b`, whose tiles hold pairs
@@ -260,8 +307,10 @@ fn pack(mat: &Mat<&[f32]>, steps: usize, side: Side) -> Vec<u32> {
         Side::Columns => (mat.cols, mat.rows),
     };
     let blocks = lines.div_ceil(BLOCK);
-    let mut tiles = vec![0u32; blocks * steps * PANEL / 2];
-    if tiles.is_empty() {
+    let len = blocks * steps * PANEL / 2;
+    // Every panel below is written whole (zeros past the matrix), so no zeros first.
+    let mut tiles = buffer(len);
+    if len == 0 {
         return tiles;
     }
     let (rs, cs) = (mat.rs as usize, mat.cs as usize);
@@ -273,13 +322,15 @@ fn pack(mat: &Mat<&[f32]>, steps: usize, side: Side) -> Vec<u32> {
         // Element (line, depth) of the operand lies at line * ls + depth * ds.
         ls: if side == Side::Rows { rs } else { cs },
         ds: if side == Side::Rows { cs } else { rs },
+        whole_panels_in_vectors: true,
     };
     let panels = Panels(tiles.as_mut_ptr());
     let panels = &panels;
     // Panel (block, step) of the output, which one job alone writes.
     let panel = |block: usize, step: usize| {
         let at = (block * steps + step) * PANEL / 2;
-        // SAFETY: `at + PANEL / 2 <= tiles.len()`, and each (block, step) is filled once.
+        // SAFETY: `at + PANEL / 2 <= len`, the vector's capacity, and each (block, step) is
+        // filled once; `fill` writes the panel before it reads any of it.
         unsafe { std::slice::from_raw_parts_mut(panels.0.add(at), PANEL / 2) }
     };
     let jobs = (4 * threads()).min(blocks.max(steps));
@@ -301,6 +352,8 @@ fn pack(mat: &Mat<&[f32]>, steps: usize, side: Side) -> Vec<u32> {
             }
         }
     });
+    // SAFETY: the jobs above wrote each of the `len` values (every panel, whole).
+    unsafe { tiles.set_len(len) };
     tiles
 }
 
@@ -320,6 +373,9 @@ struct Packer<'a> {
     depth: usize,
     ls: usize,
     ds: usize,
+    /// Whether whole panels of `b` go through [`simd512`] where the CPU has it (the tests
+    /// compare both ways).
+    whole_panels_in_vectors: bool,
 }
 
 /// One panel's pairs, gathered in the order the source lies in: line by line, or pair by pair.
@@ -347,6 +403,18 @@ impl Packer<'_> {
         let count = BLOCK.min(self.lines - first);
         let d0 = step * STEP;
         let width = STEP.min(self.depth - d0);
+        if self.whole_panels_in_vectors
+            && count == BLOCK
+            && width == STEP
+            && self.side == Side::Columns
+        {
+            // A whole panel of `b` (a weight, read as wᵀ in the forward or as w for the
+            // input's gradient: the packings that cost most), in vector registers.
+            let from = &data[first * ls + d0 * ds..];
+            if simd512::columns(from, (ls, ds), panel) {
+                return;
+            }
+        }
         let pairs = width.div_ceil(2);
         if ls != 1 || ds == 1 {
             let by_line = &mut scratch.by_line;
@@ -508,6 +576,172 @@ mod simd {
     }
 }
 
+/// Whole panels of `b` with AVX-512 (every CPU with AMX has it): 16 lines (or pairs) at a
+/// time, rounded as [`bf16_bits`] rounds.
+mod simd512 {
+    /// Fills `panel` (PANEL / 2 pairs) with the 32 x 32 values of a whole panel of `b` that
+    /// start at `from[0]`, line `l` and depth `d` at `from[l * ls + d * ds]`, where one of the
+    /// strides is 1 and the CPU has AVX-512; returns whether it did.
+    pub(super) fn columns(from: &[f32], (ls, ds): (usize, usize), panel: &mut [u32]) -> bool {
+        #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
+        if std::is_x86_feature_detected!("avx512f") && (ls == 1 || ds == 1) {
+            let last = (super::BLOCK - 1) * ls + (super::STEP - 1) * ds;
+            assert!(
+                last < from.len() && panel.len() == super::PANEL / 2,
+                "a panel of b past its matrix ({last} of {} values) or of {} pairs",
+                from.len(),
+                panel.len()
+            );
+            // SAFETY: the CPU has AVX-512F; the panel's values lie within `from` (its last
+            // one checked above) and `panel` holds PANEL / 2 pairs.
+            unsafe {
+                if ds == 1 {
+                    x86::along(from.as_ptr(), ls, panel.as_mut_ptr())
+                } else {
+                    x86::across(from.as_ptr(), ds, panel.as_mut_ptr())
+                }
+            }
+            return true;
+        }
+        let _ = (from, ls, ds, panel);
+        false
+    }
+
+    #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
+    mod x86 {
+        use super::super::{STEP, TILE};
+        use std::arch::x86_64::*;
+
+        /// 16 f32 rounded to bf16, to nearest even (NaN stays NaN, made quiet), each in the
+        /// upper half of its lane (the lower half is garbage).
+        #[target_feature(enable = "avx512f")]
+        fn rounded(x: __m512) -> __m512i {
+            let bits = _mm512_castps_si512(x);
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+            let sum = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+            let quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+            _mm512_mask_blend_epi32(nan, sum, quiet)
+        }
+
+        /// Lane by lane, the pair of `lo`'s bf16 (low half) and `hi`'s (high half), both from
+        /// [`rounded`].
+        #[target_feature(enable = "avx512f")]
+        fn pairs(lo: __m512i, hi: __m512i) -> __m512i {
+            let upper = _mm512_set1_epi32(0xffff_0000u32 as i32);
+            _mm512_or_si512(_mm512_srli_epi32::<16>(lo), _mm512_and_si512(hi, upper))
+        }
+
+        /// Transposes the 16 x 16 matrix of 32-bit lanes held by `rows`.
+        #[target_feature(enable = "avx512f")]
+        fn transpose(rows: &mut [__m512i; 16]) {
+            // Pairs of rows interleaved, then pairs of pairs: each 128-bit lane then holds
+            // four values of one column. (Loops, not `map`: its closures are not inlined.)
+            let mut t = [_mm512_setzero_ps(); 16];
+            for i in 0..8 {
+                let (a, b) = (
+                    _mm512_castsi512_ps(rows[2 * i]),
+                    _mm512_castsi512_ps(rows[2 * i + 1]),
+                );
+                t[2 * i] = _mm512_unpacklo_ps(a, b);
+                t[2 * i + 1] = _mm512_unpackhi_ps(a, b);
+            }
+            let mut u = [_mm512_setzero_ps(); 16];
+            for g in 0..4 {
+                let a = _mm512_castps_pd(t[4 * g]);
+                let b = _mm512_castps_pd(t[4 * g + 2]);
+                let c = _mm512_castps_pd(t[4 * g + 1]);
+                let d = _mm512_castps_pd(t[4 * g + 3]);
+                u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+                u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+                u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+                u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+            }
+            // Then the 128-bit lanes gathered across the four groups of four rows.
+            let mut v = [_mm512_setzero_ps(); 16];
+            for q in 0..4 {
+                v[q] = _mm512_shuffle_f32x4::<0x88>(u[q], u[4 + q]);
+                v[4 + q] = _mm512_shuffle_f32x4::<0xdd>(u[q], u[4 + q]);
+                v[8 + q] = _mm512_shuffle_f32x4::<0x88>(u[8 + q], u[12 + q]);
+                v[12 + q] = _mm512_shuffle_f32x4::<0xdd>(u[8 + q], u[12 + q]);
+            }
+            for q in 0..4 {
+                let out = [
+                    _mm512_shuffle_f32x4::<0x88>(v[q], v[8 + q]),
+                    _mm512_shuffle_f32x4::<0x88>(v[4 + q], v[12 + q]),
+                    _mm512_shuffle_f32x4::<0xdd>(v[q], v[8 + q]),
+                    _mm512_shuffle_f32x4::<0xdd>(v[4 + q], v[12 + q]),
+                ];
+                for (h, o) in out.into_iter().enumerate() {
+                    rows[4 * h + q] = _mm512_castps_si512(o);
+                }
+            }
+        }
+
+        /// How far ahead along a line [`along`] asks for values: four panels.
+        const AHEAD: usize = 4 * STEP;
+
+        /// Lines along `k` (`wᵀ` in the forward): each line's 32 values become 16 pairs, and
+        /// 16 lines of pairs are transposed into a tile's 16 rows of pairs.
+        ///
+        /// # Safety
+        /// AVX-512F; the 32 lines of 32 values from `from`, `ls` apart, are readable, and
+        /// `panel` holds PANEL / 2 pairs.
+        #[target_feature(enable = "avx512f")]
+        pub(super) unsafe fn along(from: *const f32, ls: usize, panel: *mut u32) {
+            let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            for tile in 0..2 {
+                let mut rows = [_mm512_setzero_si512(); 16];
+                for (l, row) in rows.iter_mut().enumerate() {
+                    // SAFETY (all below): within the panel the caller vouches for.
+                    let line = unsafe { from.add((tile * TILE + l) * ls) };
+                    // The lines are read a panel at a time, 32 of them side by side, more
+                    // streams than the hardware follows: ask for the panels ahead.
+                    let ahead = line.wrapping_add(AHEAD);
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16).cast());
+                    let lo = rounded(unsafe { _mm512_loadu_ps(line) });
+                    let hi = rounded(unsafe { _mm512_loadu_ps(line.add(16)) });
+                    *row = pairs(
+                        _mm512_permutex2var_epi32(lo, even, hi),
+                        _mm512_permutex2var_epi32(lo, odd, hi),
+                    );
+                }
+                transpose(&mut rows);
+                for (p, row) in rows.iter().enumerate() {
+                    let at = tile * (TILE * STEP / 2) + p * TILE;
+                    unsafe { _mm512_storeu_si512(panel.add(at).cast(), *row) };
+                }
+            }
+        }
+
+        /// Lines side by side (`w` for the input's gradient): two rows of `k` make 16 pairs
+        /// of each tile at once.
+        ///
+        /// # Safety
+        /// As [`along`], the 32 rows of 32 values `ds` apart.
+        #[target_feature(enable = "avx512f")]
+        pub(super) unsafe fn across(from: *const f32, ds: usize, panel: *mut u32) {
+            for p in 0..STEP / 2 {
+                // SAFETY (all below): within the panel the caller vouches for.
+                let (lo, hi) = unsafe { (from.add(2 * p * ds), from.add((2 * p + 1) * ds)) };
+                for tile in 0..2 {
+                    let (a, b) = unsafe {
+                        (
+                            _mm512_loadu_ps(lo.add(tile * TILE)),
+                            _mm512_loadu_ps(hi.add(tile * TILE)),
+                        )
+                    };
+                    let at = tile * (TILE * STEP / 2) + p * TILE;
+                    let v = pairs(rounded(a), rounded(b));
+                    unsafe { _mm512_storeu_si512(panel.add(at).cast(), v) };
+                }
+            }
+        }
+    }
+}
+
 /// `dst`'s elements, written by blocks from several threads.
 struct Out {
     ptr: *mut f32,
@@ -526,6 +760,23 @@ impl Out {
     /// at rows and columns from `(i0, j0)`.
     fn write(&self, i0: usize, j0: usize, sums: &[f32; BLOCK * BLOCK], accumulate: bool) {
         let (rows, cols) = (BLOCK.min(self.rows - i0), BLOCK.min(self.cols - j0));
+        if self.cs == 1 {
+            // Rows of dst lie along memory: a run of `cols` values per row.
+            for (r, sums) in sums.chunks_exact(BLOCK).take(rows).enumerate() {
+                let offset = (i0 + r) as isize * self.rs + j0 as isize;
+                // SAFETY: as below, the run lies inside row i0 + r, which this job alone
+                // writes.
+                let run = unsafe { std::slice::from_raw_parts_mut(self.ptr.offset(offset), cols) };
+                if accumulate {
+                    for (d, &v) in run.iter_mut().zip(sums) {
+                        *d += v;
+                    }
+                } else {
+                    run.copy_from_slice(&sums[..cols]);
+                }
+            }
+            return;
+        }
         for r in 0..rows {
             for c in 0..cols {
                 let offset = (i0 + r) as isize * self.rs + (j0 + c) as isize * self.cs;
@@ -716,6 +967,59 @@ mod tests {
             assert_eq!(bf16_bits(x), half::bf16::from_f32(x).to_bits(), "{x}");
         }
         assert!(f32::from_bits((bf16_bits(f32::NAN) as u32) << 16).is_nan());
+    }
+
+    #[test]
+    fn whole_panels_in_vectors_pack_to_the_same_bits() {
+        // Ties, the largest values (which round to infinity), infinities, NaNs, subnormals
+        // and signed zeros among ordinary values, in a weight read both ways.
+        let special = [
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            -(1.0 + 1.0 / 256.0),
+            f32::MAX,
+            -f32::MAX,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7f80_0001), // a signalling NaN
+            1e-40,
+            -1e-40,
+            f32::from_bits(0x007f_ffff),
+            0.0,
+            -0.0,
+        ];
+        let (rows, cols) = (70, 100);
+        let w: Vec<f32> = values(rows * cols, 3)
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| if i % 7 == 0 { special[i / 7 % special.len()] } else { v })
+            .collect();
+        // wᵀ as the forward reads it (lines along k), then w as the input's gradient does
+        // (lines side by side).
+        for (lines, depth, ls, ds) in [(rows, cols, cols, 1), (cols, rows, 1, cols)] {
+            let steps = depth.div_ceil(STEP);
+            let packer = |whole_panels_in_vectors| Packer {
+                data: &w,
+                side: Side::Columns,
+                lines,
+                depth,
+                ls,
+                ds,
+                whole_panels_in_vectors,
+            };
+            let (fast, plain) = (packer(true), packer(false));
+            let mut scratch = Scratch::default();
+            for block in 0..lines.div_ceil(BLOCK) {
+                for step in 0..steps {
+                    let (mut a, mut b) = ([7u32; PANEL / 2], [9u32; PANEL / 2]);
+                    fast.fill(block, step, &mut a, &mut scratch);
+                    plain.fill(block, step, &mut b, &mut scratch);
+                    assert_eq!(a, b, "block {block}, step {step}, lines {ls} apart");
+                }
+            }
+        }
     }
 
     #[test]
