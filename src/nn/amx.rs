@@ -1002,7 +1002,13 @@ mod tests {
         let w: Vec<f32> = values(rows * cols, 3)
             .into_iter()
             .enumerate()
-            .map(|(i, v)| if i % 7 == 0 { special[i / 7 % special.len()] } else { v })
+            .map(|(i, v)| {
+                if i % 7 == 0 {
+                    special[i / 7 % special.len()]
+                } else {
+                    v
+                }
+            })
             .collect();
         // wᵀ as the forward reads it (lines along k), then w as the input's gradient does
         // (lines side by side).
