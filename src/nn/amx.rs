@@ -8,7 +8,10 @@
 //! `dst` is then computed by blocks of 32 x 32 (four sums, two tiles of each operand), split
 //! over candle's thread pool: a group of row blocks of `a` that fits in a quarter of the core's
 //! cache meets every 32-column stripe of `b`, each stripe its rows one after the other, so
-//! that both stay in cache. Only products large enough to gain come here ([`worth`]).
+//! that both stay in cache. Only products large enough to gain come here ([`worth`]). Whole
+//! panels of a weight are packed in AVX-512 registers, and the two packing buffers of the last
+//! product are kept for the next ([`SPARE`]): a weight's are too large for the C allocator to
+//! keep, and fresh memory costs a page fault per page.
 //!
 //! Used where [`available`]: an x86-64 Linux CPU with AMX-TILE and AMX-BF16 whose kernel grants
 //! the process the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), and not switched off with
@@ -41,8 +44,9 @@ pub enum MatmulPrecision {
     Highest,
     /// Products may round their two operands to bf16 (every product and sum stays f32), as
     /// torch's `"medium"`: they do where the CPU has AMX tiles and the product is large enough
-    /// to gain (a layer's rows and outputs both in the hundreds, see the guide
-    /// `docs/CPU_SPEED.md`), which makes it several times faster; elsewhere they stay f32.
+    /// to gain (from 4 rows, through a layer of at least 128 inputs and 128 outputs; see the
+    /// guide `docs/CPU_SPEED.md`), which makes it several times faster; elsewhere they stay
+    /// f32.
     /// The tensors, and every other op, stay f32: mixed precision's speed without candle's
     /// bf16 element-wise ops.
     Medium,
