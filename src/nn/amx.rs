@@ -44,9 +44,9 @@ pub enum MatmulPrecision {
     Highest,
     /// Products may round their two operands to bf16 (every product and sum stays f32), as
     /// torch's `"medium"`: they do where the CPU has AMX tiles and the product is large enough
-    /// to gain (from 4 rows, through a layer of at least 128 inputs and 128 outputs; see the
-    /// guide `docs/CPU_SPEED.md`), which makes it several times faster; elsewhere they stay
-    /// f32.
+    /// to gain (from 4 rows, through a layer of at least 128 inputs and 128 outputs, 4 M
+    /// multiply-adds in all; a weight's gradient from batches of 128 rows: see the guide
+    /// `docs/CPU_SPEED.md`), which makes it several times faster; elsewhere they stay f32.
     /// The tensors, and every other op, stay f32: mixed precision's speed without candle's
     /// bf16 element-wise ops.
     Medium,
@@ -117,7 +117,8 @@ pub(crate) fn slow_candle_bf16() -> bool {
 /// multiply-add over f32's AVX-512 products. So each sum must gather `k >= 128` products (a
 /// 4096 x 4096 result over 128: as fast as f32; over 64, the weight gradient of a batch of
 /// 64 rows, 1.6x slower), the product must be large enough to pay the packing (4 M
-/// multiply-adds: 32 x 256 x 256 runs as fast either way), and `b` at least 128 columns wide
+/// multiply-adds, twice the 2 M of 32 x 256 x 256, which ran as fast either way), and `b` at
+/// least 128 columns wide
 /// (512 x 256 x 64, the default transformer's fc2, is slower on the tiles: the packed rows of
 /// `a` serve too few columns). Few rows of `a` gain most: `gemm` packs a 4096 x 4096 weight
 /// for each product whatever the rows, and at 4 to 64 rows the tiles took half its time.
@@ -258,40 +259,52 @@ pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accum
 /// the weight (32 MiB for a 4096 x 4096 layer), past what the C allocator keeps, and fresh
 /// memory costs a page fault per page on its first write: packing a 4096 x 4096 weight took
 /// 21-29 ms in fresh memory against 7-10 ms in memory used before (this module's own
-/// packing, 2026-11-27, on the Xeon of docs/BENCHMARKS.md).
+/// packing, 2026-11-27, on the Xeon of docs/BENCHMARKS.md). At most [`SPARES`] buffers of at
+/// most [`SPARE_BYTES`] each are kept: the process holds up to 128 MiB for them.
 static SPARE: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
 
 /// How many buffers [`SPARE`] holds at most: both operands of one product.
 const SPARES: usize = 2;
 
-/// An empty buffer with room for `len` values: the smallest kept one that is large enough,
-/// else the largest kept one grown (or a new one).
+/// The largest buffer [`SPARE`] keeps (a 4096 x 8192 weight's): larger ones are freed.
+const SPARE_BYTES: usize = 64 << 20;
+
+/// A buffer of `len` values (their contents left from an earlier packing, or zeros): the
+/// smallest kept one that is large enough, else a new one.
 fn buffer(len: usize) -> Vec<u32> {
     let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
     let fits = (0..spare.len())
         .filter(|&i| spare[i].capacity() >= len)
         .min_by_key(|&i| spare[i].capacity());
-    let largest = (0..spare.len()).max_by_key(|&i| spare[i].capacity());
-    let mut v = match fits.or(largest) {
-        Some(i) => spare.swap_remove(i),
-        None => Vec::new(),
-    };
+    let kept = fits.map(|i| spare.swap_remove(i));
     drop(spare);
-    v.clear();
-    v.reserve_exact(len);
-    v
+    match kept {
+        // Within its capacity: no new memory, zeros only past its old length.
+        Some(mut v) => {
+            v.resize(len, 0);
+            v
+        }
+        // Fresh zero pages from the allocator, faulted in by the packing that writes them.
+        None => vec![0; len],
+    }
 }
 
-/// Keeps `v` for a later [`buffer`], dropping the smallest when more than [`SPARES`] are kept.
+/// Keeps `v` for a later [`buffer`] unless it is larger than [`SPARE_BYTES`], dropping the
+/// smallest when more than [`SPARES`] are kept.
 fn keep(v: Vec<u32>) {
+    if v.capacity() * std::mem::size_of::<u32>() > SPARE_BYTES {
+        return;
+    }
     let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
     spare.push(v);
-    if spare.len() > SPARES {
+    let extra = if spare.len() > SPARES {
         let smallest = (0..spare.len()).min_by_key(|&i| spare[i].capacity());
-        if let Some(i) = smallest {
-            spare.swap_remove(i);
-        }
-    }
+        smallest.map(|i| spare.swap_remove(i))
+    } else {
+        None
+    };
+    drop(spare);
+    drop(extra); // freed outside the lock
 }
 
 /// Which operand a packing is for: `a`, whose tiles hold rows, or `b`, whose tiles hold pairs
@@ -312,7 +325,8 @@ fn pack(mat: &Mat<&[f32]>, steps: usize, side: Side) -> Vec<u32> {
     };
     let blocks = lines.div_ceil(BLOCK);
     let len = blocks * steps * PANEL / 2;
-    // Every panel below is written whole (zeros past the matrix), so no zeros first.
+    // Every panel below is written whole (zeros past the matrix): the buffer's old contents
+    // do not matter.
     let mut tiles = buffer(len);
     if len == 0 {
         return tiles;
@@ -333,8 +347,8 @@ fn pack(mat: &Mat<&[f32]>, steps: usize, side: Side) -> Vec<u32> {
     // Panel (block, step) of the output, which one job alone writes.
     let panel = |block: usize, step: usize| {
         let at = (block * steps + step) * PANEL / 2;
-        // SAFETY: `at + PANEL / 2 <= len`, the vector's capacity, and each (block, step) is
-        // filled once; `fill` writes the panel before it reads any of it.
+        // SAFETY: `at + PANEL / 2 <= len`, the vector's length (its values initialised), and
+        // each (block, step) is filled once, by one job: the panels do not overlap.
         unsafe { std::slice::from_raw_parts_mut(panels.0.add(at), PANEL / 2) }
     };
     let jobs = (4 * threads()).min(blocks.max(steps));
@@ -356,8 +370,6 @@ fn pack(mat: &Mat<&[f32]>, steps: usize, side: Side) -> Vec<u32> {
             }
         }
     });
-    // SAFETY: the jobs above wrote each of the `len` values (every panel, whole).
-    unsafe { tiles.set_len(len) };
     tiles
 }
 
@@ -768,8 +780,8 @@ impl Out {
             // Rows of dst lie along memory: a run of `cols` values per row.
             for (r, sums) in sums.chunks_exact(BLOCK).take(rows).enumerate() {
                 let offset = (i0 + r) as isize * self.rs + j0 as isize;
-                // SAFETY: as below, the run lies inside row i0 + r, which this job alone
-                // writes.
+                // SAFETY: as below, the run (this block's columns of row i0 + r) lies inside
+                // dst, and this job alone writes it.
                 let run = unsafe { std::slice::from_raw_parts_mut(self.ptr.offset(offset), cols) };
                 if accumulate {
                     for (d, &v) in run.iter_mut().zip(sums) {
@@ -884,11 +896,9 @@ mod tiles {
             "tdpbf16ps tmm3, tmm5, tmm7",
             // The next step's panels into the first-level cache while these products run
             // (5-10% faster on the Xeon, in products whose panels come from the second).
-            ".set ahead, 2048",
-            ".rept 32",
-            "prefetcht0 [{a} + ahead]",
-            "prefetcht0 [{b} + ahead]",
-            ".set ahead, ahead + 64",
+            ".irp ahead, 2048,2112,2176,2240,2304,2368,2432,2496,2560,2624,2688,2752,2816,2880,2944,3008,3072,3136,3200,3264,3328,3392,3456,3520,3584,3648,3712,3776,3840,3904,3968,4032",
+            "prefetcht0 [{a} + \\ahead]",
+            "prefetcht0 [{b} + \\ahead]",
             ".endr",
             "add {a}, 2048",
             "add {b}, 2048",
@@ -982,6 +992,24 @@ mod tests {
     }
 
     #[test]
+    fn the_kept_buffers_stay_few_and_bounded() {
+        // Other tests' products use the pool at the same time: only its invariants hold.
+        for len in [1000, 10, 5000] {
+            keep(vec![7; len]);
+            let v = buffer(len + 1);
+            assert_eq!(v.len(), len + 1);
+            keep(v);
+        }
+        keep(Vec::with_capacity(SPARE_BYTES / 4 + 1)); // 4 bytes past the bound: freed
+        let spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(spare.len() <= SPARES, "{} buffers kept", spare.len());
+        assert!(
+            spare.iter().all(|v| v.capacity() * 4 <= SPARE_BYTES),
+            "a buffer past {SPARE_BYTES} bytes kept"
+        );
+    }
+
+    #[test]
     fn whole_panels_in_vectors_pack_to_the_same_bits() {
         // Ties, the largest values (which round to infinity), infinities, NaNs, subnormals
         // and signed zeros among ordinary values, in a weight read both ways.
@@ -1027,6 +1055,10 @@ mod tests {
                 ds,
                 whole_panels_in_vectors,
             };
+            let mut probe = [0u32; PANEL / 2];
+            if !simd512::columns(&w, (ls, ds), &mut probe) {
+                eprintln!("no AVX-512 here: the scalar packing is compared with itself");
+            }
             let (fast, plain) = (packer(true), packer(false));
             let mut scratch = Scratch::default();
             for block in 0..lines.div_ceil(BLOCK) {

@@ -240,14 +240,15 @@ pub(super) fn matmul_nt(dst: &mut [f32], a: &[f32], b: &[f32], k: usize) {
 
 /// `dst = a . b`, or `dst += a . b` when `accumulate`, on the calling thread.
 pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accumulate: bool) {
-    product(dst, a, b, accumulate)
+    product(dst, a, b, accumulate, Parallelism::None)
 }
 
 /// [`matmul`] split over candle's threads ([`threads`]) by blocks of columns of `dst` and `b`,
 /// each block one `gemm` on one thread: for a product of few rows and a large `b` (a weight),
 /// which a split by rows of `dst` would have every thread read whole. Each thread reads its
 /// own columns of `b` once: the 25 M MLP's forward at batch 64 on 2 threads took 40 ms with
-/// `gemm`'s own split of the product and 27-34 ms this way (side by side, PyTorch 17 ms).
+/// `gemm`'s own split of the product (36-42 ms in another run) and 27-34 ms this way (PyTorch
+/// 17-20).
 pub(super) fn matmul_threaded(
     dst: Mat<&mut [f32]>,
     a: Mat<&[f32]>,
@@ -257,8 +258,12 @@ pub(super) fn matmul_threaded(
     let (threads, n) = (threads(), dst.cols);
     // Blocks of whole vectors of 16 columns, at least 64 of them.
     let per = n.div_ceil(threads).next_multiple_of(16).max(64);
-    if threads == 1 || per >= n || dst.rows == 0 || a.cols == 0 {
-        return product(dst, a, b, accumulate);
+    if threads == 1 || dst.rows == 0 || a.cols == 0 {
+        return product(dst, a, b, accumulate, Parallelism::None);
+    }
+    if per >= n {
+        // Too few columns to split: gemm's own split (by rows, or along a long k).
+        return product(dst, a, b, accumulate, Parallelism::Rayon(threads));
     }
     assert!(
         a.rows == dst.rows && b.cols == n && a.cols == b.rows,
@@ -284,6 +289,7 @@ pub(super) fn matmul_threaded(
                 (a.ptr.as_ptr(), a.rs, a.cs),
                 (b.ptr.as_ptr().offset(first as isize * b.cs), b.rs, b.cs),
                 accumulate,
+                Parallelism::None,
             )
         }
     });
@@ -295,8 +301,8 @@ struct ColumnsOut(*mut f32);
 // SAFETY: each job writes its own block of columns, while the caller borrows dst mutably.
 unsafe impl Sync for ColumnsOut {}
 
-/// `gemm` on raw views, on the calling thread: `(m, n, k)`, then `dst`, `a` and `b` as (first
-/// element, row stride, column stride).
+/// `gemm` on raw views: `(m, n, k)`, then `dst`, `a` and `b` as (first element, row stride,
+/// column stride), split as `parallelism` says.
 ///
 /// # Safety
 /// Every element of the three views lies in memory valid for reads (and writes, for `dst`)
@@ -307,6 +313,7 @@ unsafe fn gemm_views(
     (a, ars, acs): (*const f32, isize, isize),
     (b, brs, bcs): (*const f32, isize, isize),
     accumulate: bool,
+    parallelism: Parallelism,
 ) {
     // SAFETY: the caller's.
     unsafe {
@@ -329,12 +336,18 @@ unsafe fn gemm_views(
             false,
             false,
             false,
-            Parallelism::None,
+            parallelism,
         )
     }
 }
 
-fn product(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accumulate: bool) {
+fn product(
+    dst: Mat<&mut [f32]>,
+    a: Mat<&[f32]>,
+    b: Mat<&[f32]>,
+    accumulate: bool,
+    parallelism: Parallelism,
+) {
     assert!(
         a.rows == dst.rows && b.cols == dst.cols && a.cols == b.rows,
         "matmul of {}x{} by {}x{} into {}x{}",
@@ -368,6 +381,7 @@ fn product(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accumulate: boo
             (a.ptr.as_ptr(), a.rs, a.cs),
             (b.ptr.as_ptr(), b.rs, b.cs),
             accumulate,
+            parallelism,
         )
     }
 }
