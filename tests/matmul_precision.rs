@@ -1,9 +1,11 @@
 //! `nn::set_float32_matmul_precision(Medium)` (torch's `"medium"`) and bf16 layers on AMX
 //! tiles: the linear layers' products equal an f64 reference over bf16-rounded operands (the
 //! output, and the gradients of the input, the weight and the bias), differ from the f32
-//! products, and a small MLP trains to within bf16's reach of its f32 losses. One test in its
-//! own binary: the precision is process-wide. Where the CPU has no AMX tiles, `Medium` must
-//! change nothing: the test checks that instead.
+//! products, and a small MLP trains to within bf16's reach of its f32 losses; in a layer of 6
+//! rows, the forward and the input gradient on the tiles, the weight gradient (a sum over the
+//! 6 rows) in f32 as `amx::worth` decides. One test in its own binary: the precision is
+//! process-wide. Where the CPU has no AMX tiles, `Medium` must change nothing: the test checks
+//! that instead.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_nn::{Linear, Optimizer};
@@ -49,6 +51,23 @@ fn layer_and_grads(x: &Var, w: &Var, b: &Var, r: &Tensor) -> Result<Vec<Tensor>>
 /// derivative) with the weight, and with the input.
 fn reference(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> Result<Vec<Tensor>> {
     let (xr, wr) = (bf16_f64(x)?, bf16_f64(w)?);
+    let (y, g) = forward_and_gradient_at_product(x, w, b, r)?;
+    let gr = bf16_f64(&g.to_dtype(DType::F32)?)?;
+    let dx = gr.matmul(&wr)?;
+    let dw = gr.t()?.matmul(&xr)?;
+    let db = g.sum(0)?;
+    Ok(vec![y, dx, dw, db])
+}
+
+/// The layer's output and the gradient at its product (after GELU's derivative), in f64, the
+/// forward's product from bf16-rounded operands.
+fn forward_and_gradient_at_product(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    r: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (xr, wr) = (bf16_f64(x)?, bf16_f64(w)?);
     let b = b.to_dtype(DType::F64)?;
     let pre = xr.matmul(&wr.t()?)?.broadcast_add(&b)?;
     let y = pre.gelu_erf()?;
@@ -56,11 +75,7 @@ fn reference(x: &Tensor, w: &Tensor, b: &Tensor, r: &Tensor) -> Result<Vec<Tenso
     let phi = ((pre.sqr()? * -0.5)?.exp()? / (2.0 * std::f64::consts::PI).sqrt())?;
     let cdf = (((&pre / 2f64.sqrt())?.erf()? + 1.0)? * 0.5)?;
     let g = (r.to_dtype(DType::F64)? * (cdf + (&pre * phi)?)?)?;
-    let gr = bf16_f64(&g.to_dtype(DType::F32)?)?;
-    let dx = gr.matmul(&wr)?;
-    let dw = gr.t()?.matmul(&xr)?;
-    let db = g.sum(0)?;
-    Ok(vec![y, dx, dw, db])
+    Ok((y, g))
 }
 
 /// Losses of 20 SGD steps of a 3-layer MLP (128 -> 256 -> 160 -> 10, GELU) on 512 fixed rows:
@@ -114,8 +129,17 @@ fn medium_precision_rounds_the_products_operands_to_bf16_and_trains() -> anyhow:
     assert_eq!(nn::float32_matmul_precision(), MatmulPrecision::Highest);
     let highest = layer_and_grads(&x, &w, &b, &r)?;
     let losses_highest = mlp_losses()?;
+    // A few rows through a wide layer: its forward and input gradient are large enough for
+    // the tiles, its weight gradient (a sum over 6 rows) is not and stays f32.
+    let (fn_, fk, fo) = (6, 1030, 700);
+    let fx = Var::from_vec(normals(&mut rng, fn_ * fk), (fn_, fk), &dev)?;
+    let fw = Var::from_vec(normals(&mut rng, fo * fk), (fo, fk), &dev)?;
+    let fb = Var::from_vec(normals(&mut rng, fo), fo, &dev)?;
+    let fr = Tensor::from_vec(normals(&mut rng, fn_ * fo), (fn_, fo), &dev)?;
+    let few_highest = layer_and_grads(&fx, &fw, &fb, &fr)?;
     nn::set_float32_matmul_precision(MatmulPrecision::Medium);
     let medium = layer_and_grads(&x, &w, &b, &r)?;
+    let few_medium = layer_and_grads(&fx, &fw, &fb, &fr)?;
     let losses_medium = mlp_losses()?;
     // Empty products under Medium (no rows and no outputs over 200 inputs; no inputs): zeros.
     for (n, k, o) in [(0, 200, 0), (0, 0, 150), (4, 0, 150)] {
@@ -147,7 +171,38 @@ fn medium_precision_rounds_the_products_operands_to_bf16_and_trains() -> anyhow:
             assert_eq!(relative(m, h)?, 0.0, "{name}");
         }
         assert_eq!(losses_medium, losses_highest);
+        for ((h, m), (name, _)) in few_highest.iter().zip(&few_medium).zip(results) {
+            assert_eq!(relative(m, h)?, 0.0, "few rows: {name}");
+        }
         return Ok(());
+    }
+    let few_want = reference(
+        fx.as_tensor(),
+        fw.as_tensor(),
+        fb.as_tensor(),
+        &fr.to_dtype(DType::F64)?,
+    )?;
+    for (i, (name, tol)) in results.iter().enumerate() {
+        let (h, m) = (&few_highest[i], &few_medium[i]);
+        let want = if *name == "weight gradient" {
+            // f32 products of the gradient at the product (from the tiled forward) and x.
+            let (_, g) = forward_and_gradient_at_product(
+                fx.as_tensor(),
+                fw.as_tensor(),
+                fb.as_tensor(),
+                &fr.to_dtype(DType::F64)?,
+            )?;
+            g.t()?.matmul(&fx.as_tensor().to_dtype(DType::F64)?)?
+        } else {
+            few_want[i].clone()
+        };
+        // Medium moved each result from f32's, the weight gradient through its operand.
+        assert!(relative(m, h)? > 1e-5, "few rows: {name} as in f32");
+        let err = relative(m, &want)?;
+        assert!(
+            err < *tol,
+            "few rows: {name}: {err:e} from the bf16 reference"
+        );
     }
     let want = reference(
         x.as_tensor(),
