@@ -118,11 +118,11 @@ pub(crate) fn slow_candle_bf16() -> bool {
 /// 4096 x 4096 result over 128: as fast as f32; over 64, the weight gradient of a batch of
 /// 64 rows, 1.6x slower), the product must be large enough to pay the packing (4 M
 /// multiply-adds, twice the 2 M of 32 x 256 x 256, which ran as fast either way), and `b` at
-/// least 128 columns wide
-/// (512 x 256 x 64, the default transformer's fc2, is slower on the tiles: the packed rows of
-/// `a` serve too few columns). Few rows of `a` gain most: `gemm` packs a 4096 x 4096 weight
-/// for each product whatever the rows, and at 4 to 64 rows the tiles took half its time.
-/// A single row (a matrix-vector product) does not: the weight is read once either way.
+/// least 128 columns wide (512 x 256 x 64, the default transformer's fc2, is slower on the
+/// tiles: the packed rows of `a` serve too few columns). Few rows of `a` gain most: `gemm`
+/// packs a 4096 x 4096 weight for each product whatever the rows, and at 4 to 64 rows the
+/// tiles took half its time. A single row (a matrix-vector product) does not: the weight is
+/// read once either way.
 pub(super) fn worth(m: usize, k: usize, n: usize) -> bool {
     m >= 4 && n >= 128 && k >= 128 && m * k * n >= 1 << 22
 }
@@ -694,9 +694,6 @@ mod simd512 {
             }
         }
 
-        /// How far ahead along a line [`along`] asks for values: four panels.
-        const AHEAD: usize = 4 * STEP;
-
         /// Lines along `k` (`wᵀ` in the forward): each line's 32 values become 16 pairs, and
         /// 16 lines of pairs are transposed into a tile's 16 rows of pairs.
         ///
@@ -712,11 +709,6 @@ mod simd512 {
                 for (l, row) in rows.iter_mut().enumerate() {
                     // SAFETY (all below): within the panel the caller vouches for.
                     let line = unsafe { from.add((tile * TILE + l) * ls) };
-                    // The lines are read a panel at a time, 32 of them side by side, more
-                    // streams than the hardware follows: ask for the panels ahead.
-                    let ahead = line.wrapping_add(AHEAD);
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16).cast());
                     let lo = rounded(unsafe { _mm512_loadu_ps(line) });
                     let hi = rounded(unsafe { _mm512_loadu_ps(line.add(16)) });
                     *row = pairs(
