@@ -17,7 +17,7 @@
 //! the process the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), and not switched off with
 //! `CANDLE_PARALLEL_AMX=0`. The hardware treats bf16 subnormals as zero, as oneDNN's do.
 
-use super::kernels::{threads, Mat};
+use super::kernels::{assert_shapes_agree, threads, Mat};
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -164,23 +164,16 @@ fn bf16_pair(lo: f32, hi: f32) -> u32 {
 }
 
 /// `dst = a . b`, or `dst += a . b` when `accumulate`, in bf16 with f32 sums, split over
-/// candle's threads. The caller has checked [`available`]; the shapes agree (as
-/// [`super::kernels::matmul`] checks).
+/// candle's threads. The caller has checked [`available`]; the shapes agree
+/// ([`assert_shapes_agree`], as [`super::kernels::matmul`] checks).
 pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accumulate: bool) {
     // The tile instructions fault unless the process asked for their state (in `available`).
     assert!(
         available(),
         "bf16 matmul on AMX tiles where they are not available"
     );
+    assert_shapes_agree(&dst, &a, &b);
     let (m, n, k) = (dst.rows, dst.cols, a.cols);
-    assert!(
-        a.rows == m && b.rows == k && b.cols == n,
-        "bf16 matmul of {}x{} by {}x{} into {m}x{n}",
-        a.rows,
-        a.cols,
-        b.rows,
-        b.cols
-    );
     if m == 0 || n == 0 {
         return;
     }

@@ -265,15 +265,7 @@ pub(super) fn matmul_threaded(
         // Too few columns to split: gemm's own split (by rows, or along a long k).
         return product(dst, a, b, accumulate, Parallelism::Rayon(threads));
     }
-    assert!(
-        a.rows == dst.rows && b.cols == n && a.cols == b.rows,
-        "matmul of {}x{} by {}x{} into {}x{n}",
-        a.rows,
-        a.cols,
-        b.rows,
-        b.cols,
-        dst.rows
-    );
+    assert_shapes_agree(&dst, &a, &b);
     let out = ColumnsOut(dst.ptr.as_mut_ptr());
     let out = &out;
     (0..n.div_ceil(per)).into_par_iter().for_each(|block| {
@@ -341,13 +333,9 @@ unsafe fn gemm_views(
     }
 }
 
-fn product(
-    dst: Mat<&mut [f32]>,
-    a: Mat<&[f32]>,
-    b: Mat<&[f32]>,
-    accumulate: bool,
-    parallelism: Parallelism,
-) {
+/// Panics unless `dst = a . b` is a product of agreeing shapes (an internal invariant: the
+/// layers build the views from shapes they checked).
+pub(super) fn assert_shapes_agree(dst: &Mat<&mut [f32]>, a: &Mat<&[f32]>, b: &Mat<&[f32]>) {
     assert!(
         a.rows == dst.rows && b.cols == dst.cols && a.cols == b.rows,
         "matmul of {}x{} by {}x{} into {}x{}",
@@ -358,6 +346,16 @@ fn product(
         dst.rows,
         dst.cols
     );
+}
+
+fn product(
+    dst: Mat<&mut [f32]>,
+    a: Mat<&[f32]>,
+    b: Mat<&[f32]>,
+    accumulate: bool,
+    parallelism: Parallelism,
+) {
+    assert_shapes_agree(&dst, &a, &b);
     if dst.rows == 0 || dst.cols == 0 {
         return;
     }
