@@ -243,12 +243,19 @@ pub(super) fn matmul(dst: Mat<&mut [f32]>, a: Mat<&[f32]>, b: Mat<&[f32]>, accum
     product(dst, a, b, accumulate, Parallelism::None)
 }
 
-/// [`matmul`] split over candle's threads ([`threads`]) by blocks of columns of `dst` and `b`,
-/// each block one `gemm` on one thread: for a product of few rows and a large `b` (a weight),
-/// which a split by rows of `dst` would have every thread read whole. Each thread reads its
-/// own columns of `b` once: the 25 M MLP's forward at batch 64 on 2 threads took 40 ms with
-/// `gemm`'s own split of the product (36-42 ms in another run) and 27-34 ms this way (PyTorch
-/// 17-20).
+/// Columns of `dst` (and of `b`) per `gemm` in [`matmul_threaded`].
+const COLUMN_BLOCK: usize = 128;
+
+/// [`matmul`] by blocks of [`COLUMN_BLOCK`] columns of `dst` and `b`, each block one `gemm`,
+/// the blocks split over candle's threads ([`threads`]) in runs of neighbours: for a product
+/// of few rows and a large `b` (a weight), which a split by rows of `dst` would have every
+/// thread read whole. Each thread reads its own columns of `b` once: the 25 M MLP's forward
+/// at batch 64 on 2 threads took 40 ms with `gemm`'s own split of the product (36-42 ms in
+/// another run) and 27-34 ms with one block per thread (PyTorch 17-20). Blocks of 128 columns
+/// rather than one per thread took a 64 x 4096 x 4096 product (a weight seen transposed)
+/// from 45.8 to 41.6 ms on one thread and from 22.3 to 20.0 on two (medians of 7 and 9
+/// alternating runs, 2026-11-27, the Xeon of docs/BENCHMARKS.md), 2-10% on the MLP's other
+/// shapes. Above one block, the blocks do not depend on the threads, so neither do the sums.
 pub(super) fn matmul_threaded(
     dst: Mat<&mut [f32]>,
     a: Mat<&[f32]>,
@@ -256,33 +263,37 @@ pub(super) fn matmul_threaded(
     accumulate: bool,
 ) {
     let (threads, n) = (threads(), dst.cols);
-    // Blocks of whole vectors of 16 columns, at least 64 of them.
-    let per = n.div_ceil(threads).next_multiple_of(16).max(64);
-    if threads == 1 || dst.rows == 0 || a.cols == 0 {
-        return product(dst, a, b, accumulate, Parallelism::None);
-    }
-    if per >= n {
-        // Too few columns to split: gemm's own split (by rows, or along a long k).
-        return product(dst, a, b, accumulate, Parallelism::Rayon(threads));
+    if dst.rows == 0 || a.cols == 0 || n <= COLUMN_BLOCK {
+        // One block: gemm's own split (by rows, or along a long k).
+        let parallelism = match threads {
+            1 => Parallelism::None,
+            t => Parallelism::Rayon(t),
+        };
+        return product(dst, a, b, accumulate, parallelism);
     }
     assert_shapes_agree(&dst, &a, &b);
+    let blocks = n.div_ceil(COLUMN_BLOCK);
+    let runs = threads.min(blocks);
     let out = ColumnsOut(dst.ptr.as_mut_ptr());
     let out = &out;
-    (0..n.div_ceil(per)).into_par_iter().for_each(|block| {
-        let (first, cols) = (block * per, per.min(n - block * per));
-        // SAFETY: the three views lie within their slices (their constructors checked rows,
-        // columns and strides against the slices' lengths), so do their column blocks; each
-        // block of dst's columns is written by this job alone, and dst is borrowed mutably,
-        // so it aliases neither input.
-        unsafe {
-            gemm_views(
-                (dst.rows, cols, a.cols),
-                (out.0.offset(first as isize * dst.cs), dst.rs, dst.cs),
-                (a.ptr.as_ptr(), a.rs, a.cs),
-                (b.ptr.as_ptr().offset(first as isize * b.cs), b.rs, b.cs),
-                accumulate,
-                Parallelism::None,
-            )
+    (0..runs).into_par_iter().for_each(|run| {
+        for block in run * blocks / runs..(run + 1) * blocks / runs {
+            let first = block * COLUMN_BLOCK;
+            let cols = COLUMN_BLOCK.min(n - first);
+            // SAFETY: the three views lie within their slices (their constructors checked
+            // rows, columns and strides against the slices' lengths), so do their column
+            // blocks; each block of dst's columns is written by this job alone, and dst is
+            // borrowed mutably, so it aliases neither input.
+            unsafe {
+                gemm_views(
+                    (dst.rows, cols, a.cols),
+                    (out.0.offset(first as isize * dst.cs), dst.rs, dst.cs),
+                    (a.ptr.as_ptr(), a.rs, a.cs),
+                    (b.ptr.as_ptr().offset(first as isize * b.cs), b.rs, b.cs),
+                    accumulate,
+                    Parallelism::None,
+                )
+            }
         }
     });
 }
