@@ -3,9 +3,9 @@
 //! output, and the gradients of the input, the weight and the bias), differ from the f32
 //! products, and a small MLP trains to within bf16's reach of its f32 losses; in a layer of 6
 //! rows, the forward and the input gradient on the tiles, the weight gradient (a sum over the
-//! 6 rows) in f32 as `amx::worth` decides. One test in its own binary: the precision is
-//! process-wide. Where the CPU has no AMX tiles, `Medium` must change nothing: the test checks
-//! that instead.
+//! 6 rows) in f32 as `amx::worth` decides; the same layer over bf16 and f16 tensors. One test
+//! in its own binary: the precision is process-wide. Where the CPU has no AMX tiles, `Medium`
+//! must change nothing: the test checks that instead.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_nn::{Linear, Optimizer};
@@ -153,6 +153,44 @@ fn medium_precision_rounds_the_products_operands_to_bf16_and_trains() -> anyhow:
         assert_eq!(dw.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
     }
     nn::set_float32_matmul_precision(MatmulPrecision::Highest);
+
+    // Half-precision tensors through the few-row layer: bf16 on the tiles where there are
+    // some (forward and input gradient), f16 in f32 by blocks of columns; the weight
+    // gradient, a sum over 6 rows, in f32 for both. Each against f64 products of the same
+    // half-precision values, every result rounded once to its dtype (2^-8 relative for bf16,
+    // 2^-11 for f16; measured 2.2e-3 to 3.0e-3 and 2.3e-4 to 3.4e-4).
+    for (dtype, tol) in [(DType::BF16, 8e-3), (DType::F16, 1e-3)] {
+        let half = |t: &Tensor| t.to_dtype(dtype);
+        let wide = |t: &Tensor| t.to_dtype(dtype)?.to_dtype(DType::F64);
+        let hx = Var::from_tensor(&half(fx.as_tensor())?)?;
+        let hw = Var::from_tensor(&half(fw.as_tensor())?)?;
+        let hr = half(&fr)?;
+        let y = nn::linear(hx.as_tensor(), &Linear::new(hw.as_tensor().clone(), None))?;
+        assert_eq!((y.dtype(), y.dims()), (dtype, &[fn_, fo][..]));
+        let grads = (&y * &hr)?.sum_all()?.backward()?;
+        let (xw, ww, rw) = (wide(fx.as_tensor())?, wide(fw.as_tensor())?, wide(&fr)?);
+        let want = [
+            ("output", y.clone(), xw.matmul(&ww.t()?)?),
+            (
+                "input gradient",
+                grads.get(&hx).unwrap().clone(),
+                rw.matmul(&ww)?,
+            ),
+            (
+                "weight gradient",
+                grads.get(&hw).unwrap().clone(),
+                rw.t()?.matmul(&xw)?,
+            ),
+        ];
+        for (name, got, want) in want {
+            assert_eq!(got.dtype(), dtype, "{dtype:?} few rows: {name}");
+            let err = relative(&got, &want)?;
+            assert!(
+                err < tol,
+                "{dtype:?} few rows: {name}: {err:e} from the reference"
+            );
+        }
+    }
 
     // Each result's name and its tolerance against the bf16 reference: f32 sums of up to 301
     // products, well inside 1e-5 of the largest value; for the two products of the backward,
