@@ -7,9 +7,12 @@
 //!
 //! The model and batch are the example's (`--layers 2 --dim 64 --heads 4 --digits 8 --batch
 //! 32`: sequences of 16 tokens). Each layer is timed alone as `net_phases` times the Net's:
-//! its forward, and the backward of `sum(layer(x) * g)` for a fixed random `g`; the attention
-//! core is the part between the qkv and output projections (`nn::attention::causal_attention`,
-//! and beside it the candle ops it replaced); the other layers are the model's (`nn::linear`,
+//! its forward, and the backward of `sum(layer(x) * g)` for a fixed random `g` by
+//! `nn::backward`, as the training step's (the layer's parameters get their gradients as made,
+//! not added to zeros as candle's `backward()` would: before 2026-11-27 the rows of layers
+//! with parameters included those adds). The attention core is the part between the qkv and
+//! output projections (`nn::attention::causal_attention`, and beside it the candle ops it
+//! replaced); the other layers are the model's (`nn::linear`,
 //! `nn::linear_gelu`, `nn::LayerNorm`, as `examples/common/transformer.rs` uses them; the
 //! GELU alone is `nn::ops::gelu_erf`). Medians over `--steps` repetitions after 3 warm-up ones.
 //! `scripts/torch_transformer_phases.py` times the same in PyTorch with the same threads; this
@@ -97,7 +100,7 @@ fn layer(
         Ok(())
     })?;
     let bwd_and_fwd = time(steps, || {
-        (layer(&x)? * &g)?.sum_all()?.backward()?;
+        nn::backward(&(layer(&x)? * &g)?.sum_all()?)?;
         Ok(())
     })?;
     Ok((fwd, (bwd_and_fwd - fwd).max(0.0)))
