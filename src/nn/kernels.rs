@@ -305,10 +305,10 @@ pub(super) fn matmul_threaded(
     }
 }
 
-/// `dst`'s first element, whose column blocks [`matmul_threaded`]'s jobs write.
+/// `dst`'s first element, whose column blocks [`matmul_threaded`]'s runs write.
 struct ColumnsOut(*mut f32);
 
-// SAFETY: each job writes its own block of columns, while the caller borrows dst mutably.
+// SAFETY: each run writes its own blocks of columns, while the caller borrows dst mutably.
 unsafe impl Sync for ColumnsOut {}
 
 /// `gemm` on raw views: `(m, n, k)`, then `dst`, `a` and `b` as (first element, row stride,
