@@ -618,6 +618,7 @@ mod simd512 {
 
     #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
     mod x86 {
+        use super::super::super::simd::x86_512::transpose;
         use super::super::{STEP, TILE};
         use std::arch::x86_64::*;
 
@@ -641,52 +642,6 @@ mod simd512 {
             _mm512_or_si512(_mm512_srli_epi32::<16>(lo), _mm512_and_si512(hi, upper))
         }
 
-        /// Transposes the 16 x 16 matrix of 32-bit lanes held by `rows`.
-        #[target_feature(enable = "avx512f")]
-        fn transpose(rows: &mut [__m512i; 16]) {
-            // Pairs of rows interleaved, then pairs of pairs: each 128-bit lane then holds
-            // four values of one column. (Loops, not `map`: its closures are not inlined.)
-            let mut t = [_mm512_setzero_ps(); 16];
-            for i in 0..8 {
-                let (a, b) = (
-                    _mm512_castsi512_ps(rows[2 * i]),
-                    _mm512_castsi512_ps(rows[2 * i + 1]),
-                );
-                t[2 * i] = _mm512_unpacklo_ps(a, b);
-                t[2 * i + 1] = _mm512_unpackhi_ps(a, b);
-            }
-            let mut u = [_mm512_setzero_ps(); 16];
-            for g in 0..4 {
-                let a = _mm512_castps_pd(t[4 * g]);
-                let b = _mm512_castps_pd(t[4 * g + 2]);
-                let c = _mm512_castps_pd(t[4 * g + 1]);
-                let d = _mm512_castps_pd(t[4 * g + 3]);
-                u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-                u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-                u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-                u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-            }
-            // Then the 128-bit lanes gathered across the four groups of four rows.
-            let mut v = [_mm512_setzero_ps(); 16];
-            for q in 0..4 {
-                v[q] = _mm512_shuffle_f32x4::<0x88>(u[q], u[4 + q]);
-                v[4 + q] = _mm512_shuffle_f32x4::<0xdd>(u[q], u[4 + q]);
-                v[8 + q] = _mm512_shuffle_f32x4::<0x88>(u[8 + q], u[12 + q]);
-                v[12 + q] = _mm512_shuffle_f32x4::<0xdd>(u[8 + q], u[12 + q]);
-            }
-            for q in 0..4 {
-                let out = [
-                    _mm512_shuffle_f32x4::<0x88>(v[q], v[8 + q]),
-                    _mm512_shuffle_f32x4::<0x88>(v[4 + q], v[12 + q]),
-                    _mm512_shuffle_f32x4::<0xdd>(v[q], v[8 + q]),
-                    _mm512_shuffle_f32x4::<0xdd>(v[4 + q], v[12 + q]),
-                ];
-                for (h, o) in out.into_iter().enumerate() {
-                    rows[4 * h + q] = _mm512_castps_si512(o);
-                }
-            }
-        }
-
         /// Lines along `k` (`wᵀ` in the forward): each line's 32 values become 16 pairs, and
         /// 16 lines of pairs are transposed into a tile's 16 rows of pairs.
         ///
@@ -698,21 +653,21 @@ mod simd512 {
             let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
             let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
             for tile in 0..2 {
-                let mut rows = [_mm512_setzero_si512(); 16];
+                let mut rows = [_mm512_setzero_ps(); 16];
                 for (l, row) in rows.iter_mut().enumerate() {
                     // SAFETY (all below): within the panel the caller vouches for.
                     let line = unsafe { from.add((tile * TILE + l) * ls) };
                     let lo = rounded(unsafe { _mm512_loadu_ps(line) });
                     let hi = rounded(unsafe { _mm512_loadu_ps(line.add(16)) });
-                    *row = pairs(
+                    *row = _mm512_castsi512_ps(pairs(
                         _mm512_permutex2var_epi32(lo, even, hi),
                         _mm512_permutex2var_epi32(lo, odd, hi),
-                    );
+                    ));
                 }
                 transpose(&mut rows);
                 for (p, row) in rows.iter().enumerate() {
                     let at = tile * (TILE * STEP / 2) + p * TILE;
-                    unsafe { _mm512_storeu_si512(panel.add(at).cast(), *row) };
+                    unsafe { _mm512_storeu_ps(panel.add(at).cast(), *row) };
                 }
             }
         }

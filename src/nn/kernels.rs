@@ -256,14 +256,25 @@ const COLUMN_BLOCK: usize = 128;
 /// from 45.8 to 41.6 ms on one thread and from 22.3 to 20.0 on two (medians of 7 and 9
 /// alternating runs, 2026-11-27, the Xeon of docs/BENCHMARKS.md), 6-18% less time on the
 /// MLP's other shapes and on 16 to 128 rows. Above one block, the blocks do not depend on the
-/// threads, so neither do the sums.
+/// threads, so neither do the sums. Products of at most [`few_rows::MAX_ROWS`] rows by a
+/// weight seen transposed go to [`few_rows::product`] instead where the CPU has AVX-512: it
+/// packs the weight faster than `gemm`.
+///
+/// [`few_rows::MAX_ROWS`]: super::few_rows::MAX_ROWS
+/// [`few_rows::product`]: super::few_rows::product
 pub(super) fn matmul_threaded(
-    dst: Mat<&mut [f32]>,
+    mut dst: Mat<&mut [f32]>,
     a: Mat<&[f32]>,
     b: Mat<&[f32]>,
     accumulate: bool,
 ) {
     let (threads, n) = (threads(), dst.cols);
+    if dst.rows > 0 && a.cols > 0 {
+        assert_shapes_agree(&dst, &a, &b);
+        if super::few_rows::product(&mut dst, &a, &b, accumulate) {
+            return;
+        }
+    }
     if dst.rows == 0 || a.cols == 0 || n <= COLUMN_BLOCK {
         // One block: gemm's own split (by rows, or along a long k).
         let parallelism = match threads {
@@ -272,7 +283,6 @@ pub(super) fn matmul_threaded(
         };
         return product(dst, a, b, accumulate, parallelism);
     }
-    assert_shapes_agree(&dst, &a, &b);
     let blocks = n.div_ceil(COLUMN_BLOCK);
     let runs = threads.min(blocks);
     let out = ColumnsOut(dst.ptr.as_mut_ptr());
@@ -306,7 +316,7 @@ pub(super) fn matmul_threaded(
 }
 
 /// `dst`'s first element, whose column blocks [`matmul_threaded`]'s runs write.
-struct ColumnsOut(*mut f32);
+pub(super) struct ColumnsOut(pub(super) *mut f32);
 
 // SAFETY: each run writes its own blocks of columns, while the caller borrows dst mutably.
 unsafe impl Sync for ColumnsOut {}

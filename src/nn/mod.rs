@@ -72,6 +72,7 @@ mod conv;
 mod conv_cuda;
 mod conv_kernel;
 mod conv_relu_pool;
+mod few_rows;
 #[cfg(feature = "cuda")]
 mod fused_cuda;
 mod gelu;

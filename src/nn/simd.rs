@@ -358,8 +358,52 @@ mod x86 {
 // The crate builds with Rust 1.85; this module only where build.rs found 1.89 or later.
 #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
 #[clippy::msrv = "1.89"]
-mod x86_512 {
+pub(super) mod x86_512 {
     use std::arch::x86_64::*;
+
+    /// Transposes the 16 x 16 matrix of 32-bit lanes held by `rows`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(in crate::nn) fn transpose(rows: &mut [__m512; 16]) {
+        // Pairs of rows interleaved, then pairs of pairs: each 128-bit lane then holds
+        // four values of one column. (Loops, not `map`: its closures are not inlined.)
+        let mut t = [_mm512_setzero_ps(); 16];
+        for i in 0..8 {
+            let (a, b) = (rows[2 * i], rows[2 * i + 1]);
+            t[2 * i] = _mm512_unpacklo_ps(a, b);
+            t[2 * i + 1] = _mm512_unpackhi_ps(a, b);
+        }
+        let mut u = [_mm512_setzero_ps(); 16];
+        for g in 0..4 {
+            let a = _mm512_castps_pd(t[4 * g]);
+            let b = _mm512_castps_pd(t[4 * g + 2]);
+            let c = _mm512_castps_pd(t[4 * g + 1]);
+            let d = _mm512_castps_pd(t[4 * g + 3]);
+            u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+            u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+            u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+        }
+        // Then the 128-bit lanes gathered across the four groups of four rows.
+        let mut v = [_mm512_setzero_ps(); 16];
+        for q in 0..4 {
+            v[q] = _mm512_shuffle_f32x4::<0x88>(u[q], u[4 + q]);
+            v[4 + q] = _mm512_shuffle_f32x4::<0xdd>(u[q], u[4 + q]);
+            v[8 + q] = _mm512_shuffle_f32x4::<0x88>(u[8 + q], u[12 + q]);
+            v[12 + q] = _mm512_shuffle_f32x4::<0xdd>(u[8 + q], u[12 + q]);
+        }
+        for q in 0..4 {
+            let out = [
+                _mm512_shuffle_f32x4::<0x88>(v[q], v[8 + q]),
+                _mm512_shuffle_f32x4::<0x88>(v[4 + q], v[12 + q]),
+                _mm512_shuffle_f32x4::<0xdd>(v[q], v[8 + q]),
+                _mm512_shuffle_f32x4::<0xdd>(v[4 + q], v[12 + q]),
+            ];
+            for (h, o) in out.into_iter().enumerate() {
+                rows[4 * h + q] = o;
+            }
+        }
+    }
 
     /// [`super::dots`] with AVX-512.
     ///
