@@ -10,7 +10,10 @@
 //! FMAs, its 24 sums in registers; `a` is first copied into panels of 12 rows, the 12 values
 //! of each step side by side. The same product took 21-32 ms (67-101 GFLOPS, 1.3-1.5× less
 //! time than `gemm` in the same runs), 16 rows 2.1-2.4× less, 128 rows 1.07-1.13×; at 256 rows
-//! `gemm` is as fast, so only up to [`MAX_ROWS`] rows come here.
+//! `gemm` is as fast. Between 97 and 128 rows `gemm` is faster on small weights (128 x 120 x
+//! 400: 2.5× less time than ours, 128 x 256 x 256: 1.25×; 512 x 512 and larger 1.08-1.24×
+//! more), while up to 96 rows ours took 1.1-3.7× less time on every shape tried: see
+//! [`takes`].
 //!
 //! The columns are split over candle's threads in runs of 32. Each value of `dst` is the sum
 //! over `k` in blocks of 256, each block's terms in order, added to `dst` block by block: the
@@ -21,11 +24,21 @@
 use super::kernels::{threads, ColumnsOut, Mat};
 use rayon::prelude::*;
 
-/// The most rows of `a` (and of `dst`) taken here.
-pub(super) const MAX_ROWS: usize = 128;
+/// The most rows of `a` (and of `dst`) taken here, for a weight of at least
+/// [`LARGE_WEIGHT`] values.
+const MAX_ROWS: usize = 128;
+/// The most rows taken here for any weight.
+const ANY_WEIGHT_ROWS: usize = 96;
+/// Values of a weight (`n x k`) large enough for [`MAX_ROWS`] rows: 512 x 512.
+const LARGE_WEIGHT: usize = 1 << 18;
 
-/// `dst = a · b`, or `dst += a · b` when `accumulate`, where `a` is row-major with at most
-/// [`MAX_ROWS`] rows, `b` is a row-major matrix seen transposed ([`Mat::transposed`]: a
+/// Whether a product of `m` rows by a weight of `n` rows of `k` is faster here than in `gemm`.
+fn takes(m: usize, n: usize, k: usize) -> bool {
+    m <= ANY_WEIGHT_ROWS || (m <= MAX_ROWS && n * k >= LARGE_WEIGHT)
+}
+
+/// `dst = a · b`, or `dst += a · b` when `accumulate`, where `a` is row-major with few rows
+/// ([`takes`]), `b` is a row-major matrix seen transposed ([`Mat::transposed`]: a
 /// weight in a linear layer's forward), `dst` is row-major, and the CPU has AVX-512; returns
 /// whether it did (else nothing was written). The shapes must agree
 /// ([`assert_shapes_agree`](super::kernels::assert_shapes_agree)).
@@ -36,7 +49,7 @@ pub(super) fn product(
     accumulate: bool,
 ) -> bool {
     let (m, n, k) = (dst.rows, dst.cols, a.cols);
-    if m == 0 || n == 0 || k == 0 || m > MAX_ROWS || a.cs != 1 || b.rs != 1 || dst.cs != 1 {
+    if m == 0 || n == 0 || k == 0 || !takes(m, n, k) || a.cs != 1 || b.rs != 1 || dst.cs != 1 {
         return false;
     }
     let (Ok(ars), Ok(ws), Ok(ds)) = (
@@ -331,7 +344,8 @@ mod tests {
             (13, 31, 257),
             (27, 100, 600),
             (64, 65, 15),
-            (128, 300, 513),
+            (96, 300, 513),
+            (128, 520, 513),
         ];
         for (case, &(m, n, k)) in shapes.iter().enumerate() {
             let (ars, ws, ds) = (k + 3, k + 5, n + 2);
@@ -403,7 +417,12 @@ mod tests {
     fn many_rows_and_other_layouts_are_left_to_gemm() {
         let (n, k) = (40, 20);
         let w = values(n * k, 1);
-        for (m, a_cs, b_row_major) in [(MAX_ROWS + 1, 1, false), (4, 1, true), (4, 2, false)] {
+        for (m, a_cs, b_row_major) in [
+            (MAX_ROWS + 1, 1, false),
+            (ANY_WEIGHT_ROWS + 1, 1, false),
+            (4, 1, true),
+            (4, 2, false),
+        ] {
             let a = values(m * k * a_cs, 2);
             let mut dst = vec![0.5f32; m * n];
             let mut d = Mat::rows(&mut dst, n);

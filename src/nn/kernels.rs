@@ -256,11 +256,10 @@ const COLUMN_BLOCK: usize = 128;
 /// from 45.8 to 41.6 ms on one thread and from 22.3 to 20.0 on two (medians of 7 and 9
 /// alternating runs, 2026-11-27, the Xeon of docs/BENCHMARKS.md), 6-18% less time on the
 /// MLP's other shapes and on 16 to 128 rows. Above one block, the blocks do not depend on the
-/// threads, so neither do the sums. Products of at most [`few_rows::MAX_ROWS`] rows by a
-/// weight seen transposed go to [`few_rows::product`] instead where the CPU has AVX-512: it
-/// packs the weight faster than `gemm`.
+/// threads, so neither do the sums. Products of few rows (up to 96, or 128 by a large weight)
+/// by a weight seen transposed go to [`few_rows::product`] instead where the CPU has AVX-512:
+/// it packs the weight faster than `gemm`.
 ///
-/// [`few_rows::MAX_ROWS`]: super::few_rows::MAX_ROWS
 /// [`few_rows::product`]: super::few_rows::product
 pub(super) fn matmul_threaded(
     mut dst: Mat<&mut [f32]>,
