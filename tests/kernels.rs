@@ -616,8 +616,10 @@ fn the_fused_linear_layer_equals_candle_nn_linear_and_relu_with_gradients() {
         (7, 13, 5, false, true),
         (128, 400, 120, true, true), // the Net's fc1
         (3, 84, 10, false, false),   // its fc3 on a leaf input
-        // Few rows through wide layers: the forward of both in blocks of 128 columns over the
-        // threads, and the input gradient of the second (last blocks of 44, 104 and 1 columns).
+        // Few rows through wide layers: the forward of both on `few_rows`' kernel where the
+        // CPU has AVX-512 (else in blocks of 128 columns over the threads, last blocks of 44
+        // and 104), the input gradient of the second in blocks of 128 (the last of 1 column);
+        // a single row stays with `gemm`.
         (5, 70, 300, true, true),
         (4, 257, 1000, false, true),
         (1, 1, 1, true, true),

@@ -155,7 +155,8 @@ fn medium_precision_rounds_the_products_operands_to_bf16_and_trains() -> anyhow:
     nn::set_float32_matmul_precision(MatmulPrecision::Highest);
 
     // Half-precision tensors through the few-row layer: bf16 on the tiles where there are
-    // some (forward and input gradient), f16 in f32 by blocks of columns; the weight
+    // some (forward and input gradient), f16 in f32 (the forward on `few_rows`' kernel where
+    // the CPU has AVX-512, the input gradient by blocks of columns); the weight
     // gradient, a sum over 6 rows, in f32 for both. Each against f64 products of the same
     // half-precision values, every result rounded once to its dtype (2^-8 relative for bf16,
     // 2^-11 for f16; measured 2.2e-3 to 3.0e-3 and 2.3e-4 to 3.4e-4).

@@ -3,28 +3,39 @@
 //!
 //! `gemm` packs `wᵀ` (the columns of a row-major weight) for every product by strided copies,
 //! and with few rows of `a` that packing costs as much as the arithmetic: a 64 x 4096 x 4096
-//! product took 30-41 ms on one core (52-71 GFLOPS, by blocks of 128 columns as
+//! product took 30-42 ms on one core (52-71 GFLOPS, by blocks of 128 columns as
 //! [`matmul_threaded`] ran it) against PyTorch's 23 ms. Here each block of the weight, 32 of its
 //! rows by 256 of `k`, is transposed in registers (16 x 16 at a time) into a panel of 256 steps
 //! of 32 values, which a kernel of 12 rows of `a` by 32 columns walks with broadcasts and
 //! FMAs, its 24 sums in registers; `a` is first copied into panels of 12 rows, the 12 values
-//! of each step side by side. The same product took 21-32 ms (67-101 GFLOPS, 1.3-1.5× less
+//! of each step side by side. The same product took 21-32 ms (67-100 GFLOPS, 1.3-1.5× less
 //! time than `gemm` in the same runs), 16 rows 2.1-2.4× less, 128 rows 1.07-1.13×; at 256 rows
 //! `gemm` is as fast. Between 97 and 128 rows `gemm` is faster on small weights (128 x 120 x
 //! 400: 2.5× less time than ours, 128 x 256 x 256: 1.25×; 512 x 512 and larger 1.08-1.24×
-//! more), while up to 96 rows ours took 1.1-3.7× less time on every shape tried: see
-//! [`takes`].
+//! more), and at one or two rows, where it takes a matrix-vector path that reads the weight
+//! once without packing it (1.5-4.5× less time than ours); from 3 to 96 rows ours took 1.1-10×
+//! less time on every shape tried: see [`takes`].
 //!
-//! The columns are split over candle's threads in runs of 32. Each value of `dst` is the sum
-//! over `k` in blocks of 256, each block's terms in order, added to `dst` block by block: the
-//! same sums whatever the threads.
+//! Only [`matmul_threaded`] comes here, which `nn`'s linear layers call for a forward of fewer
+//! rows than the layer has outputs (and not on AMX tiles, under
+//! [`MatmulPrecision::Medium`](super::MatmulPrecision::Medium)).
+//!
+//! The columns are split over candle's threads in groups of 32, one run of neighbouring groups
+//! per thread ([`run_columns`]). Each value of `dst` is the sum over `k` in blocks of 256, each
+//! block's terms in order, added to `dst` block by block: the same sums whatever the threads.
 //!
 //! [`matmul_threaded`]: super::kernels::matmul_threaded
 
-use super::kernels::{threads, ColumnsOut, Mat};
+use super::kernels::Mat;
+#[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
+use super::kernels::{threads, ColumnsOut};
+#[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
 use rayon::prelude::*;
+use std::ops::Range;
 
-/// The most rows of `a` (and of `dst`) taken here, for a weight of at least
+/// The fewest rows of `a` (and of `dst`) taken here.
+const MIN_ROWS: usize = 3;
+/// The most rows taken here, for a weight of at least
 /// [`LARGE_WEIGHT`] values.
 const MAX_ROWS: usize = 128;
 /// The most rows taken here for any weight.
@@ -34,7 +45,22 @@ const LARGE_WEIGHT: usize = 1 << 18;
 
 /// Whether a product of `m` rows by a weight of `n` rows of `k` is faster here than in `gemm`.
 fn takes(m: usize, n: usize, k: usize) -> bool {
-    m <= ANY_WEIGHT_ROWS || (m <= MAX_ROWS && n * k >= LARGE_WEIGHT)
+    m >= MIN_ROWS && (m <= ANY_WEIGHT_ROWS || (m <= MAX_ROWS && n * k >= LARGE_WEIGHT))
+}
+
+/// Columns of `dst` per group: the kernel's width.
+const GROUP: usize = 32;
+
+/// The columns of `n` that run `r` of `runs` computes: its share of the `n.div_ceil(GROUP)`
+/// groups of [`GROUP`] columns, neighbours, the runs in order and together covering `0..n`
+/// (`runs` at most the groups).
+#[cfg_attr(
+    not(all(target_arch = "x86_64", avx512_intrinsics)),
+    allow(dead_code) // the kernel's only
+)]
+fn run_columns(r: usize, runs: usize, n: usize) -> Range<usize> {
+    let groups = n.div_ceil(GROUP);
+    (r * groups / runs * GROUP).min(n)..((r + 1) * groups / runs * GROUP).min(n)
 }
 
 /// `dst = a · b`, or `dst += a · b` when `accumulate`, where `a` is row-major with few rows
@@ -76,12 +102,11 @@ pub(super) fn product(
     #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
     if std::is_x86_feature_detected!("avx512f") {
         let panels = x86::panels(a.ptr, ars, m, k);
-        let units = n.div_ceil(x86::NR);
-        let runs = threads().min(units);
+        let runs = threads().min(n.div_ceil(GROUP));
         let out = ColumnsOut(dst.ptr.as_mut_ptr());
         let (out, panels, w) = (&out, &panels, b.ptr);
         let run = |r: usize| {
-            let columns = r * units / runs * x86::NR..((r + 1) * units / runs * x86::NR).min(n);
+            let columns = run_columns(r, runs, n);
             // SAFETY: the CPU has AVX-512F; the weight's rows and dst's rows lie within their
             // slices (checked above), and so do the panels of a (built for m rows of k);
             // dst's rows do not overlap, so the runs' columns are disjoint, and dst is
@@ -104,7 +129,7 @@ pub(super) fn product(
         }
         return true;
     }
-    let _ = (ars, ws, ds, accumulate, threads);
+    let _ = (ars, ws, ds, accumulate);
     false
 }
 
@@ -118,9 +143,9 @@ mod x86 {
     /// Rows of `a` per panel, and of the kernel: 12 x 2 sums in registers.
     const MR: usize = 12;
     /// Columns of `dst` per block: two vectors.
-    pub(super) const NR: usize = 32;
-    /// Steps of `k` per block of the weight: a packed block of 32 KiB, with a panel's 12 KiB
-    /// inside the core's 48 KiB L1.
+    const NR: usize = super::GROUP;
+    /// Steps of `k` per block of the weight: a packed block of 32 KiB which, with a panel's
+    /// 12 KiB, fits the 48 KiB L1 of the Xeon measured (older AVX-512 cores have 32 KiB).
     const KC: usize = 256;
 
     /// `a`'s `m` rows (each `k` values, `rs` apart) in panels of [`MR`] rows: row `r` of panel
@@ -273,14 +298,17 @@ mod x86 {
         let (m0, m1) = masks(cols);
         for r in 0..M {
             let row = unsafe { dst.add(r * ds) };
+            // Past the row's end where it has 16 columns or fewer (then no lane is touched):
+            // hence wrapping, not `add`, whose result must lie within the allocation.
+            let second = row.wrapping_add(16);
             let [mut s0, mut s1] = sums[r];
             if add {
                 s0 = _mm512_add_ps(s0, unsafe { _mm512_maskz_loadu_ps(m0, row) });
-                s1 = _mm512_add_ps(s1, unsafe { _mm512_maskz_loadu_ps(m1, row.add(16)) });
+                s1 = _mm512_add_ps(s1, unsafe { _mm512_maskz_loadu_ps(m1, second) });
             }
             unsafe {
                 _mm512_mask_storeu_ps(row, m0, s0);
-                _mm512_mask_storeu_ps(row.add(16), m1, s1);
+                _mm512_mask_storeu_ps(second, m1, s1);
             }
         }
     }
@@ -337,9 +365,14 @@ mod tests {
     #[test]
     fn products_equal_f64_sums_on_odd_shapes_and_strides() {
         let shapes = [
-            (1, 1, 1),
-            (1, 40, 17),
+            (3, 1, 1),
+            (4, 40, 17),
             (5, 33, 16),
+            (14, 17, 300),
+            (19, 33, 20),
+            (21, 5, 33),
+            (22, 64, 64),
+            (23, 70, 40),
             (12, 32, 256),
             (13, 31, 257),
             (27, 100, 600),
@@ -379,12 +412,9 @@ mod tests {
     }
 
     #[test]
+    #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
     fn the_runs_of_columns_do_not_change_the_sums() {
-        if !runs_here() {
-            return;
-        }
-        #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
-        {
+        if runs_here() {
             let (m, n, k) = (20, 150, 700);
             let (a, w) = (values(m * k, 7), values(n * k, 8));
             let panels = x86::panels(&a, k, m, k);
@@ -420,6 +450,8 @@ mod tests {
         for (m, a_cs, b_row_major) in [
             (MAX_ROWS + 1, 1, false),
             (ANY_WEIGHT_ROWS + 1, 1, false),
+            (MIN_ROWS - 1, 1, false),
+            (1, 1, false),
             (4, 1, true),
             (4, 2, false),
         ] {
@@ -459,5 +491,50 @@ mod tests {
                 "row {i}: {row:?}"
             );
         }
+    }
+
+    #[test]
+    fn the_runs_of_columns_cover_every_column_once_in_whole_groups() {
+        for n in [1usize, 31, 32, 33, 64, 100, 257, 1000, 4096] {
+            for threads in 1..=17 {
+                let runs = threads.min(n.div_ceil(GROUP));
+                let mut next = 0;
+                for r in 0..runs {
+                    let columns = run_columns(r, runs, n);
+                    assert_eq!(
+                        columns.start, next,
+                        "n {n}, {runs} runs: run {r} starts off"
+                    );
+                    assert!(!columns.is_empty(), "n {n}, {runs} runs: run {r} is empty");
+                    assert!(
+                        columns.start.is_multiple_of(GROUP),
+                        "n {n}: run {r} splits a group"
+                    );
+                    next = columns.end;
+                }
+                assert_eq!(next, n, "n {n}, {runs} runs: the runs end short");
+            }
+        }
+    }
+
+    #[test]
+    fn overlapping_rows_of_dst_are_left_to_gemm() {
+        let (m, n, k) = (4, 40, 20);
+        let (a, w) = (values(m * k, 1), values(n * k, 2));
+        let mut dst = vec![0.5f32; (m - 1) * 10 + n];
+        let mut d = Mat {
+            ptr: &mut dst[..],
+            rows: m,
+            cols: n,
+            rs: 10,
+            cs: 1,
+        };
+        assert!(!product(
+            &mut d,
+            &Mat::rows_of(&a, k),
+            &Mat::transposed(&w, k),
+            false
+        ));
+        assert!(dst.iter().all(|&v| v == 0.5));
     }
 }

@@ -314,10 +314,12 @@ pub(super) fn matmul_threaded(
     }
 }
 
-/// `dst`'s first element, whose column blocks [`matmul_threaded`]'s runs write.
+/// `dst`'s first element, whose column blocks the runs of [`matmul_threaded`] and of
+/// [`few_rows::product`](super::few_rows::product) write.
 pub(super) struct ColumnsOut(pub(super) *mut f32);
 
-// SAFETY: each run writes its own blocks of columns, while the caller borrows dst mutably.
+// SAFETY: each run (of matmul_threaded's or few_rows') writes its own blocks of columns, while
+// the caller borrows dst mutably.
 unsafe impl Sync for ColumnsOut {}
 
 /// `gemm` on raw views: `(m, n, k)`, then `dst`, `a` and `b` as (first element, row stride,
