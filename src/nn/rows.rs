@@ -233,6 +233,18 @@ pub(super) fn avx2() -> bool {
     }
 }
 
+/// Whether this CPU runs the kernels' AVX-512 builds (the GELU's): AVX-512F with AVX2 and FMA.
+pub(super) fn avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2() && std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// One row of [`norm_fwd`] into `dst`.
 #[inline(always)]
 fn norm_row<T: Elem>(
