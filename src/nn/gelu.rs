@@ -441,8 +441,10 @@ mod tests {
         let mut plain_grad = vec![1.5f32; xs.len()];
         in_place_plain(Some((&xs, &plain)), &mut plain_grad);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        /// A build of the in-place loops: the GELU, or its gradient given `(x, y)`.
+        type Build = unsafe fn(Option<(&[f32], &[f32])>, &mut [f32]);
         #[allow(unused_mut)] // nothing to add off x86-64
-        let mut builds: Vec<(&str, unsafe fn(Option<(&[f32], &[f32])>, &mut [f32]))> = Vec::new();
+        let mut builds: Vec<(&str, Build)> = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
             if super::super::rows::avx2() {
