@@ -888,7 +888,7 @@ mod tiles {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// `a . b` in f64 over the bf16 roundings of `a` and `b` (row-major, `m x k`, `k x n`).
@@ -905,7 +905,8 @@ mod tests {
         out
     }
 
-    fn values(len: usize, seed: u32) -> Vec<f32> {
+    /// Values in [-1, 1), a different run for each `seed` (shared with `few_rows`' tests).
+    pub(in crate::nn) fn values(len: usize, seed: u32) -> Vec<f32> {
         (0..len)
             .map(|i| {
                 let x = (i as u32)

@@ -316,19 +316,8 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::amx::tests::values;
     use super::*;
-
-    /// Values in [-1, 1), a different run for each `seed`.
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        (0..len)
-            .map(|i| {
-                let x = (i as u32)
-                    .wrapping_mul(2_654_435_761)
-                    .wrapping_add(seed.wrapping_mul(40_503));
-                (x >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
-    }
 
     /// Whether this CPU runs the kernel: without AVX-512 `product` must decline.
     fn runs_here() -> bool {
