@@ -888,7 +888,8 @@ mod tiles {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+mod tests {
+    use super::super::kernels::test_values as values;
     use super::*;
 
     /// `a . b` in f64 over the bf16 roundings of `a` and `b` (row-major, `m x k`, `k x n`).
@@ -903,18 +904,6 @@ pub(super) mod tests {
             }
         }
         out
-    }
-
-    /// Values in [-1, 1), a different run for each `seed` (shared with `few_rows`' tests).
-    pub(in crate::nn) fn values(len: usize, seed: u32) -> Vec<f32> {
-        (0..len)
-            .map(|i| {
-                let x = (i as u32)
-                    .wrapping_mul(2_654_435_761)
-                    .wrapping_add(seed.wrapping_mul(40_503));
-                (x >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
     }
 
     #[test]

@@ -16,9 +16,9 @@
 //! once without packing it (1.5-4.5× less time than ours); from 3 to 96 rows ours took 1.1-10×
 //! less time on every shape tried: see [`takes`].
 //!
-//! Only [`matmul_threaded`] comes here, which `nn`'s linear layers call for a forward of fewer
-//! rows than the layer has outputs (and not on AMX tiles, under
-//! [`MatmulPrecision::Medium`](super::MatmulPrecision::Medium)).
+//! `nn`'s linear layers call it for a forward of fewer rows than the layer has outputs (and not
+//! on AMX tiles, under [`MatmulPrecision::Medium`](super::MatmulPrecision::Medium)), before
+//! [`matmul_threaded`] (`gemm` by blocks of columns), which takes what it declines.
 //!
 //! The columns are split over candle's threads in groups of 32, one run of neighbouring groups
 //! per thread ([`run_columns`]). Each value of `dst` is the sum over `k` in blocks of 256, each
@@ -26,7 +26,7 @@
 //!
 //! [`matmul_threaded`]: super::kernels::matmul_threaded
 
-use super::kernels::Mat;
+use super::kernels::{assert_shapes_agree, Mat};
 #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
 use super::kernels::{threads, ColumnsOut};
 #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
@@ -66,14 +66,15 @@ fn run_columns(r: usize, runs: usize, n: usize) -> Range<usize> {
 /// `dst = a · b`, or `dst += a · b` when `accumulate`, where `a` is row-major with few rows
 /// ([`takes`]), `b` is a row-major matrix seen transposed ([`Mat::transposed`]: a
 /// weight in a linear layer's forward), `dst` is row-major, and the CPU has AVX-512; returns
-/// whether it did (else nothing was written). The shapes must agree
-/// ([`assert_shapes_agree`](super::kernels::assert_shapes_agree)).
+/// whether it did (else nothing was written, and [`matmul_threaded`] is the way). The shapes
+/// must agree ([`assert_shapes_agree`] panics otherwise).
 pub(super) fn product(
     dst: &mut Mat<&mut [f32]>,
     a: &Mat<&[f32]>,
     b: &Mat<&[f32]>,
     accumulate: bool,
 ) -> bool {
+    assert_shapes_agree(dst, a, b);
     let (m, n, k) = (dst.rows, dst.cols, a.cols);
     if m == 0 || n == 0 || k == 0 || !takes(m, n, k) || a.cs != 1 || b.rs != 1 || dst.cs != 1 {
         return false;
@@ -316,7 +317,7 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::amx::tests::values;
+    use super::super::kernels::test_values as values;
     use super::*;
 
     /// Whether this CPU runs the kernel: without AVX-512 `product` must decline.

@@ -256,24 +256,16 @@ const COLUMN_BLOCK: usize = 128;
 /// from 45.8 to 41.6 ms on one thread and from 22.3 to 20.0 on two (medians of 7 and 9
 /// alternating runs, 2026-11-27, the Xeon of docs/BENCHMARKS.md), 6-18% less time on the
 /// MLP's other shapes and on 16 to 128 rows. Above one block, the blocks do not depend on the
-/// threads, so neither do the sums. Products of few rows (up to 96, or 128 by a large weight)
-/// by a weight seen transposed go to [`few_rows::product`] instead where the CPU has AVX-512:
-/// it packs the weight faster than `gemm`.
-///
-/// [`few_rows::product`]: super::few_rows::product
+/// threads, so neither do the sums. The linear layers' forward tries `few_rows`' kernel first
+/// (3 to 96 rows, or 128 by a large weight, where the CPU has AVX-512), which packs the
+/// weight faster than `gemm`.
 pub(super) fn matmul_threaded(
-    mut dst: Mat<&mut [f32]>,
+    dst: Mat<&mut [f32]>,
     a: Mat<&[f32]>,
     b: Mat<&[f32]>,
     accumulate: bool,
 ) {
     let (threads, n) = (threads(), dst.cols);
-    if dst.rows > 0 && a.cols > 0 {
-        assert_shapes_agree(&dst, &a, &b);
-        if super::few_rows::product(&mut dst, &a, &b, accumulate) {
-            return;
-        }
-    }
     if dst.rows == 0 || a.cols == 0 || n <= COLUMN_BLOCK {
         // One block: gemm's own split (by rows, or along a long k).
         let parallelism = match threads {
@@ -282,6 +274,7 @@ pub(super) fn matmul_threaded(
         };
         return product(dst, a, b, accumulate, parallelism);
     }
+    assert_shapes_agree(&dst, &a, &b);
     let blocks = n.div_ceil(COLUMN_BLOCK);
     let runs = threads.min(blocks);
     let out = ColumnsOut(dst.ptr.as_mut_ptr());
@@ -314,8 +307,8 @@ pub(super) fn matmul_threaded(
     }
 }
 
-/// `dst`'s first element, whose column blocks the runs of [`matmul_threaded`] and of
-/// [`few_rows::product`](super::few_rows::product) write.
+/// `dst`'s first element, whose column blocks the runs of [`matmul_threaded`] (and of
+/// `few_rows`' kernel) write.
 pub(super) struct ColumnsOut(pub(super) *mut f32);
 
 // SAFETY: each run (of matmul_threaded's or few_rows') writes its own blocks of columns, while
@@ -550,4 +543,17 @@ pub(super) fn col2im(cols: &[f32], c: usize, win: &impl Window, channels: &mut [
             }
         }
     }
+}
+
+/// Values in [-1, 1), a different run for each `seed`: inputs for the kernels' unit tests.
+#[cfg(test)]
+pub(super) fn test_values(len: usize, seed: u32) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            let x = (i as u32)
+                .wrapping_mul(2_654_435_761)
+                .wrapping_add(seed.wrapping_mul(40_503));
+            (x >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
 }

@@ -50,6 +50,7 @@ use super::accumulate::{self, empty_output};
 use super::amx;
 use super::backward::{hand_over, through, Held};
 use super::conv_kernel::{f32_slice, with_f32};
+use super::few_rows;
 use super::kernels::{for_each_chunk, matmul, matmul_threaded, ours_in_f32, Mat};
 use crate::util::sync::lock;
 use candle_core::{CpuStorage, DType, Device, Layout, Module, Result, Shape, Tensor};
@@ -212,16 +213,19 @@ impl candle_core::CustomOp3 for LinearOp {
                 true,
             );
         } else if k > 0 && self.n < o {
-            // Few rows: split over the weight, which each thread would otherwise read whole.
+            // Few rows: split over the weight, which each thread would otherwise read whole;
+            // our kernel where it is faster than gemm's packing of wᵀ.
             for row in y.chunks_mut(o) {
                 row.copy_from_slice(b);
             }
-            matmul_threaded(
+            let (mut dst, xs, wt) = (
                 Mat::rows(&mut y, o),
                 Mat::rows_of(x, k),
                 Mat::transposed(w, k),
-                true,
             );
+            if !few_rows::product(&mut dst, &xs, &wt, true) {
+                matmul_threaded(dst, xs, wt, true);
+            }
         } else if k > 0 {
             for_each_chunk(&mut y, o, |first, rows| {
                 for row in rows.chunks_mut(o) {
