@@ -596,13 +596,21 @@ fn the_net_trains_as_with_the_unfused_blocks() {
         fused_opt.backward_step(&fused).unwrap();
         plain_opt.backward_step(&plain).unwrap();
     }
-    let (fused, plain) = (
-        fused_vars.data().lock().unwrap(),
-        plain_vars.data().lock().unwrap(),
-    );
-    for (name, v) in fused.iter() {
-        let diff = max_abs_diff(v.as_tensor(), plain[name].as_tensor());
-        assert!(diff <= 1e-6, "{name} differs by {diff} after 4 steps");
+    assert_same_variables(&fused_vars, &plain_vars, 1e-6, "4 steps");
+}
+
+/// Asserts that every variable of `ours` is within `tol` of `theirs`'s of the same name,
+/// `after` some training.
+fn assert_same_variables(
+    ours: &candle_nn::VarMap,
+    theirs: &candle_nn::VarMap,
+    tol: f32,
+    after: &str,
+) {
+    let (ours, theirs) = (ours.data().lock().unwrap(), theirs.data().lock().unwrap());
+    for (name, v) in ours.iter() {
+        let diff = max_abs_diff(v.as_tensor(), theirs[name].as_tensor());
+        assert!(diff <= tol, "{name} differs by {diff} after {after}");
     }
 }
 
@@ -651,14 +659,7 @@ fn a_few_row_mlp_trains_as_through_candle_nn_for_20_steps() {
         ours_opt.backward_step(&ours_loss).unwrap();
         theirs_opt.backward_step(&theirs_loss).unwrap();
     }
-    let (ours, theirs) = (
-        ours_vars.data().lock().unwrap(),
-        theirs_vars.data().lock().unwrap(),
-    );
-    for (name, v) in ours.iter() {
-        let diff = max_abs_diff(v.as_tensor(), theirs[name].as_tensor());
-        assert!(diff <= 1e-5, "{name} differs by {diff} after 20 steps");
-    }
+    assert_same_variables(&ours_vars, &theirs_vars, 1e-5, "20 steps");
 }
 
 #[test]

@@ -28,9 +28,7 @@
 
 use super::kernels::{assert_shapes_agree, Mat};
 #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
-use super::kernels::{threads, ColumnsOut};
-#[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
-use rayon::prelude::*;
+use super::kernels::{each_run, threads, ColumnsOut};
 use std::ops::Range;
 
 /// The fewest rows of `a` (and of `dst`) taken here.
@@ -101,7 +99,7 @@ pub(super) fn product(
         dst.ptr.len()
     );
     #[cfg(all(target_arch = "x86_64", avx512_intrinsics))]
-    if std::is_x86_feature_detected!("avx512f") {
+    if super::rows::avx512() {
         let panels = x86::panels(a.ptr, ars, m, k);
         let runs = threads().min(n.div_ceil(GROUP));
         let out = ColumnsOut(dst.ptr.as_mut_ptr());
@@ -123,11 +121,7 @@ pub(super) fn product(
                 )
             }
         };
-        if runs == 1 {
-            run(0);
-        } else {
-            (0..runs).into_par_iter().for_each(run);
-        }
+        each_run(runs, run);
         return true;
     }
     let _ = (ars, ws, ds, accumulate);
@@ -322,13 +316,7 @@ mod tests {
 
     /// Whether this CPU runs the kernel: without AVX-512 `product` must decline.
     fn runs_here() -> bool {
-        cfg!(all(target_arch = "x86_64", avx512_intrinsics)) && {
-            #[cfg(target_arch = "x86_64")]
-            let found = std::is_x86_feature_detected!("avx512f");
-            #[cfg(not(target_arch = "x86_64"))]
-            let found = false;
-            found
-        }
+        cfg!(all(target_arch = "x86_64", avx512_intrinsics)) && super::super::rows::avx512()
     }
 
     /// A product on strided views: `a` (`m x k`, rows `k + 3` apart), the weight (`n` rows of

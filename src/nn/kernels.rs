@@ -300,6 +300,13 @@ pub(super) fn matmul_threaded(
             }
         }
     };
+    each_run(runs, run);
+}
+
+/// Runs `run(r)` for each `r < runs` over candle's thread pool, a single run on the calling
+/// thread (no hand-off to a worker and back): the column runs of [`matmul_threaded`] and of
+/// `few_rows`' kernel.
+pub(super) fn each_run(runs: usize, run: impl Fn(usize) + Sync + Send) {
     if runs == 1 {
         run(0);
     } else {

@@ -233,7 +233,8 @@ pub(super) fn avx2() -> bool {
     }
 }
 
-/// Whether this CPU runs the kernels' AVX-512 builds (the GELU's): AVX-512F with AVX2 and FMA.
+/// Whether this CPU runs the kernels' AVX-512 builds (the GELU's, `few_rows`'): AVX-512F with
+/// AVX2 and FMA.
 pub(super) fn avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
