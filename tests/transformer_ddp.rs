@@ -193,6 +193,42 @@ fn bf16_and_f16_mixed_precision_track_f32_over_200_steps_under_every_sharding() 
     }
 }
 
+/// Half precision on the CPU in a build without the CPU's conversion instructions: the run
+/// says once which flags to build with (on this CPU; where the build has them or the CPU has
+/// not, it says nothing), and an f32 run never does.
+#[test]
+fn half_precision_in_a_build_that_slows_it_names_the_flags_once() {
+    use candle_parallel::nn::half_build_flags_missing;
+    for (precision, dtype) in [
+        ("bf16", DType::BF16),
+        ("f16", DType::F16),
+        ("f32", DType::F32),
+    ] {
+        let mut cmd = Command::new(common::example("transformer_ddp"));
+        cmd.args(SMALL).args(["--precision", precision]);
+        let out = common::run(cmd, Duration::from_secs(120));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{precision}: {err}");
+        let said: Vec<&str> = err.lines().filter(|l| l.contains("slow path")).collect();
+        match half_build_flags_missing(dtype) {
+            Some(flags) => {
+                assert_eq!(
+                    said.len(),
+                    1,
+                    "{precision}: once, not {}:\n{err}",
+                    said.len()
+                );
+                let wanted = format!("-C target-feature={flags}");
+                assert!(
+                    said[0].contains(&wanted) && said[0].contains(&format!("{dtype:?}")),
+                    "{precision}: the dtype and {wanted} named:\n{err}"
+                );
+            }
+            None => assert!(said.is_empty(), "{precision}: nothing to say here:\n{err}"),
+        }
+    }
+}
+
 #[test]
 fn bf16_compression_trains_to_nearly_the_same_losses() {
     let plain = epochs(&["--nproc", "2", "--batch-size", "16"]);

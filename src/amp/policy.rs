@@ -67,29 +67,12 @@ impl MixedPrecision {
         }
     }
 
-    /// Logs a warning (once per process) where this policy computes in bf16 on a CPU whose
-    /// bf16 tensors are slow in candle (AVX512-BF16: see `docs/CPU_SPEED.md`), naming the
-    /// faster way: f32 parameters, and where the CPU has AMX tiles,
-    /// `nn::set_float32_matmul_precision(MatmulPrecision::Medium)`.
+    /// Logs a warning (once per process and dtype) where this policy computes in bf16 or f16
+    /// on the CPU in a build that leaves candle's element-wise ops in that dtype on their slow
+    /// path, naming the flags to build with ([`crate::nn::half_build_flags_missing`]).
     pub(crate) fn warn_if_slow_on(&self, device: &candle_core::Device) {
-        static WARNED: std::sync::Once = std::sync::Once::new();
-        if self.param_dtype == Some(DType::BF16) && device.is_cpu() && crate::nn::slow_candle_bf16()
-        {
-            WARNED.call_once(|| {
-                let instead = if crate::nn::bf16_tiles_available() {
-                    "keep the model in f32 and call candle_parallel::nn::\
-                     set_float32_matmul_precision(MatmulPrecision::Medium): the linear layers' \
-                     products then round their operands to bf16 on this CPU's AMX tiles"
-                } else {
-                    "keep the model in f32 (this CPU has no AMX tiles, where bf16 products \
-                     would be faster)"
-                };
-                log::warn!(
-                    "mixed precision computes in bf16 on a CPU with AVX512-BF16, where candle \
-                     0.11's bf16 element-wise ops run several times slower than f32 (a bf16 \
-                     transformer step measured 9x slower): {instead}"
-                )
-            });
+        if let Some(dtype) = self.param_dtype.filter(|_| device.is_cpu()) {
+            crate::nn::warn_if_half_is_slow(dtype, "mixed precision");
         }
     }
 

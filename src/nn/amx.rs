@@ -96,21 +96,6 @@ pub fn bf16_tiles_available() -> bool {
     available()
 }
 
-/// Whether candle 0.11's bf16 element-wise CPU ops take their slow path here: on a CPU with
-/// AVX512-BF16 and AVX512-VL (candle's own test), they convert 8 values per call of a function
-/// they cannot inline, and bf16 tensors' adds run several times slower than f32's (a bf16
-/// transformer step 9x slower than f32 measured, see `docs/CPU_SPEED.md`).
-pub(crate) fn slow_candle_bf16() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512vl")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// Whether a product of `m x k` by `k x n` gains from the tiles. Both operands are first
 /// packed (about half a nanosecond per value of a weight, the costly one), and each of the
 /// `m x n` sums leaves the tiles through memory; the tiles then save about 15 ps per

@@ -85,6 +85,9 @@ pub(super) fn ours_in_f32(ts: &[&candle_core::Tensor]) -> Option<candle_core::DT
     let takes = own_cpu_kernels()
         && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
         && ts.iter().all(|t| t.device().is_cpu() && t.dtype() == dtype);
+    if takes && dtype != DType::F32 {
+        super::half_build::warn_if_half_is_slow(dtype, "a layer of candle_parallel::nn");
+    }
     takes.then_some(dtype)
 }
 

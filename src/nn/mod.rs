@@ -76,6 +76,7 @@ mod few_rows;
 #[cfg(feature = "cuda")]
 mod fused_cuda;
 mod gelu;
+mod half_build;
 mod kernels;
 mod layer_norm;
 mod linear;
@@ -86,7 +87,6 @@ mod rows;
 mod simd;
 mod sync_batch_norm;
 
-pub(crate) use amx::slow_candle_bf16;
 pub use amx::{
     bf16_tiles_available, float32_matmul_precision, set_float32_matmul_precision, MatmulPrecision,
 };
@@ -94,6 +94,8 @@ pub use backward::backward;
 pub(crate) use backward::{copy_gradient, GradientHook};
 pub use candle_nn::LayerNormConfig;
 pub use conv::{conv2d, conv2d_forward, Conv2d};
+pub use half_build::half_build_flags_missing;
+pub(crate) use half_build::warn_if_half_is_slow;
 pub use kernels::{own_cpu_kernels, own_cuda_kernels, use_own_cpu_kernels, use_own_cuda_kernels};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use linear::{linear, linear_gelu, linear_relu};
