@@ -26,7 +26,7 @@ pub(super) fn wide(dtype: DType) -> DType {
 
 /// `t` in its [`wide`] dtype (itself for f32 and f64).
 pub(super) fn widen(t: &Tensor) -> Result<Tensor> {
-    t.to_dtype(wide(t.dtype()))
+    super::cast::cast(t, wide(t.dtype()))
 }
 
 /// `y + bias` (broadcast): for f16 and bf16 computed in f32 and rounded once, so that the
@@ -36,7 +36,7 @@ pub(super) fn broadcast_add(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
     if wide(dtype) == dtype {
         return y.broadcast_add(bias);
     }
-    widen(y)?.broadcast_add(&widen(bias)?)?.to_dtype(dtype)
+    super::cast::cast(&widen(y)?.broadcast_add(&widen(bias)?)?, dtype)
 }
 
 /// The sums of the rows of a `(R, M)` tensor, as `(R)`, without a backward: on the CPU each row

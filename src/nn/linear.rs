@@ -49,6 +49,7 @@
 use super::accumulate::{self, empty_output};
 use super::amx;
 use super::backward::{hand_over, through, Held};
+use super::cast::cast;
 use super::conv_kernel::{f32_slice, with_f32};
 use super::few_rows;
 use super::kernels::{for_each_chunk, matmul, matmul_threaded, ours_in_f32, Mat};
@@ -131,7 +132,7 @@ fn fused(
     // A watched copy (DistributedDataParallel's) is read through to its variable.
     let mut uses = Vec::new();
     let mut f32 = |t: &Tensor| -> Result<Tensor> {
-        Ok(through(&t.to_dtype(DType::F32)?.contiguous()?, &mut uses))
+        Ok(through(&cast(&t.contiguous()?, DType::F32)?, &mut uses))
     };
     let b = match b {
         Some(b) => f32(b)?,
@@ -151,8 +152,8 @@ fn fused(
     let mut out_dims = dims.to_vec();
     *out_dims.last_mut().expect("rank >= 2") = o;
     rows.apply_op3(&w, &b, Held::new(op, uses))?
-        .reshape(out_dims)?
-        .to_dtype(dtype)
+        .reshape(out_dims)
+        .and_then(|y| cast(&y, dtype))
 }
 
 /// What the forward keeps for the activation's backward.

@@ -67,6 +67,7 @@ mod accumulate;
 mod amx;
 pub mod attention;
 mod backward;
+mod cast;
 mod conv;
 #[cfg(feature = "cuda")]
 mod conv_cuda;

@@ -39,6 +39,7 @@
 
 use super::accumulate::{empty_output, wide, widen};
 use super::backward::{hand_over, through, Held};
+use super::cast::cast;
 use super::kernels::own_cpu_kernels;
 use super::rows::{self, values, with_float_slices};
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, D};
@@ -100,13 +101,13 @@ pub fn softmax<D: candle_core::shape::Dim>(xs: &Tensor, dim: D) -> Result<Tensor
     if dim + 1 == xs.rank() {
         return softmax_last_dim(xs);
     }
-    candle_nn::ops::softmax(&widen(xs)?, dim)?.to_dtype(xs.dtype())
+    cast(&candle_nn::ops::softmax(&widen(xs)?, dim)?, xs.dtype())
 }
 
 /// Log-softmax over dimension `d`, as `candle_nn::ops::log_softmax`, in f32 for f16 and bf16
 /// (the crate's rule), rounded once.
 pub fn log_softmax<D: candle_core::shape::Dim>(xs: &Tensor, d: D) -> Result<Tensor> {
-    candle_nn::ops::log_softmax(&widen(xs)?, d)?.to_dtype(xs.dtype())
+    cast(&candle_nn::ops::log_softmax(&widen(xs)?, d)?, xs.dtype())
 }
 
 fn norm2(what: &str, xs: &Tensor, alpha: &Tensor, eps: f32, remove_mean: bool) -> Result<Tensor> {
