@@ -205,7 +205,10 @@ fn half_precision_in_a_build_that_slows_it_names_the_flags_once() {
         ("f32", DType::F32),
     ] {
         let mut cmd = Command::new(common::example("transformer_ddp"));
-        cmd.args(SMALL).args(["--precision", precision]);
+        // Warnings shown whatever the caller's RUST_LOG says.
+        cmd.args(SMALL)
+            .args(["--precision", precision])
+            .env("RUST_LOG", "warn");
         let out = common::run(cmd, Duration::from_secs(120));
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{precision}: {err}");

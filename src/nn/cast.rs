@@ -54,9 +54,12 @@ fn convert<A: Copy, B>(src: &[A], f: impl Fn(A) -> B) -> Vec<B> {
     src.iter().map(|&v| f(v)).collect()
 }
 
+/// `v` in f32: bf16 is f32's top half, and a NaN is made quiet (as `half`'s `to_f32`).
 #[inline(always)]
 fn to_f32(v: bf16) -> f32 {
-    f32::from_bits(u32::from(v.to_bits()) << 16)
+    let x = u32::from(v.to_bits()) << 16;
+    let nan = v.to_bits() & 0x7fff > 0x7f80;
+    f32::from_bits(if nan { x | 0x0040_0000 } else { x })
 }
 
 /// Round to nearest, ties to even, on the bits (`half`'s rule, without its branches): adding
@@ -124,6 +127,47 @@ mod tests {
             Ok(t.to_vec1::<f32>()?.iter().map(|f| f.to_bits()).collect())
         };
         assert_eq!(f32_bits(&back)?, f32_bits(&candles_back)?);
+        Ok(())
+    }
+
+    #[test]
+    fn every_bf16_and_every_rounding_case_of_f32_give_halfs_bits() {
+        // bf16 to f32: all 65,536 values, signalling NaNs included.
+        for b in 0..=u16::MAX {
+            let v = bf16::from_bits(b);
+            assert_eq!(to_f32(v).to_bits(), v.to_f32().to_bits(), "bf16 {b:#06x}");
+        }
+        // f32 to bf16: every top half (sign, exponent, kept bits) with the dropped halves that
+        // decide the rounding: zero, just above zero, just below a tie, a tie, just above it,
+        // the largest.
+        for high in 0..=u32::from(u16::MAX) {
+            for low in [0, 1, 0x7fff, 0x8000, 0x8001, 0xffff] {
+                let x = f32::from_bits(high << 16 | low);
+                assert_eq!(
+                    to_bf16(x).to_bits(),
+                    bf16::from_f32(x).to_bits(),
+                    "f32 {:#010x}",
+                    x.to_bits()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn views_with_an_offset_and_empty_tensors_cast_as_candles() -> Result<()> {
+        let x = Tensor::arange(0f32, 24.0, &Device::Cpu)?.reshape((4, 3, 2))?;
+        // Rows 1..3: contiguous, starting 6 values in.
+        let rows = x.narrow(0, 1, 2)?;
+        assert!(rows.is_contiguous());
+        let ours = cast(&rows, DType::BF16)?;
+        assert_eq!(ours.dims(), [2, 3, 2]);
+        assert_eq!(
+            ours.to_dtype(DType::F32)?.to_vec3::<f32>()?,
+            rows.to_vec3::<f32>()?
+        );
+        let empty = Tensor::zeros((0, 5), DType::BF16, &Device::Cpu)?;
+        let wide = cast(&empty, DType::F32)?;
+        assert_eq!((wide.dims(), wide.dtype()), ([0, 5].as_slice(), DType::F32));
         Ok(())
     }
 
