@@ -130,10 +130,13 @@ pub(super) fn available() -> bool {
     })
 }
 
-/// `x` rounded to bf16, to nearest even (NaN stays NaN), as its 16 bits.
+/// `x` rounded to bf16, to nearest even (a NaN made quiet), as its 16 bits: `half`'s
+/// `bf16::from_f32`, bit for bit (`cast`'s tests try every rounding case).
 #[inline(always)]
 pub(super) fn bf16_bits(x: f32) -> u16 {
-    // Branch-free, for the packing loops to vectorise.
+    // Branch-free, for the packing loops to vectorise: adding 0x7fff and the kept part's
+    // lowest bit carries into it exactly when the dropped half is above one half, or one half
+    // with an odd kept part.
     let bits = x.to_bits();
     let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
     let quiet = ((bits >> 16) | 0x40) as u16;

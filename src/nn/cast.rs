@@ -62,16 +62,11 @@ fn to_f32(v: bf16) -> f32 {
     f32::from_bits(if nan { x | 0x0040_0000 } else { x })
 }
 
-/// Round to nearest, ties to even, on the bits (`half`'s rule, without its branches): adding
-/// `0x7fff` and the kept part's lowest bit carries into it exactly when the dropped half is
-/// above one half, or one half with an odd kept part. A NaN keeps its top bits and is made
-/// quiet.
+/// `v` rounded to bf16 as the tiles' packing rounds it ([`super::amx::bf16_bits`]: to nearest,
+/// ties to even, on the bits; a NaN keeps its top bits and is made quiet).
 #[inline(always)]
 fn to_bf16(v: f32) -> bf16 {
-    let x = v.to_bits();
-    let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
-    let nan = ((x >> 16) | 0x0040) as u16;
-    bf16::from_bits(if v.is_nan() { nan } else { rounded })
+    bf16::from_bits(super::amx::bf16_bits(v))
 }
 
 #[cfg(test)]
