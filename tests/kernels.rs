@@ -566,20 +566,8 @@ fn unfused_net(varmap: &candle_nn::VarMap, x: &Tensor) -> candle_core::Result<Te
 fn the_net_trains_as_with_the_unfused_blocks() {
     let _serial = kernels_lock();
     use candle_core::Module;
-    use candle_nn::{loss, Optimizer, VarMap};
-    use candle_parallel::optim::{Sgd, SgdConfig};
-    let seeded = || {
-        let varmap = VarMap::new();
-        let vb = candle_parallel::init::seeded_var_builder(&varmap, 0, DType::F32, &Device::Cpu);
-        let net = candle_parallel::cifar::Net::new(vb).unwrap();
-        let config = SgdConfig {
-            lr: 0.01,
-            momentum: 0.9,
-            ..Default::default()
-        };
-        let opt = Sgd::new(varmap.all_vars(), config).unwrap();
-        (varmap, net, opt)
-    };
+    use candle_nn::{loss, Optimizer};
+    let seeded = || seeded_with_sgd(0, 0.01, |vb| candle_parallel::cifar::Net::new(vb).unwrap());
     let (fused_vars, net, mut fused_opt) = seeded();
     let (plain_vars, _, mut plain_opt) = seeded();
     let labels: Vec<u32> = (0..12).map(|i| i % 10).collect();
@@ -597,6 +585,31 @@ fn the_net_trains_as_with_the_unfused_blocks() {
         plain_opt.backward_step(&plain).unwrap();
     }
     assert_same_variables(&fused_vars, &plain_vars, 1e-6, "4 steps");
+}
+
+/// A model `build` makes from a VarMap seeded with `seed`, the VarMap, and SGD with momentum 0.9
+/// at `lr` over its variables: the two sides of a training comparison, built alike.
+fn seeded_with_sgd<M>(
+    seed: u64,
+    lr: f64,
+    build: impl FnOnce(candle_nn::VarBuilder) -> M,
+) -> (candle_nn::VarMap, M, candle_parallel::optim::Sgd) {
+    use candle_nn::Optimizer;
+    use candle_parallel::optim::{Sgd, SgdConfig};
+    let varmap = candle_nn::VarMap::new();
+    let model = build(candle_parallel::init::seeded_var_builder(
+        &varmap,
+        seed,
+        DType::F32,
+        &Device::Cpu,
+    ));
+    let config = SgdConfig {
+        lr,
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let opt = Sgd::new(varmap.all_vars(), config).unwrap();
+    (varmap, model, opt)
 }
 
 /// Asserts that every variable of `ours` is within `tol` of `theirs`'s of the same name,
@@ -622,22 +635,16 @@ fn assert_same_variables(
 fn a_few_row_mlp_trains_as_through_candle_nn_for_20_steps() {
     let _serial = kernels_lock();
     use candle_core::Module;
-    use candle_nn::{loss, Linear, Optimizer, VarMap};
-    use candle_parallel::optim::{Sgd, SgdConfig};
+    use candle_nn::{loss, Linear, Optimizer};
     let widths = [64, 300, 200, 10];
     let seeded = || {
-        let varmap = VarMap::new();
-        let vb = candle_parallel::init::seeded_var_builder(&varmap, 7, DType::F32, &Device::Cpu);
-        let layers: Vec<Linear> = (0..3)
-            .map(|i| candle_nn::linear(widths[i], widths[i + 1], vb.pp(format!("fc{i}"))).unwrap())
-            .collect();
-        let config = SgdConfig {
-            lr: 0.05,
-            momentum: 0.9,
-            ..Default::default()
-        };
-        let opt = Sgd::new(varmap.all_vars(), config).unwrap();
-        (varmap, layers, opt)
+        seeded_with_sgd(7, 0.05, |vb| {
+            (0..3)
+                .map(|i| {
+                    candle_nn::linear(widths[i], widths[i + 1], vb.pp(format!("fc{i}"))).unwrap()
+                })
+                .collect::<Vec<Linear>>()
+        })
     };
     let (ours_vars, ours, mut ours_opt) = seeded();
     let (theirs_vars, theirs, mut theirs_opt) = seeded();
