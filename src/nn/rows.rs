@@ -14,12 +14,12 @@
 use candle_core::{CpuStorage, Layout, Result, WithDType};
 use num_traits::{Float, NumCast, Zero};
 use rayon::prelude::*;
-use std::ops::AddAssign;
+use std::ops::{AddAssign, Range};
 
 /// An element type of the fused layers, with the type its sums are computed in.
 pub(super) trait Elem: WithDType + Float {
     /// f32 for f32, f16 and bf16; f64 for f64.
-    type Acc: Float + AddAssign + Send + Sync;
+    type Acc: Float + AddAssign + Default + Send + Sync;
     fn up(self) -> Self::Acc;
     fn down(a: Self::Acc) -> Self;
     /// `a` in the accumulation type.
@@ -69,49 +69,131 @@ const LANES: usize = 8;
 /// The most values one set of partial sums takes: longer rows are halved, pairwise.
 const BLOCK: usize = 32 * LANES;
 
+/// A sum over a row taken block by block (see [`pairwise`]).
+trait Blocks {
+    /// What a block sums to: one sum, or several side by side.
+    type Total: Copy + Default;
+    /// The total of the values in `range` (at most [`BLOCK`] of them).
+    fn block(&mut self, range: Range<usize>) -> Self::Total;
+    /// Two totals added.
+    fn add(a: Self::Total, b: Self::Total) -> Self::Total;
+}
+
+/// The total of `len` values taken in blocks of at most [`BLOCK`], the blocks' totals added
+/// pairwise: the first half of the blocks (rounded up) before the second, down to single
+/// blocks.
+///
+/// A loop over a trait's `#[inline(always)]` method, not a recursion over the values nor a
+/// closure, so that the blocks' loops inline into the callers' AVX2 builds (a recursive
+/// function, or a closure the compiler declines to inline, is compiled once, for the baseline).
+#[inline(always)]
+fn pairwise<B: Blocks>(len: usize, sums: &mut B) -> B::Total {
+    if len <= BLOCK {
+        return sums.block(0..len);
+    }
+    // Rows of up to 64 blocks keep their totals on the stack.
+    const ON_STACK: usize = 64;
+    let blocks = len.div_ceil(BLOCK);
+    let (mut stack, mut heap) = ([B::Total::default(); ON_STACK], Vec::new());
+    let totals = if blocks <= ON_STACK {
+        &mut stack[..blocks]
+    } else {
+        heap.resize(blocks, B::Total::default());
+        &mut heap[..]
+    };
+    for (b, total) in totals.iter_mut().enumerate() {
+        *total = sums.block(b * BLOCK..len.min((b + 1) * BLOCK));
+    }
+    tree(totals, B::add)
+}
+
+/// `totals` added pairwise: the first half (rounded up) and the second, each in turn so.
+fn tree<S: Copy>(totals: &[S], add: fn(S, S) -> S) -> S {
+    match totals {
+        [one] => *one,
+        _ => {
+            let (a, b) = totals.split_at(totals.len().div_ceil(2));
+            add(tree(a, add), tree(b, add))
+        }
+    }
+}
+
 /// `Σ f(v)` over `values`: [`LANES`] partial sums over each block of at most [`BLOCK`] values,
 /// the blocks' totals added pairwise. Each partial sum adds at most `BLOCK / LANES` terms, so
 /// the error stays near that of a pairwise sum, at the speed of a vectorised loop.
 #[inline(always)]
-pub(super) fn lane_sum<V: Copy, A: Float + AddAssign>(
+pub(super) fn lane_sum<V: Copy, A: Float + AddAssign + Default>(
     values: &[V],
     f: impl Fn(V) -> A + Copy,
 ) -> A {
-    if values.len() > BLOCK {
-        let half = values.len().div_ceil(2 * BLOCK) * BLOCK;
-        return lane_sum(&values[..half], f) + lane_sum(&values[half..], f);
-    }
-    let mut lanes = [A::zero(); LANES];
-    let mut whole = values.chunks_exact(LANES);
-    for chunk in &mut whole {
-        for (l, &v) in lanes.iter_mut().zip(chunk) {
-            *l += f(v);
+    pairwise(values.len(), &mut LaneSum { values, f })
+}
+
+/// The blocks of [`lane_sum`].
+struct LaneSum<'a, V, F> {
+    values: &'a [V],
+    f: F,
+}
+
+impl<V: Copy, A: Float + AddAssign + Default, F: Fn(V) -> A> Blocks for LaneSum<'_, V, F> {
+    type Total = A;
+
+    #[inline(always)]
+    fn block(&mut self, range: Range<usize>) -> A {
+        let mut lanes = [A::zero(); LANES];
+        let mut whole = self.values[range].chunks_exact(LANES);
+        for chunk in &mut whole {
+            for (l, &v) in lanes.iter_mut().zip(chunk) {
+                *l += (self.f)(v);
+            }
         }
+        for (l, &v) in lanes.iter_mut().zip(whole.remainder()) {
+            *l += (self.f)(v);
+        }
+        fold_lanes(lanes)
     }
-    for (l, &v) in lanes.iter_mut().zip(whole.remainder()) {
-        *l += f(v);
+
+    #[inline(always)]
+    fn add(a: A, b: A) -> A {
+        a + b
     }
-    fold_lanes(lanes)
 }
 
 /// `Σ a·b` over two rows, in the accumulation type, as [`lane_sum`] adds.
 #[inline(always)]
 fn lane_dot<T: Elem>(a: &[T], b: &[T]) -> T::Acc {
-    if a.len() > BLOCK {
-        let half = a.len().div_ceil(2 * BLOCK) * BLOCK;
-        return lane_dot(&a[..half], &b[..half]) + lane_dot(&a[half..], &b[half..]);
-    }
-    let mut lanes = [T::Acc::zero(); LANES];
-    let (mut wa, mut wb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    for (ca, cb) in (&mut wa).zip(&mut wb) {
-        for ((l, &x), &y) in lanes.iter_mut().zip(ca).zip(cb) {
+    pairwise(a.len(), &mut LaneDot { a, b })
+}
+
+/// The blocks of [`lane_dot`].
+struct LaneDot<'a, T> {
+    a: &'a [T],
+    b: &'a [T],
+}
+
+impl<T: Elem> Blocks for LaneDot<'_, T> {
+    type Total = T::Acc;
+
+    #[inline(always)]
+    fn block(&mut self, range: Range<usize>) -> T::Acc {
+        let mut lanes = [T::Acc::zero(); LANES];
+        let (a, b) = (&self.a[range.clone()], &self.b[range]);
+        let (mut wa, mut wb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+        for (ca, cb) in (&mut wa).zip(&mut wb) {
+            for ((l, &x), &y) in lanes.iter_mut().zip(ca).zip(cb) {
+                *l += x.up() * y.up();
+            }
+        }
+        for ((l, &x), &y) in lanes.iter_mut().zip(wa.remainder()).zip(wb.remainder()) {
             *l += x.up() * y.up();
         }
+        fold_lanes(lanes)
     }
-    for ((l, &x), &y) in lanes.iter_mut().zip(wa.remainder()).zip(wb.remainder()) {
-        *l += x.up() * y.up();
+
+    #[inline(always)]
+    fn add(a: T::Acc, b: T::Acc) -> T::Acc {
+        a + b
     }
-    fold_lanes(lanes)
 }
 
 /// The sum of the partial sums, pairwise.
@@ -167,31 +249,43 @@ fn stats<T: Elem>(row: &[T], eps: T::Acc, remove_mean: bool) -> Stats<T::Acc> {
 /// `(Σd, Σd²)` for `d = x - shift` over `row`, in lanes and pairwise as [`lane_sum`] adds.
 #[inline(always)]
 fn deviation_sums<T: Elem>(row: &[T], shift: T::Acc) -> (T::Acc, T::Acc) {
-    if row.len() > BLOCK {
-        let half = row.len().div_ceil(2 * BLOCK) * BLOCK;
-        let (a, b) = (
-            deviation_sums(&row[..half], shift),
-            deviation_sums(&row[half..], shift),
-        );
-        return (a.0 + b.0, a.1 + b.1);
-    }
-    let zero = T::Acc::zero();
-    let (mut s, mut s2) = ([zero; LANES], [zero; LANES]);
-    let mut add = |j: usize, v: T| {
-        let d = v.up() - shift;
-        s[j] += d;
-        s2[j] += d * d;
-    };
-    let mut whole = row.chunks_exact(LANES);
-    for chunk in &mut whole {
-        for (j, &v) in chunk.iter().enumerate() {
+    pairwise(row.len(), &mut Deviations { row, shift })
+}
+
+/// The blocks of [`deviation_sums`].
+struct Deviations<'a, T: Elem> {
+    row: &'a [T],
+    shift: T::Acc,
+}
+
+impl<T: Elem> Blocks for Deviations<'_, T> {
+    type Total = (T::Acc, T::Acc);
+
+    #[inline(always)]
+    fn block(&mut self, range: Range<usize>) -> Self::Total {
+        let zero = T::Acc::zero();
+        let (mut s, mut s2) = ([zero; LANES], [zero; LANES]);
+        let mut add = |j: usize, v: T| {
+            let d = v.up() - self.shift;
+            s[j] += d;
+            s2[j] += d * d;
+        };
+        let mut whole = self.row[range].chunks_exact(LANES);
+        for chunk in &mut whole {
+            for (j, &v) in chunk.iter().enumerate() {
+                add(j, v);
+            }
+        }
+        for (j, &v) in whole.remainder().iter().enumerate() {
             add(j, v);
         }
+        (fold_lanes(s), fold_lanes(s2))
     }
-    for (j, &v) in whole.remainder().iter().enumerate() {
-        add(j, v);
+
+    #[inline(always)]
+    fn add(a: Self::Total, b: Self::Total) -> Self::Total {
+        (a.0 + b.0, a.1 + b.1)
     }
-    (fold_lanes(s), fold_lanes(s2))
 }
 
 /// Layer normalisation (`remove_mean`) or RMS normalisation of each row of `n` values, scaled
@@ -366,16 +460,19 @@ impl<T: Elem> NormRows<'_, T> {
         let alpha = self.alpha;
         for ((row, gr), dr) in xs.chunks(n).zip(gs.chunks(n)).zip(dxs.chunks_mut(n)) {
             let s = stats(row, self.eps, self.remove_mean);
-            let (mut sum_gy, mut sum_gy_xhat) = (T::Acc::zero(), T::Acc::zero());
-            for j in 0..n {
-                let xhat = s.xhat(row[j].up());
-                let gj = gr[j].up();
-                let gy = gj * alpha[j].up();
-                sum_gy += gy;
-                sum_gy_xhat += gy * xhat;
-                da[j] += gj * xhat;
-                db[j] += gj;
-            }
+            // Σ gy and Σ gy·x̂ in lanes and pairwise, as `lane_sum` adds; the parameters'
+            // gradients gather in the same pass.
+            let (sum_gy, sum_gy_xhat) = pairwise(
+                n,
+                &mut NormGradSums {
+                    s,
+                    row,
+                    g: gr,
+                    alpha,
+                    da: &mut *da,
+                    db: &mut *db,
+                },
+            );
             let c1 = sum_gy_xhat / n_acc;
             let c2 = if self.remove_mean {
                 sum_gy / n_acc
@@ -405,6 +502,66 @@ impl<T: Elem> NormRows<'_, T> {
         db: &mut [T::Acc],
     ) {
         self.backward(xs, gs, dxs, da, db)
+    }
+}
+
+/// The blocks of a row's `(Σ gy, Σ gy·x̂)` in [`NormRows::backward`], with `gy = g·alpha`,
+/// adding the row's parts of the parameters' gradients (`g·x̂` and `g`) to `da` and `db` in
+/// the same pass.
+struct NormGradSums<'a, T: Elem> {
+    s: Stats<T::Acc>,
+    row: &'a [T],
+    g: &'a [T],
+    alpha: &'a [T],
+    da: &'a mut [T::Acc],
+    db: &'a mut [T::Acc],
+}
+
+impl<T: Elem> Blocks for NormGradSums<'_, T> {
+    type Total = (T::Acc, T::Acc);
+
+    #[inline(always)]
+    fn block(&mut self, range: Range<usize>) -> Self::Total {
+        let zero = T::Acc::zero();
+        let (mut s1, mut s2) = ([zero; LANES], [zero; LANES]);
+        let s = self.s;
+        let mut step = |l: usize, x: T, g: T, a: T, da: &mut T::Acc, db: &mut T::Acc| {
+            let xhat = s.xhat(x.up());
+            let gj = g.up();
+            let gy = gj * a.up();
+            s1[l] += gy;
+            s2[l] += gy * xhat;
+            *da += gj * xhat;
+            *db += gj;
+        };
+        let (mut x, mut g, mut a) = (
+            self.row[range.clone()].chunks_exact(LANES),
+            self.g[range.clone()].chunks_exact(LANES),
+            self.alpha[range.clone()].chunks_exact(LANES),
+        );
+        let mut da = self.da[range.clone()].chunks_exact_mut(LANES);
+        let mut db = self.db[range].chunks_exact_mut(LANES);
+        for ((((x, g), a), da), db) in (&mut x).zip(&mut g).zip(&mut a).zip(&mut da).zip(&mut db) {
+            // As arrays, so that the compiler sees whole vectors.
+            let lanes = |v: &[T]| -> [T; LANES] { v.try_into().expect("a chunk of LANES") };
+            let (x, g, a) = (lanes(x), lanes(g), lanes(a));
+            let da: &mut [T::Acc; LANES] = da.try_into().expect("a chunk of LANES");
+            let db: &mut [T::Acc; LANES] = db.try_into().expect("a chunk of LANES");
+            for l in 0..LANES {
+                step(l, x[l], g[l], a[l], &mut da[l], &mut db[l]);
+            }
+        }
+        let rest = x.remainder().iter().zip(g.remainder()).zip(a.remainder());
+        let rest_d = da.into_remainder().iter_mut().zip(db.into_remainder());
+        for (l, (((&x, &g), &a), (da, db))) in rest.zip(rest_d).enumerate() {
+            step(l, x, g, a, da, db);
+        }
+        (fold_lanes(s1), fold_lanes(s2))
+    }
+
+    #[inline(always)]
+    fn add(a: Self::Total, b: Self::Total) -> Self::Total {
+        (a.0 + b.0, a.1 + b.1)
     }
 }
 
