@@ -782,8 +782,8 @@ fn ref_attention(qkv: &Tensor, heads: usize) -> Result<Tensor> {
         .reshape((b, t, dim))
 }
 
-/// `nn::attention::causal_attention` (our kernel in f32 on the CPU, the composed ops in the
-/// other dtypes) against the elementary ops: sequences of one position, of 70 and 130 (two
+/// `nn::attention::causal_attention` (our kernel on the CPU, in f32 for f16 and bf16; the
+/// composed ops in f64) against the elementary ops: sequences of one position, of 70 and 130 (two
 /// and three blocks of query rows), one to four heads, head sizes 1 to 12, and `qkv` given as a
 /// non-contiguous view.
 #[test]
@@ -812,6 +812,46 @@ fn causal_attention_values_and_gradients_match_the_elementary_ops() -> Result<()
             &|t: &[Tensor]| causal_attention(&t[0], heads),
             &|t: &[Tensor]| ref_attention(&t[0], heads),
         )?;
+    }
+    Ok(())
+}
+
+/// f16 and bf16 attention runs the f32 kernel on the widened values: its output, and the
+/// gradient of `qkv`, are the f32 kernel's on the same values rounded once to the dtype, bit
+/// for bit.
+#[test]
+fn half_causal_attention_is_the_f32_kernel_rounded_once() -> Result<()> {
+    use candle_parallel::nn::attention::causal_attention;
+    for dtype in [DType::BF16, DType::F16] {
+        for (b, t, heads, hd) in [(2, 70, 2, 8), (1, 5, 3, 4)] {
+            let qkv = randn(&[b, t, 3 * heads * hd], 0.0)?.to_dtype(dtype)?;
+            let g = randn(&[b, t, heads * hd], 0.0)?.to_dtype(dtype)?;
+            let run = |x: &Tensor, g: &Tensor| -> Result<(Tensor, Tensor)> {
+                let x = Var::from_tensor(x)?;
+                let y = causal_attention(x.as_tensor(), heads)?;
+                let grads = (&y * g)?.sum_all()?.backward()?;
+                Ok((y, grads.get(&x).expect("a gradient").clone()))
+            };
+            let (y, dx) = run(&qkv, &g)?;
+            let wide = |t: &Tensor| t.to_dtype(DType::F32);
+            let (y32, dx32) = run(&wide(&qkv)?, &wide(&g)?)?;
+            let case = format!("{dtype:?} ({b}, {t}), {heads} heads");
+            assert_eq!(y.dtype(), dtype, "{case}: the output's dtype");
+            assert_eq!(dx.dtype(), dtype, "{case}: the gradient's dtype");
+            for (what, ours, expected) in [("output", &y, &y32), ("gradient", &dx, &dx32)] {
+                let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                    t.to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()
+                        .map(|v| v.into_iter().map(f32::to_bits).collect())
+                };
+                assert_eq!(
+                    bits(ours)?,
+                    bits(&expected.to_dtype(dtype)?)?,
+                    "{case}: the {what} is not the f32 kernel's rounded once"
+                );
+            }
+        }
     }
     Ok(())
 }

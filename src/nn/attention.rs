@@ -9,8 +9,10 @@
 //! and works through blocks of [`ROWS`] query rows: their scores against the keys they may see
 //! (never more of the score matrix than a block's), the softmax, the product with the values.
 //! The forward keeps each row's log-sum-exp; the backward recomputes a block's probabilities
-//! from it and writes the three gradients into one `qkv`-shaped tensor. Other dtypes and devices
-//! run the composed ops, which the kernel must equal (`tests/layers.rs`).
+//! from it and writes the three gradients into one `qkv`-shaped tensor. f16 and bf16 tensors on
+//! the CPU go through the same kernel in f32 (widened once, the output and the input's gradient
+//! rounded once); other dtypes and devices run the composed ops, which the kernel must equal
+//! (`tests/layers.rs`).
 //!
 //! ```rust
 //! use candle_core::{Device, Tensor};
@@ -27,10 +29,11 @@
 //! # Ok(()) }
 //! ```
 
-use super::kernels::{matmul, ours, Mat};
+use super::cast::cast;
+use super::kernels::{matmul, ours_in_f32, Mat};
 use super::ops::softmax_last_dim;
 use crate::util::sync::lock;
-use candle_core::{CpuStorage, Device, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
@@ -53,8 +56,14 @@ pub fn causal_attention(qkv: &Tensor, heads: usize) -> Result<Tensor> {
         )
     }
     let dim = width / 3;
-    if !ours(&[qkv]) || b * t * dim == 0 {
-        return composed(qkv, heads);
+    match ours_in_f32(&[qkv]) {
+        Some(DType::F32) if b * t * dim != 0 => {}
+        // f16 and bf16 through the f32 kernel, each value widened once and each output (and
+        // each input gradient) rounded once, as torch's CPU attention computes half types.
+        Some(half) if b * t * dim != 0 => {
+            return cast(&causal_attention(&cast(qkv, DType::F32)?, heads)?, half)
+        }
+        _ => return composed(qkv, heads),
     }
     let op = CausalAttention {
         batch: b,
