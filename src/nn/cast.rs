@@ -56,7 +56,7 @@ fn convert<A: Copy, B>(src: &[A], f: impl Fn(A) -> B) -> Vec<B> {
 
 /// `v` in f32: bf16 is f32's top half, and a NaN is made quiet (as `half`'s `to_f32`).
 #[inline(always)]
-fn to_f32(v: bf16) -> f32 {
+pub(super) fn to_f32(v: bf16) -> f32 {
     let x = u32::from(v.to_bits()) << 16;
     let nan = v.to_bits() & 0x7fff > 0x7f80;
     f32::from_bits(if nan { x | 0x0040_0000 } else { x })
@@ -65,7 +65,7 @@ fn to_f32(v: bf16) -> f32 {
 /// `v` rounded to bf16 as the tiles' packing rounds it ([`super::amx::bf16_bits`]: to nearest,
 /// ties to even, on the bits; a NaN keeps its top bits and is made quiet).
 #[inline(always)]
-fn to_bf16(v: f32) -> bf16 {
+pub(super) fn to_bf16(v: f32) -> bf16 {
     bf16::from_bits(super::amx::bf16_bits(v))
 }
 
