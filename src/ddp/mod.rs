@@ -392,7 +392,9 @@ impl<M> DistributedDataParallel<M> {
     /// Copies each parameter's current value into the model's copy of it.
     fn refresh_copies(&self) -> Result<()> {
         for e in &self.params {
-            let value = e.var.as_tensor().flatten_all()?.to_dtype(e.held.dtype())?;
+            // The crate's cast: vectorized (and over the threads for large tensors) where
+            // candle's converts a value per call.
+            let value = nn::cast(&e.var.as_tensor().detach().flatten_all()?, e.held.dtype())?;
             e.held.flatten_all()?.slice_set(&value, 0, 0)?;
         }
         Ok(())

@@ -368,7 +368,7 @@ impl State {
             });
         }
         // Under mixed precision, averaged in the reduce dtype.
-        let grad = &grad.to_dtype(self.setup.params[index].grad_dtype)?;
+        let grad = &crate::nn::cast(grad, self.setup.params[index].grad_dtype)?;
         let grad = match self.accumulated[index].take() {
             Some(sum) => (sum + grad)?,
             None => grad.clone(),
@@ -513,7 +513,7 @@ impl State {
                 None => &self.setup.params[i].var,
             };
             if let Some(g) = g.filter(|_| used_anywhere[i]) {
-                grads.insert(var.as_tensor(), scaled(g.to_dtype(var.dtype())?)?);
+                grads.insert(var.as_tensor(), scaled(crate::nn::cast(&g, var.dtype())?)?);
                 handed_out = true;
             }
         }

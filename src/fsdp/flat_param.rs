@@ -266,7 +266,7 @@ impl FlatParam {
     /// This rank's shard: its pieces laid end to end, in the dtype the unit computes in.
     fn shard(&self) -> Result<Tensor> {
         let pieces: Vec<Tensor> = self.pieces.iter().map(|p| p.as_tensor().clone()).collect();
-        Ok(Tensor::cat(&pieces, 0)?.to_dtype(self.compute)?)
+        Ok(crate::nn::cast(&Tensor::cat(&pieces, 0)?, self.compute)?)
     }
 
     /// Issues the all-gather of every rank's shard, tagged with this unit's number.
@@ -370,7 +370,7 @@ impl FlatParam {
             .into_iter()
             .zip(&self.shapes)
             .map(|(g, shape)| match g {
-                Some(g) => g.to_dtype(dtype),
+                Some(g) => crate::nn::cast(&g, dtype),
                 None => Tensor::zeros(shape.as_slice(), dtype, &self.shared.device),
             })
             .collect::<candle_core::Result<_>>()?;

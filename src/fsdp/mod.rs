@@ -466,7 +466,7 @@ impl<M> FullyShardedDataParallel<M> {
             {
                 match used {
                     true => {
-                        grads.insert(piece.as_tensor(), g.to_dtype(piece.dtype())?);
+                        grads.insert(piece.as_tensor(), crate::nn::cast(&g, piece.dtype())?);
                     }
                     false => without.push(name.clone()),
                 }

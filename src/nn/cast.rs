@@ -12,7 +12,7 @@ use half::bf16;
 /// `t` in `dtype`, as `t.to_dtype(dtype)` and with its backward: `t` itself where it is in
 /// `dtype` already; between contiguous f32 and bf16 on the CPU by this module's loops;
 /// elsewhere candle's.
-pub(super) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
+pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     let (from, on_cpu) = (t.dtype(), t.device().is_cpu());
     match (from, dtype) {
         _ if from == dtype => Ok(t.clone()),

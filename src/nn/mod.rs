@@ -94,6 +94,7 @@ pub use amx::{
 pub use backward::backward;
 pub(crate) use backward::{copy_gradient, GradientHook};
 pub use candle_nn::LayerNormConfig;
+pub(crate) use cast::cast;
 pub use conv::{conv2d, conv2d_forward, Conv2d};
 pub use half_build::half_build_flags_missing;
 pub(crate) use half_build::warn_if_half_is_slow;
