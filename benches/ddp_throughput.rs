@@ -27,6 +27,10 @@
 //!
 //! With `--in-pool` every job runs as `transformer_ddp` does: on a worker of rayon's pool, with
 //! candle's elementwise ops on the calling thread (`candle_parallel::threads`).
+//! With `--precision bf16` every job is DDP with `MixedPrecision::bf16()` (bf16 compute, f32
+//! weights and optimizer): on 1 process with 1 and 2 threads, then on each `--procs` count
+//! (`scripts/torch_ddp_bench.py --precision bf16` runs PyTorch's under `torch.autocast`). Build
+//! it with the CPU's bf16 features (`docs/CPU_SPEED.md`) where it has them.
 //! With `--cuda` (and the `cuda,nccl` features) the jobs compute on GPU 0 and DDP runs on NCCL:
 //! only the one-process rows, as one GPU holds one NCCL rank. `scripts/torch_ddp_bench.py`
 //! measures PyTorch on the same models and setups. With `--plot FILE.svg`, also draws each
@@ -42,6 +46,7 @@ mod transformer;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{loss, ModuleT, Optimizer, VarBuilder, VarMap};
+use candle_parallel::amp::MixedPrecision;
 use candle_parallel::cifar::{Net, NetBn};
 use candle_parallel::ddp::DdpConfig;
 use candle_parallel::distributed::{ProcessGroup, ReduceOp};
@@ -199,6 +204,8 @@ struct Job {
     bucket_mb: f64,
     /// DDP with `sync_batch_norm`.
     sync_bn: bool,
+    /// DDP with `MixedPrecision::bf16()` (`--precision bf16`).
+    bf16: bool,
     steps: usize,
     warmup: usize,
 }
@@ -206,12 +213,13 @@ struct Job {
 impl Job {
     fn encode(&self) -> String {
         format!(
-            "{} {} {} {} {} {} {}",
+            "{} {} {} {} {} {} {} {}",
             self.model.name(),
             self.kind.name(),
             self.batch,
             self.bucket_mb,
             self.sync_bn,
+            self.bf16,
             self.steps,
             self.warmup
         )
@@ -219,15 +227,16 @@ impl Job {
 
     fn decode(s: &str) -> Result<Self> {
         let f: Vec<&str> = s.split(' ').collect();
-        anyhow::ensure!(f.len() == 7, "bad job {s:?}");
+        anyhow::ensure!(f.len() == 8, "bad job {s:?}");
         Ok(Self {
             model: Model::parse(f[0])?,
             kind: Kind::parse(f[1])?,
             batch: f[2].parse()?,
             bucket_mb: f[3].parse()?,
             sync_bn: f[4].parse()?,
-            steps: f[5].parse()?,
-            warmup: f[6].parse()?,
+            bf16: f[5].parse()?,
+            steps: f[6].parse()?,
+            warmup: f[7].parse()?,
         })
     }
 }
@@ -363,6 +372,10 @@ fn ddp<M: ModuleT>(job: &Job, build: fn(VarBuilder) -> candle_core::Result<M>) -
     let config = DdpConfig {
         bucket_cap_mb: job.bucket_mb,
         sync_batch_norm: job.sync_bn,
+        mixed_precision: match job.bf16 {
+            true => MixedPrecision::bf16(),
+            false => MixedPrecision::default(),
+        },
         ..DdpConfig::default()
     };
     let model = DistributedDataParallel::with_config(&varmap, &pg, &device, config, build)?;
@@ -506,6 +519,9 @@ struct Options {
     /// Whether the jobs run as `transformer_ddp` does: on a worker of rayon's pool, candle's
     /// elementwise ops on the calling thread (`candle_parallel::threads`).
     in_pool: bool,
+    /// `--precision bf16`: every job is DDP with bf16 compute (f32 weights and optimizer), the
+    /// one-process rows too; no plain rows (mixed precision lives in the wrappers).
+    bf16: bool,
     /// Where to draw the scaling chart.
     plot: Option<PathBuf>,
 }
@@ -519,6 +535,7 @@ fn parse() -> Result<Options> {
         repeat: 3,
         cuda: false,
         in_pool: false,
+        bf16: false,
         plot: None,
     };
     let mut args = std::env::args().skip(1);
@@ -541,6 +558,13 @@ fn parse() -> Result<Options> {
             "--repeat" => o.repeat = value("--repeat")?.parse()?,
             "--cuda" => o.cuda = true,
             "--in-pool" => o.in_pool = true,
+            "--precision" => {
+                o.bf16 = match value("--precision")?.as_str() {
+                    "bf16" => true,
+                    "f32" => false,
+                    other => bail!("--precision is f32 or bf16, got {other:?}"),
+                }
+            }
             "--plot" => {
                 let path = value("--plot")?;
                 plot::check_path(path.as_ref())?;
@@ -596,6 +620,7 @@ fn main() -> Result<()> {
             batch,
             bucket_mb,
             sync_bn: false,
+            bf16: o.bf16,
             steps,
             warmup,
         };
@@ -606,9 +631,10 @@ fn main() -> Result<()> {
             Model::Tf => "25.2 M",
         };
         println!(
-            "\n{} ({params} parameters), global batch {global}, f32, {}; images/s are the \
+            "\n{} ({params} parameters), global batch {global}, {}, {}; images/s are the \
              median of {} runs",
             model.name(),
+            if o.bf16 { "bf16 compute" } else { "f32" },
             if o.cuda { "GPU 0, DDP on NCCL" } else { "CPU" },
             o.repeat
         );
@@ -618,6 +644,27 @@ fn main() -> Result<()> {
         let runs = |kind, batch, procs, threads| {
             median_run(&job(kind, batch, 25.0), procs, threads, o.repeat)
         };
+        if o.bf16 {
+            // DDP only, on 1 process (1 and 2 threads) and on each process count.
+            let one = runs(Kind::Ddp, global, 1, 1)?;
+            let two = runs(Kind::Ddp, global, 1, 2)?;
+            println!("{:<48} {:>9} {:>10}", "setup", "images/s", "vs 1 proc");
+            let row = |label: String, m: &Measured| {
+                let ratio = m.images_per_s / two.images_per_s;
+                println!("{label:<48} {:>9.0} {ratio:>9.2}x", m.images_per_s);
+            };
+            row(format!("DDP, 1 process, 1 thread, batch {global}"), &one);
+            row(format!("DDP, 1 process, 2 threads, batch {global}"), &two);
+            for &p in if o.cuda { &[][..] } else { &o.procs[..] } {
+                let each = global / p;
+                let m = runs(Kind::Ddp, each, p, 1)?;
+                row(
+                    format!("DDP, {p} processes x 1 thread, batch {each} each"),
+                    &m,
+                );
+            }
+            continue;
+        }
         let plain1 = runs(Kind::Plain, global, 1, 1)?;
         let plain2 = runs(Kind::Plain, global, 1, 2)?;
         let overhead = runs(Kind::Overhead, global, 1, 1)?;

@@ -13,6 +13,10 @@ on its answer positions). Setups (each in fresh processes, one after the other; 
 and DDP steps alternating in one process, the median ratio of 7 rounds); N plain processes
 side by side with no communication; DDP on N processes of 1 thread each, the batch split
 among them. Reports; asserts nothing.
+
+With --precision bf16 (ddp_throughput's --precision bf16 beside it): the forward and loss under
+torch.autocast(dtype=torch.bfloat16), f32 weights and optimizer, DDP rows only (1 process
+with 1 and 2 threads, then N processes), as candle-parallel's mixed precision lives in DDP.
 """
 import argparse
 import os
@@ -64,7 +68,7 @@ def loss_fn(model):
     return sort_loss if model == "tf" else F.cross_entropy
 
 
-def trainer(model, n, device, wrap=None):
+def trainer(model, n, device, wrap=None, bf16=False):
     torch.manual_seed(0)
     net = MODELS[model][0]().to(device)
     if wrap is not None:
@@ -75,7 +79,8 @@ def trainer(model, n, device, wrap=None):
 
     def step():
         opt.zero_grad()
-        loss = criterion(net(x), y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = criterion(net(x), y)
         loss.backward()
         opt.step()
         return loss
@@ -96,7 +101,7 @@ def timed(step, warmup, steps, device):
 
 
 def worker(rank, world, port, job, out):
-    kind, model, n, bucket_mb, steps, threads, device = job
+    kind, model, n, bucket_mb, steps, threads, device, bf16 = job
     torch.set_num_threads(threads)
     device = torch.device(device)
     warmup = 3
@@ -111,7 +116,7 @@ def worker(rank, world, port, job, out):
         took = timed(trainer(model, n, device), warmup, steps, device)
         result = steps * n / took
     elif kind == "ddp":
-        step = trainer(model, n, device, wrap)
+        step = trainer(model, n, device, wrap, bf16)
         dist.barrier()
         took = timed(step, warmup, steps, device)
         result = steps * n * world / took
@@ -155,18 +160,35 @@ def main():
     p.add_argument("--procs", default="2")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                   help="bf16: the forward under torch.autocast, DDP rows only")
     a = p.parse_args()
+    bf16 = a.precision == "bf16"
     for model in a.models.split(","):
         _, global_batch, _, _, steps = MODELS[model]
         dev = a.device
 
         def job(kind, n, threads, mb=25):
-            return (kind, model, n, mb, steps, threads, dev)
+            return (kind, model, n, mb, steps, threads, dev, bf16)
 
-        print(f"\n{model}, global batch {global_batch}, PyTorch {torch.__version__} on {dev}; "
-              f"images/s are the median of {a.repeat} runs")
+        print(f"\n{model}, global batch {global_batch}, {a.precision}, PyTorch {torch.__version__} "
+              f"on {dev}; images/s are the median of {a.repeat} runs")
         if model == "tf":
             print("(an image here is a sequence of 16 tokens)")
+        if bf16:
+            one = run(job("ddp", global_batch, 1), 1, a.repeat)
+            two = run(job("ddp", global_batch, 2), 1, a.repeat)
+            print(f"{'setup':<48} {'images/s':>9} {'vs 1 proc':>10}")
+            row = lambda label, v: print(f"{label:<48} {v:>9.0f} {v / two:>9.2f}x")
+            row(f"DDP, 1 process, 1 thread, batch {global_batch}", one)
+            row(f"DDP, 1 process, 2 threads, batch {global_batch}", two)
+            for n in map(int, a.procs.split(",")):
+                if dev == "cuda":
+                    break
+                each = global_batch // n
+                row(f"DDP, {n} processes x 1 thread, batch {each} each",
+                    run(job("ddp", each, 1), n, a.repeat))
+            continue
         plain1 = run(job("plain", global_batch, 1), 1, a.repeat)
         plain2 = run(job("plain", global_batch, 2), 1, a.repeat)
         print(f"{'setup':<48} {'images/s':>9} {'vs 1 proc':>10}")
