@@ -367,7 +367,9 @@ impl State {
                 parameter: parameter(),
             });
         }
-        // Under mixed precision, averaged in the reduce dtype.
+        // Under mixed precision, averaged in the reduce dtype. A large gradient's cast splits
+        // over rayon's threads while this lock is held; its blocks take no lock (ranks that
+        // share one pool: see `threads::in_pool`).
         let grad = &crate::nn::cast(grad, self.setup.params[index].grad_dtype)?;
         let grad = match self.accumulated[index].take() {
             Some(sum) => (sum + grad)?,

@@ -463,7 +463,7 @@ impl<T: Elem> NormRows<'_, T> {
         for ((row, gr), dr) in xs.chunks(n).zip(gs.chunks(n)).zip(dxs.chunks_mut(n)) {
             let s = stats(row, self.eps, self.remove_mean);
             // Σ gy and Σ gy·x̂ in lanes and pairwise, as `lane_sum` adds; the parameters'
-            // gradients gather in the same pass.
+            // gradients gather block by block beside them.
             let (sum_gy, sum_gy_xhat) = pairwise(
                 n,
                 &mut NormGradSums {
@@ -508,7 +508,7 @@ impl<T: Elem> NormRows<'_, T> {
 
 /// The blocks of a row's `(Σ gy, Σ gy·x̂)` in [`NormRows::backward`], with `gy = g·alpha`,
 /// adding the row's parts of the parameters' gradients (`g·x̂` and `g`) to `da` and `db` in
-/// the same pass.
+/// the same block (in a second loop over it).
 struct NormGradSums<'a, T: Elem> {
     s: Stats<T::Acc>,
     row: &'a [T],
@@ -668,4 +668,51 @@ pub(super) use with_float_slices;
 /// A CPU storage holding `v`.
 pub(super) fn storage<T: WithDType>(v: Vec<T>) -> CpuStorage {
     T::to_cpu_storage_owned(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sums as they were before `pairwise`: halving long rows by recursion.
+    fn recursive_lane_sum(values: &[f32]) -> f32 {
+        if values.len() > BLOCK {
+            let half = values.len().div_ceil(2 * BLOCK) * BLOCK;
+            return recursive_lane_sum(&values[..half]) + recursive_lane_sum(&values[half..]);
+        }
+        let mut lanes = [0f32; LANES];
+        for (i, &v) in values.iter().enumerate() {
+            lanes[i % LANES] += v;
+        }
+        fold_lanes(lanes)
+    }
+
+    /// `pairwise` adds the blocks in the recursion's order, bit for bit, on either side of the
+    /// 64 blocks kept on the stack, for whole and partial last blocks.
+    #[test]
+    fn block_sums_keep_the_recursive_order() {
+        let mut rng = crate::rng::Rng::new(7);
+        for blocks in 0..=70 {
+            for rest in [0, 1, BLOCK - 1] {
+                let n = blocks * BLOCK + rest;
+                // Values of many magnitudes, so that another order rounds differently.
+                let v: Vec<f32> = (0..n)
+                    .map(|i| rng.uniform_in(-1.0, 1.0) as f32 * 10f32.powi((i % 7) as i32 - 3))
+                    .collect();
+                let (ours, before) = (lane_sum(&v, |x: f32| x), recursive_lane_sum(&v));
+                assert_eq!(ours.to_bits(), before.to_bits(), "{n} values");
+                let dev = deviation_sums(&v, 0.25f32);
+                let (d, d2): (Vec<f32>, Vec<f32>) = v
+                    .iter()
+                    .map(|x| (x - 0.25, (x - 0.25) * (x - 0.25)))
+                    .unzip();
+                assert_eq!(dev.0.to_bits(), recursive_lane_sum(&d).to_bits(), "{n}: Σd");
+                assert_eq!(
+                    dev.1.to_bits(),
+                    recursive_lane_sum(&d2).to_bits(),
+                    "{n}: Σd²"
+                );
+            }
+        }
+    }
 }
