@@ -19,7 +19,7 @@ use std::ops::{AddAssign, Range};
 /// An element type of the fused layers, with the type its sums are computed in.
 pub(super) trait Elem: WithDType + Float {
     /// f32 for f32, f16 and bf16; f64 for f64.
-    type Acc: Float + AddAssign + Default + Send + Sync;
+    type Acc: Float + AddAssign + Total + Send + Sync;
     fn up(self) -> Self::Acc;
     fn down(a: Self::Acc) -> Self;
     /// `a` in the accumulation type.
@@ -71,14 +71,36 @@ const LANES: usize = 8;
 /// The most values one set of partial sums takes: longer rows are halved, pairwise.
 const BLOCK: usize = 32 * LANES;
 
+/// What a block of a row sums to: one sum (f32, f64), or two side by side.
+pub(super) trait Total: Copy + Default {
+    /// `self + other`, side by side for two.
+    fn plus(self, other: Self) -> Self;
+}
+
+impl Total for f32 {
+    fn plus(self, other: Self) -> Self {
+        self + other
+    }
+}
+
+impl Total for f64 {
+    fn plus(self, other: Self) -> Self {
+        self + other
+    }
+}
+
+impl<A: Total> Total for (A, A) {
+    fn plus(self, other: Self) -> Self {
+        (self.0.plus(other.0), self.1.plus(other.1))
+    }
+}
+
 /// A sum over a row taken block by block (see [`pairwise`]).
 trait Blocks {
-    /// What a block sums to: one sum, or several side by side.
-    type Total: Copy + Default;
+    /// What a block sums to.
+    type Total: Total;
     /// The total of the values in `range` (at most [`BLOCK`] of them).
     fn block(&mut self, range: Range<usize>) -> Self::Total;
-    /// Two totals added.
-    fn add(a: Self::Total, b: Self::Total) -> Self::Total;
 }
 
 /// The total of `len` values taken in blocks of at most [`BLOCK`], the blocks' totals added
@@ -106,16 +128,16 @@ fn pairwise<B: Blocks>(len: usize, sums: &mut B) -> B::Total {
     for (b, total) in totals.iter_mut().enumerate() {
         *total = sums.block(b * BLOCK..len.min((b + 1) * BLOCK));
     }
-    tree(totals, B::add)
+    tree(totals)
 }
 
 /// `totals` added pairwise: the first half (rounded up) and the second, each in turn so.
-fn tree<S: Copy>(totals: &[S], add: fn(S, S) -> S) -> S {
+fn tree<S: Total>(totals: &[S]) -> S {
     match totals {
         [one] => *one,
         _ => {
             let (a, b) = totals.split_at(totals.len().div_ceil(2));
-            add(tree(a, add), tree(b, add))
+            tree(a).plus(tree(b))
         }
     }
 }
@@ -124,7 +146,7 @@ fn tree<S: Copy>(totals: &[S], add: fn(S, S) -> S) -> S {
 /// the blocks' totals added pairwise. Each partial sum adds at most `BLOCK / LANES` terms, so
 /// the error stays near that of a pairwise sum, at the speed of a vectorised loop.
 #[inline(always)]
-pub(super) fn lane_sum<V: Copy, A: Float + AddAssign + Default>(
+pub(super) fn lane_sum<V: Copy, A: Float + AddAssign + Total>(
     values: &[V],
     f: impl Fn(V) -> A + Copy,
 ) -> A {
@@ -137,7 +159,7 @@ struct LaneSum<'a, V, F> {
     f: F,
 }
 
-impl<V: Copy, A: Float + AddAssign + Default, F: Fn(V) -> A> Blocks for LaneSum<'_, V, F> {
+impl<V: Copy, A: Float + AddAssign + Total, F: Fn(V) -> A> Blocks for LaneSum<'_, V, F> {
     type Total = A;
 
     #[inline(always)]
@@ -153,11 +175,6 @@ impl<V: Copy, A: Float + AddAssign + Default, F: Fn(V) -> A> Blocks for LaneSum<
             *l += (self.f)(v);
         }
         fold_lanes(lanes)
-    }
-
-    #[inline(always)]
-    fn add(a: A, b: A) -> A {
-        a + b
     }
 }
 
@@ -190,11 +207,6 @@ impl<T: Elem> Blocks for LaneDot<'_, T> {
             *l += x.up() * y.up();
         }
         fold_lanes(lanes)
-    }
-
-    #[inline(always)]
-    fn add(a: T::Acc, b: T::Acc) -> T::Acc {
-        a + b
     }
 }
 
@@ -282,11 +294,6 @@ impl<T: Elem> Blocks for Deviations<'_, T> {
             add(j, v);
         }
         (fold_lanes(s), fold_lanes(s2))
-    }
-
-    #[inline(always)]
-    fn add(a: Self::Total, b: Self::Total) -> Self::Total {
-        (a.0 + b.0, a.1 + b.1)
     }
 }
 
@@ -560,11 +567,6 @@ impl<T: Elem> Blocks for NormGradSums<'_, T> {
             *db += g;
         }
         (fold_lanes(s1), fold_lanes(s2))
-    }
-
-    #[inline(always)]
-    fn add(a: Self::Total, b: Self::Total) -> Self::Total {
-        (a.0 + b.0, a.1 + b.1)
     }
 }
 
