@@ -24,6 +24,15 @@ the same run, and their `memory per rank:` line and last epoch's tokens/s fill t
 Threads: each process gets --threads (default 1) intra-op threads, as the Rust ranks get
 RAYON_NUM_THREADS. `--device cuda` runs world size 1 on NCCL on one GPU instead (the Rust
 binary built with `--features cuda,nccl`), with the GPU's peak allocated bytes in the last column.
+
+`--precision bf16 --modes none`: mixed precision under DDP, PyTorch's forward and loss under
+`torch.autocast(dtype=torch.bfloat16)` beside the example's `--precision bf16` (f32 weights and
+AdamW in both). With the example's default model, this is its DDP over 1 and 2 processes:
+
+    python3 scripts/torch_sharding_bench.py --worlds 1 2 --modes none --layers 2 --dim 64 \
+        --batch-size 32 --steps 50 --precision bf16 --rust target/release/examples/transformer_ddp
+
+Candle's rows are its epoch's tokens/s, which include the warm-up steps PyTorch leaves out.
 """
 import argparse
 import os
@@ -97,9 +106,13 @@ def worker(rank, world, mode, a, port, out):
         opt = torch.optim.AdamW(model.parameters(), **adamw)
     g = torch.Generator().manual_seed(a.seed * 1000 + rank)
 
+    # Mixed precision as torch users write it: the forward and loss under autocast, f32 weights.
+    dtype = {"bf16": torch.bfloat16, "f32": None}[a.precision]
+
     def step():
         tokens, answers = sort_batch(a.batch_size, a.digits, a.device, g)
-        loss = sort_loss(model(tokens), answers)
+        with torch.autocast(torch.device(a.device).type, dtype=dtype, enabled=dtype is not None):
+            loss = sort_loss(model(tokens), answers)
         loss.backward()
         opt.step()
         # Gradients stay allocated (set_to_none=False) so that their bytes are counted.
@@ -159,7 +172,7 @@ def run_rust(exe, mode, world, a):
         "--layers", str(a.layers), "--dim", str(a.dim), "--heads", str(a.heads),
         "--digits", str(a.digits), "--batch-size", str(a.batch_size),
         "--epochs", "1", "--train-size", str(a.batch_size * world * (a.steps + a.warmup)),
-        "--test-size", str(a.batch_size), "--seed", str(a.seed),
+        "--test-size", str(a.batch_size), "--seed", str(a.seed), "--precision", a.precision,
     ]
     env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -188,7 +201,12 @@ def main():
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                   help="bf16: the forward under torch.autocast beside the example's "
+                        "--precision bf16 (f32 weights and optimizer in both); sharding none only")
     a = p.parse_args()
+    if a.precision == "bf16" and a.modes != ["none"]:
+        p.error("--precision bf16 compares DDP only: pass --modes none")
     if a.device == "cuda" and a.worlds != [1]:
         p.error("--device cuda runs world size 1 on one GPU: pass --worlds 1")
     rows = []
@@ -200,7 +218,7 @@ def main():
                 rows.append(("candle", mode, world, run_rust(a.rust, mode, world, a)))
     n = sum(p.numel() for p in Transformer(a.layers, a.dim, a.heads, 2 * a.digits).parameters())
     print(f"\ntransformer: {a.layers} layers, dim {a.dim}, {n / 1e6:.2f} M parameters; "
-          f"batch {a.batch_size} per rank; {a.threads} thread(s) per rank; {a.device}; torch {torch.__version__}\n")
+          f"batch {a.batch_size} per rank; {a.threads} thread(s) per rank; {a.precision}; {a.device}; torch {torch.__version__}\n")
     peak = "peak GPU MiB (candle: peak RSS)" if a.device == "cuda" else "peak RSS MiB"
     print(f"| framework | sharding | world | tokens/s | parameters MiB | gradients MiB | optimizer MiB | {peak} |")
     print("|---|---|---|---|---|---|---|---|")
