@@ -40,7 +40,6 @@ fn random(shape: &[usize], seed: u64) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
-/// The largest difference relative to the largest magnitude (at least 1).
 /// The gradients of `sum(y * weights)`: every input's gradient for the loss weights `weights`.
 fn weighted_grads(y: &Tensor, weights: &Tensor) -> GradStore {
     (y * weights)
@@ -51,6 +50,7 @@ fn weighted_grads(y: &Tensor, weights: &Tensor) -> GradStore {
         .unwrap()
 }
 
+/// The largest difference relative to the largest magnitude (at least 1).
 fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims());
     max_abs_diff(a, b) / max_abs(b).max(1.0)
@@ -804,6 +804,99 @@ fn the_fused_linear_gelu_equals_the_gelu_of_candle_nn_linear_with_gradients() {
                         }
                         (None, None) => assert!(name == "bias" && !bias, "{case}: {name}"),
                         _ => panic!("{case}: the {name} gradient is in one store only"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A half layer widens its inputs inside its op: its output and every gradient are the f32
+/// layer's on the widened values, each rounded once to the half type, bit for bit (linear, with
+/// a ReLU, with a GELU; few rows through a wide layer, a rank-3 non-contiguous input, no bias).
+/// The products here are too small for the AMX tiles, which round a bf16 layer's gradient at the
+/// product where an f32 layer keeps it.
+#[test]
+fn half_linear_layers_are_the_f32_layer_rounded_once() {
+    let _serial = kernels_lock();
+    type Layer = fn(&Tensor, &candle_nn::Linear) -> candle_core::Result<Tensor>;
+    let layers: [(&str, Layer); 3] = [
+        ("linear", nn::linear),
+        ("linear_relu", nn::linear_relu),
+        ("linear_gelu", nn::linear_gelu),
+    ];
+    // (input shape, outputs, bias)
+    let cases: [(&[usize], usize, bool); 4] = [
+        (&[7, 13], 5, true),
+        (&[5, 70], 300, true),
+        (&[2, 9, 16], 24, true),
+        (&[33, 3], 17, false),
+    ];
+    for dtype in [DType::BF16, DType::F16] {
+        for (name, layer_fn) in layers {
+            for (i, &(shape, o, bias)) in cases.iter().enumerate() {
+                let case = format!("{name} {shape:?} -> {o}, bias {bias}, {dtype:?}");
+                let seed = 5000 + 10 * i as u64;
+                let k = *shape.last().unwrap();
+                let half = |t: Tensor| Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap();
+                let x = half(match shape.len() {
+                    3 => random(&[shape[0], shape[2], shape[1]], seed),
+                    _ => random(shape, seed),
+                });
+                let (w, b) = (
+                    half(random(&[o, k], seed + 1)),
+                    half(random(&[o], seed + 2)),
+                );
+                let wide = |v: &Var| Var::from_tensor(&v.to_dtype(DType::F32).unwrap()).unwrap();
+                let (x32, w32, b32) = (wide(&x), wide(&w), wide(&b));
+                let input = |x: &Var| match shape.len() {
+                    3 => x.as_tensor().transpose(1, 2).unwrap(),
+                    _ => x.as_tensor().clone(),
+                };
+                let layer = |w: &Var, b: &Var| {
+                    candle_nn::Linear::new(
+                        w.as_tensor().clone(),
+                        bias.then(|| b.as_tensor().clone()),
+                    )
+                };
+                let y = layer_fn(&input(&x), &layer(&w, &b)).unwrap();
+                let y32 = layer_fn(&input(&x32), &layer(&w32, &b32)).unwrap();
+                assert_eq!(y.dtype(), dtype, "{case}");
+                let bits = |t: &Tensor| {
+                    t.to_dtype(DType::F32)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(
+                    bits(&y),
+                    bits(&y32.to_dtype(dtype).unwrap()),
+                    "{case}: output"
+                );
+                let weights = random(y.dims(), seed + 3).to_dtype(dtype).unwrap();
+                let g = weighted_grads(&y, &weights);
+                let g32 = weighted_grads(&y32, &weights.to_dtype(DType::F32).unwrap());
+                for (what, v, v32) in [
+                    ("input", &x, &x32),
+                    ("weight", &w, &w32),
+                    ("bias", &b, &b32),
+                ] {
+                    match (g.get(v.as_tensor()), g32.get(v32.as_tensor())) {
+                        (Some(got), Some(want)) => {
+                            assert_eq!(got.dtype(), dtype, "{case}: {what} gradient");
+                            assert_eq!(
+                                bits(got),
+                                bits(&want.to_dtype(dtype).unwrap()),
+                                "{case}: {what} gradient"
+                            );
+                        }
+                        (None, None) => assert!(what == "bias" && !bias, "{case}: {what}"),
+                        _ => panic!("{case}: the {what} gradient is in one store only"),
                     }
                 }
             }

@@ -29,7 +29,7 @@
 //! # Ok(()) }
 //! ```
 
-use super::cast::cast;
+use super::cast::{f32_values, storage_in, tensor_in, with_f32_values};
 use super::kernels::{matmul, ours_in_f32, Mat};
 use super::ops::softmax_last_dim;
 use crate::util::sync::lock;
@@ -56,16 +56,15 @@ pub fn causal_attention(qkv: &Tensor, heads: usize) -> Result<Tensor> {
         )
     }
     let dim = width / 3;
-    match ours_in_f32(&[qkv]) {
-        Some(DType::F32) if b * t * dim != 0 => {}
-        // f16 and bf16 through the f32 kernel, each value widened once and each output (and
-        // each input gradient) rounded once, as torch's CPU attention computes half types.
-        Some(half) if b * t * dim != 0 => {
-            return cast(&causal_attention(&cast(qkv, DType::F32)?, heads)?, half)
-        }
+    // f16 and bf16 run the f32 kernel, each value widened once (inside the op: no cast of
+    // candle's graph between) and each output (and each input gradient) rounded once, as
+    // torch's CPU attention computes half types.
+    let dtype = match ours_in_f32(&[qkv]) {
+        Some(dtype) if b * t * dim != 0 => dtype,
         _ => return composed(qkv, heads),
-    }
+    };
     let op = CausalAttention {
+        dtype,
         batch: b,
         time: t,
         heads,
@@ -106,6 +105,8 @@ pub fn composed(qkv: &Tensor, heads: usize) -> Result<Tensor> {
 
 /// The op, with each row's log-sum-exp of its scaled scores (set by the forward).
 struct CausalAttention {
+    /// The dtype of `qkv` and the output (f32, bf16 or f16); the kernel computes in f32.
+    dtype: DType,
     batch: usize,
     time: usize,
     heads: usize,
@@ -279,21 +280,13 @@ impl CausalAttention {
     }
 }
 
-/// The contiguous f32 values of a CPU tensor.
-fn f32s(t: &Tensor) -> Result<Vec<f32>> {
-    t.contiguous()?.flatten_all()?.to_vec1::<f32>()
-}
-
 impl candle_core::CustomOp1 for CausalAttention {
     fn name(&self) -> &'static str {
         "causal-attention"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let qkv = match (s, l.contiguous_offsets()) {
-            (CpuStorage::F32(v), Some((a, b))) => &v[a..b],
-            _ => candle_core::bail!("causal_attention: expected a contiguous f32 tensor"),
-        };
+        let qkv = f32_values(s, l, "causal_attention's qkv")?;
         let (b, t, dim) = (self.batch, self.time, self.dim());
         let mut out = vec![0f32; b * t * dim];
         let mut lse = vec![0f32; b * self.heads * t];
@@ -302,27 +295,31 @@ impl candle_core::CustomOp1 for CausalAttention {
             .zip(qkv.par_chunks(3 * t * dim))
             .for_each(|((out, lse), qkv)| self.forward_sequence(qkv, out, lse));
         *lock(&self.lse) = lse;
-        Ok((CpuStorage::F32(out), Shape::from((b, t, dim))))
+        Ok((storage_in(out, self.dtype)?, Shape::from((b, t, dim))))
     }
 
     fn bwd(&self, qkv: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let (b, t, dim) = (self.batch, self.time, self.dim());
-        let (qkv_v, dout) = (f32s(qkv)?, f32s(grad)?);
         let lse = lock(&self.lse);
         if lse.len() != b * self.heads * t {
             candle_core::bail!("causal_attention: the backward ran before the forward");
         }
         let mut dqkv = vec![0f32; b * t * 3 * dim];
-        dqkv.par_chunks_mut(3 * t * dim)
-            .enumerate()
-            .for_each(|(i, dqkv)| {
-                let parts = (
-                    &qkv_v[i * t * 3 * dim..(i + 1) * t * 3 * dim],
-                    &dout[i * t * dim..(i + 1) * t * dim],
-                    &lse[i * self.heads * t..(i + 1) * self.heads * t],
-                );
-                self.backward_sequence(parts, dqkv)
-            });
-        Ok(Some(Tensor::from_vec(dqkv, (b, t, 3 * dim), qkv.device())?))
+        with_f32_values(qkv, |qkv_v| {
+            with_f32_values(grad, |dout| {
+                dqkv.par_chunks_mut(3 * t * dim)
+                    .enumerate()
+                    .for_each(|(i, dqkv)| {
+                        let parts = (
+                            &qkv_v[i * t * 3 * dim..(i + 1) * t * 3 * dim],
+                            &dout[i * t * dim..(i + 1) * t * dim],
+                            &lse[i * self.heads * t..(i + 1) * self.heads * t],
+                        );
+                        self.backward_sequence(parts, dqkv)
+                    });
+                Ok(())
+            })
+        })?;
+        Ok(Some(tensor_in(dqkv, (b, t, 3 * dim), self.dtype)?))
     }
 }

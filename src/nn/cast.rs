@@ -1,14 +1,17 @@
-//! Casts between f32 and bf16 on the CPU, as the layers make them around their f32 kernels
-//! when they compute in bf16: candle's `to_dtype` converts one value per call of a closure
-//! (`unary_map`, 5-8% of a bf16 `transformer_ddp` step in perf); [`cast`] converts in a loop the
-//! compiler vectorizes, to the same bits (round to nearest, ties to even; a NaN stays a quiet
-//! NaN with its sign and top payload bits, as `half`'s `bf16::from_f32`). The default model's
-//! bf16 step on one thread: 37-42 K tokens/s against 31-39 K through candle's casts
-//! (alternating runs, built with the CPU's features, see `half_build`). DDP's and FSDP's mixed
-//! precision cast their weights and gradients with it too.
+//! Conversions between f32 and the half types on the CPU. [`cast`] is `to_dtype` between f32
+//! and bf16 as an op of candle's graph: candle's `to_dtype` converts one value per call of a
+//! closure (`unary_map`, 5-8% of a bf16 `transformer_ddp` step in perf); [`cast`] converts in a
+//! loop the compiler vectorizes, to the same bits (round to nearest, ties to even; a NaN stays a
+//! quiet NaN with its sign and top payload bits, as `half`'s `bf16::from_f32`). DDP's and FSDP's
+//! mixed precision cast their weights and gradients with it.
+//!
+//! The layers that compute half tensors in f32 (linear, attention) take them as they are and
+//! convert inside their ops with [`f32_values`], [`storage_in`] and [`tensor_in`]: a cast of
+//! the graph around them cost a node whose gradient candle adds to a tensor of zeros (the
+//! default model's bf16 step on one thread, alternating runs: 51 K → 57 K tokens/s).
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
-use half::bf16;
+use half::{bf16, f16};
 
 /// `t` in `dtype`, as `t.to_dtype(dtype)` and with its backward: `t` itself where it is in
 /// `dtype` already; between contiguous f32 and bf16 on the CPU by this module's loops;
@@ -21,6 +24,62 @@ pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
             t.apply_op1(Cast)
         }
         _ => t.to_dtype(dtype),
+    }
+}
+
+/// The f32 values of a contiguous CPU storage of f32 (borrowed), bf16 or f16 (widened, exactly):
+/// what a layer's kernel reads when it takes half tensors itself instead of through a [`cast`]
+/// (no op of candle's graph between, so no gradient of it for candle to add to zeros). `what`
+/// names the operand in the error.
+pub(super) fn f32_values<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<std::borrow::Cow<'a, [f32]>> {
+    use std::borrow::Cow;
+    Ok(match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Cow::Borrowed(&v[a..b]),
+        (CpuStorage::BF16(v), Some((a, b))) => Cow::Owned(convert(&v[a..b], to_f32)),
+        (CpuStorage::F16(v), Some((a, b))) => Cow::Owned(convert(&v[a..b], f16::to_f32)),
+        _ => candle_core::bail!(
+            "the {what} must be a contiguous f32, bf16 or f16 tensor, got {:?} laid out {l:?}",
+            candle_core::backend::BackendStorage::dtype(s)
+        ),
+    })
+}
+
+/// `values` in `dtype` (f32, bf16 or f16), each rounded once as candle's `to_dtype` rounds it.
+pub(super) fn storage_in(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(values),
+        DType::BF16 => CpuStorage::BF16(convert(&values, to_bf16)),
+        DType::F16 => CpuStorage::F16(convert(&values, f16::from_f32)),
+        other => candle_core::bail!("cast: f32, bf16 or f16 values, asked for {other:?}"),
+    })
+}
+
+/// A CPU tensor of `shape` in `dtype` from f32 `values` (rounded once, see [`storage_in`]).
+pub(super) fn tensor_in<S: Into<Shape>>(
+    values: Vec<f32>,
+    shape: S,
+    dtype: DType,
+) -> Result<Tensor> {
+    let cpu = &candle_core::Device::Cpu;
+    match dtype {
+        DType::F32 => Tensor::from_vec(values, shape, cpu),
+        DType::BF16 => Tensor::from_vec(convert(&values, to_bf16), shape, cpu),
+        DType::F16 => Tensor::from_vec(convert(&values, f16::from_f32), shape, cpu),
+        other => candle_core::bail!("cast: f32, bf16 or f16 values, asked for {other:?}"),
+    }
+}
+
+/// A CPU tensor's values in f32 (see [`f32_values`]) for the duration of `f`.
+pub(super) fn with_f32_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(s) => f(&f32_values(s, layout, "tensor")?),
+        _ => candle_core::bail!("expected a CPU tensor, got one on {:?}", t.device()),
     }
 }
 

@@ -49,8 +49,7 @@
 use super::accumulate::{self, empty_output};
 use super::amx;
 use super::backward::{hand_over, through, Held};
-use super::cast::cast;
-use super::conv_kernel::{f32_slice, with_f32};
+use super::cast::{f32_values, storage_in, tensor_in, with_f32_values};
 use super::few_rows;
 use super::kernels::{for_each_chunk, matmul, matmul_threaded, ours_in_f32, Mat};
 use crate::util::sync::lock;
@@ -108,8 +107,10 @@ fn forward(x: &Tensor, layer: &Linear, activation: Activation) -> Result<Tensor>
     }
 }
 
-/// The layer by [`LinearOp`], in f32: `x` `(.., k)` as rows, `w` `(o, k)`, `b` `(o)` (zeros
-/// when absent); the result in `dtype`.
+/// The layer by [`LinearOp`]: `x` `(.., k)` as rows, `w` `(o, k)`, `b` `(o)` (zeros when
+/// absent), all in `dtype`, computed in f32; the result in `dtype`. Half tensors go to the op as
+/// they are: it widens them itself, so no cast of candle's graph stands between (each would
+/// cost a conversion and, in backward, a gradient added to a tensor of zeros).
 fn fused(
     x: &Tensor,
     w: &Tensor,
@@ -131,20 +132,19 @@ fn fused(
     }
     // A watched copy (DistributedDataParallel's) is read through to its variable.
     let mut uses = Vec::new();
-    let mut f32 = |t: &Tensor| -> Result<Tensor> {
-        Ok(through(&cast(&t.contiguous()?, DType::F32)?, &mut uses))
-    };
+    let mut input = |t: &Tensor| -> Result<Tensor> { Ok(through(&t.contiguous()?, &mut uses)) };
     let b = match b {
-        Some(b) => f32(b)?,
-        None => Tensor::zeros(o, DType::F32, &Device::Cpu)?,
+        Some(b) => input(b)?,
+        None => Tensor::zeros(o, dtype, &Device::Cpu)?,
     };
     let n = dims[..dims.len() - 1].iter().product();
-    let rows = f32(x)?.reshape((n, k))?;
-    let w = f32(w)?;
+    let rows = input(x)?.reshape((n, k))?;
+    let w = input(w)?;
     let op = LinearOp {
         n,
         k,
         o,
+        dtype,
         activation,
         tiles: amx::tiles_for(dtype),
         saved: Mutex::new(Saved::Nothing),
@@ -153,7 +153,6 @@ fn fused(
     *out_dims.last_mut().expect("rank >= 2") = o;
     rows.apply_op3(&w, &b, Held::new(op, uses))?
         .reshape(out_dims)
-        .and_then(|y| cast(&y, dtype))
 }
 
 /// What the forward keeps for the activation's backward.
@@ -161,8 +160,9 @@ enum Saved {
     Nothing,
     /// After a ReLU, whether each output's gradient passes (its input was `>= 0`).
     Passes(Vec<bool>),
-    /// Before a GELU, its input (the product and the bias).
-    Input(Vec<f32>),
+    /// Before a GELU, its input (the product and the bias); and its output in f32 where the
+    /// op's output is a half tensor (the backward reads Φ back from it).
+    Input(Vec<f32>, Option<Vec<f32>>),
 }
 
 /// The fused layer as a candle op over `x` `(n, k)`, `w` `(o, k)` and `b` `(o)`.
@@ -170,6 +170,8 @@ struct LinearOp {
     n: usize,
     k: usize,
     o: usize,
+    /// The dtype of the inputs and the output (f32, bf16 or f16); the kernels compute in f32.
+    dtype: DType,
     activation: Activation,
     /// Whether the products run in bf16 on AMX tiles (a bf16 layer where the CPU has them, or
     /// an f32 one under `MatmulPrecision::Medium`), those large enough to gain
@@ -198,14 +200,17 @@ impl candle_core::CustomOp3 for LinearOp {
         bs: &CpuStorage,
         bl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, w) = (f32_slice(xs, xl, "input")?, f32_slice(ws, wl, "weight")?);
-        let b = f32_slice(bs, bl, "bias")?;
+        let x = f32_values(xs, xl, "linear's input")?;
+        let w = f32_values(ws, wl, "linear's weight")?;
+        let b = f32_values(bs, bl, "linear's bias")?;
+        let (x, w, b) = (&*x, &*w, &*b);
         let (k, o) = (self.k, self.o);
-        let mut y = vec![0f32; self.n * o];
+        // Every row starts as the bias (written once, not zeroed first); the products add to it.
+        let mut y = Vec::with_capacity(self.n * o);
+        for _ in 0..self.n {
+            y.extend_from_slice(b);
+        }
         if k > 0 && self.tiles && amx::worth(self.n, k, o) {
-            for row in y.chunks_mut(o) {
-                row.copy_from_slice(b);
-            }
             // y (n x o) += x (n x k) . wᵀ (k x o), in bf16 on the tiles.
             amx::matmul(
                 Mat::rows(&mut y, o),
@@ -216,9 +221,6 @@ impl candle_core::CustomOp3 for LinearOp {
         } else if k > 0 && self.n < o {
             // Few rows: split over the weight, which each thread would otherwise read whole;
             // our kernel where it is faster than gemm's packing of wᵀ.
-            for row in y.chunks_mut(o) {
-                row.copy_from_slice(b);
-            }
             let (mut dst, xs, wt) = (
                 Mat::rows(&mut y, o),
                 Mat::rows_of(x, k),
@@ -229,9 +231,6 @@ impl candle_core::CustomOp3 for LinearOp {
             }
         } else if k > 0 {
             for_each_chunk(&mut y, o, |first, rows| {
-                for row in rows.chunks_mut(o) {
-                    row.copy_from_slice(b);
-                }
                 let x_rows = &x[first * k..first * k + rows.len() / o * k];
                 // y_rows (r x o) += x_rows (r x k) . wᵀ (k x o)
                 matmul(
@@ -241,10 +240,6 @@ impl candle_core::CustomOp3 for LinearOp {
                     true,
                 );
             });
-        } else {
-            for row in y.chunks_mut(o.max(1)) {
-                row.copy_from_slice(&b[..row.len()]);
-            }
         }
         match self.activation {
             Activation::None => {}
@@ -259,10 +254,11 @@ impl candle_core::CustomOp3 for LinearOp {
             Activation::Gelu => {
                 let input = y.clone();
                 super::gelu::gelu_in_place(&mut y);
-                *lock(&self.saved) = Saved::Input(input);
+                let output = (self.dtype != DType::F32).then(|| y.clone());
+                *lock(&self.saved) = Saved::Input(input, output);
             }
         }
-        Ok((CpuStorage::F32(y), Shape::from((self.n, o))))
+        Ok((storage_in(y, self.dtype)?, Shape::from((self.n, o))))
     }
 
     fn bwd(
@@ -282,18 +278,21 @@ impl candle_core::CustomOp3 for LinearOp {
                         .map(|(&v, &p)| if p { v } else { 0.0 })
                         .collect(),
                 ),
-                Saved::Input(input) => {
+                Saved::Input(input, output) => {
                     let mut g = g.to_vec();
-                    with_f32(y, |y| {
-                        super::gelu::gelu_grad_in_place(input, y, &mut g);
-                        Ok(())
-                    })?;
+                    match output {
+                        Some(y) => super::gelu::gelu_grad_in_place(input, y, &mut g),
+                        None => with_f32_values(y, |y| {
+                            super::gelu::gelu_grad_in_place(input, y, &mut g);
+                            Ok(())
+                        })?,
+                    }
                     Some(g)
                 }
                 Saved::Nothing => None,
             })
         };
-        let (dx, dw, db) = with_f32(grad, |g| match through(g)? {
+        let (dx, dw, db) = with_f32_values(grad, |g| match through(g)? {
             Some(g) => self.products(x, w, b, &g),
             None => self.products(x, w, b, g),
         })?;
@@ -318,7 +317,7 @@ impl LinearOp {
         let (n, k, o) = (self.n, self.k, self.o);
         let dx = if x.track_op() {
             let mut dx = vec![0f32; n * k];
-            with_f32(w, |w| {
+            with_f32_values(w, |w| {
                 if o == 0 {
                     return Ok(()); // no outputs: a zero gradient
                 }
@@ -354,7 +353,7 @@ impl LinearOp {
                 });
                 Ok(())
             })?;
-            Some(Tensor::from_vec(dx, (n, k), &Device::Cpu)?)
+            Some(tensor_in(dx, (n, k), self.dtype)?)
         } else {
             None
         };
@@ -363,7 +362,7 @@ impl LinearOp {
             // columns of g where they lie (gemm packs them; a transposed copy of g cost more
             // than the product at the transformer's sizes).
             let mut dw = crate::memory::zeroed_f32(o * k);
-            with_f32(x, |x| {
+            with_f32_values(x, |x| {
                 if n == 0 {
                     return Ok(()); // an empty batch: a zero gradient
                 }
@@ -389,12 +388,12 @@ impl LinearOp {
                 });
                 Ok(())
             })?;
-            Some(Tensor::from_vec(dw, (o, k), &Device::Cpu)?)
+            Some(tensor_in(dw, (o, k), self.dtype)?)
         } else {
             None
         };
         let db = if b.track_op() {
-            Some(Tensor::from_vec(column_sums(g, o), o, &Device::Cpu)?)
+            Some(tensor_in(column_sums(g, o), o, self.dtype)?)
         } else {
             None
         };
