@@ -39,12 +39,59 @@ pub(super) struct Zero2 {
     warned_unstepped: bool,
 }
 
-/// Whether `a` and `b` (of one shape) differ anywhere, NaN counting as equal to NaN.
+/// Whether `a` and `b` (of one shape) differ anywhere, NaN counting as equal to NaN (and, as
+/// `==` has it, -0 as 0). Contiguous CPU tensors of one dtype are compared in one pass over
+/// their values ([`differs_on_cpu`]); others by candle's ops.
 fn differs(a: &Tensor, b: &Tensor) -> Result<bool> {
+    if let Some(d) = differs_on_cpu(a, b) {
+        return Ok(d);
+    }
     let mask = |t: &Tensor| t.to_dtype(DType::F32);
     let ne = mask(&a.ne(b)?)?;
     let both_nan = (mask(&a.ne(a)?)? * mask(&b.ne(b)?)?)?;
     Ok((ne - both_nan)?.sum_all()?.to_scalar::<f32>()? > 0.0)
+}
+
+/// [`differs`] for contiguous CPU tensors of one dtype: blocks of values over rayon's threads,
+/// each block folded without a branch (so that it vectorizes). A training step compares every
+/// piece and every parameter's chunk with `synced` twice (at the optimizer's gather and at the
+/// next forward); by candle's ops (a mask each way, NaN masks, a product, a sum) that was 46%
+/// of the samples of a ZeRO-2 step of `transformer_ddp` at 6.3 M parameters on one rank.
+/// `None` for other tensors.
+fn differs_on_cpu(a: &Tensor, b: &Tensor) -> Option<bool> {
+    use candle_core::{CpuStorage as C, Storage};
+    fn any<T: Copy + Sync>(a: &[T], b: &[T], ne: impl Fn(T, T) -> bool + Sync) -> bool {
+        use rayon::prelude::*;
+        const BLOCK: usize = 1 << 15;
+        a.len() != b.len()
+            || a.par_chunks(BLOCK)
+                .zip(b.par_chunks(BLOCK))
+                .any(|(x, y)| x.iter().zip(y).fold(false, |d, (&p, &q)| d | ne(p, q)))
+    }
+    // Floats: unequal, unless both are NaN.
+    macro_rules! float {
+        ($x:expr, $y:expr) => {
+            any($x, $y, |p, q| !(p == q || (p.is_nan() && q.is_nan())))
+        };
+    }
+    if a.dims() != b.dims() {
+        return None;
+    }
+    let ((sa, la), (sb, lb)) = (a.storage_and_layout(), b.storage_and_layout());
+    let ((a0, a1), (b0, b1)) = (la.contiguous_offsets()?, lb.contiguous_offsets()?);
+    let (Storage::Cpu(sa), Storage::Cpu(sb)) = (&*sa, &*sb) else {
+        return None;
+    };
+    Some(match (sa, sb) {
+        (C::F32(x), C::F32(y)) => float!(&x[a0..a1], &y[b0..b1]),
+        (C::F64(x), C::F64(y)) => float!(&x[a0..a1], &y[b0..b1]),
+        (C::BF16(x), C::BF16(y)) => float!(&x[a0..a1], &y[b0..b1]),
+        (C::F16(x), C::F16(y)) => float!(&x[a0..a1], &y[b0..b1]),
+        (C::U8(x), C::U8(y)) => any(&x[a0..a1], &y[b0..b1], |p, q| p != q),
+        (C::U32(x), C::U32(y)) => any(&x[a0..a1], &y[b0..b1], |p, q| p != q),
+        (C::I64(x), C::I64(y)) => any(&x[a0..a1], &y[b0..b1], |p, q| p != q),
+        _ => return None,
+    })
 }
 
 /// This rank's chunk of `param`, as a tensor of its own: a compact one (the chunk is a narrow
@@ -98,10 +145,11 @@ impl Zero2 {
         let mut stepped = None;
         for (i, p) in params.iter().enumerate() {
             let piece_moved = differs(self.pieces[i].as_tensor(), &self.synced[i])?;
-            let real = chunk_elements(p.var.elem_count(), world, rank).len();
-            let written = real > 0 && {
-                let now = chunk_of(p.var.as_tensor(), world, rank)?.narrow(0, 0, real)?;
-                differs(&now, &self.synced[i].narrow(0, 0, real)?)?
+            let real = chunk_elements(p.var.elem_count(), world, rank);
+            let written = !real.is_empty() && {
+                // The chunk where it lies in the parameter (`chunk_of` would copy to pad it).
+                let now = p.var.flatten_all()?.narrow(0, real.start, real.len())?;
+                differs(&now, &self.synced[i].narrow(0, 0, real.len())?)?
             };
             match (piece_moved, written) {
                 (true, true) => {
@@ -130,7 +178,8 @@ impl Zero2 {
     }
 
     /// Puts every rank's pieces together into the parameters: one all-gather per bucket, all
-    /// issued before the first is waited for. Every rank must call it.
+    /// issued before the first is waited for (parameters written since pieces and parameters
+    /// last agreed first get their pieces cut again). Every rank must call it.
     pub(super) fn gather(
         &mut self,
         params: &[Param],
@@ -139,6 +188,17 @@ impl Zero2 {
         group: &ProcessGroup,
     ) -> Result<()> {
         self.reconcile(params, group)?;
+        self.gather_reconciled(params, buckets, flat, group)
+    }
+
+    /// [`Zero2::gather`] right after a [`Zero2::reconcile`].
+    fn gather_reconciled(
+        &mut self,
+        params: &[Param],
+        buckets: &[Vec<usize>],
+        flat: &[FlatLayout],
+        group: &ProcessGroup,
+    ) -> Result<()> {
         let shards = buckets
             .iter()
             .map(|members| {
@@ -207,7 +267,8 @@ impl Zero2 {
             self.report_unstepped(group.rank());
         }
         if stepped || self.gather_due {
-            self.gather(params, buckets, flat, group)?;
+            // Reconciled above, and nothing can have changed since.
+            self.gather_reconciled(params, buckets, flat, group)?;
         }
         Ok(())
     }
@@ -248,6 +309,51 @@ impl Zero2 {
 mod tests {
     use super::*;
     use candle_core::{CpuStorage, Storage};
+
+    /// The one-pass comparison says what candle's ops say, in every dtype, on NaN (equal to
+    /// NaN), on -0 (equal to 0), on one difference anywhere in a long tensor, and on views.
+    #[test]
+    fn differs_in_one_pass_as_by_candles_ops() -> candle_core::Result<()> {
+        let cpu = &Device::Cpu;
+        let n = 100_003;
+        let base: Vec<f32> = (0..n).map(|i| (i % 97) as f32 - 40.0).collect();
+        let mut cases: Vec<(Vec<f32>, Vec<f32>)> = vec![(base.clone(), base.clone())];
+        for at in [0, 40_000, n - 1] {
+            let mut other = base.clone();
+            other[at] += 1.0;
+            cases.push((base.clone(), other));
+        }
+        let (mut nan_a, mut nan_b) = (base.clone(), base.clone());
+        nan_a[7] = f32::NAN;
+        nan_b[7] = f32::NAN;
+        cases.push((nan_a.clone(), nan_b));
+        cases.push((nan_a, base.clone()));
+        let mut neg_zero = base.clone();
+        neg_zero[40] = -0.0; // base[40] is 0
+        cases.push((base.clone(), neg_zero));
+        for (a, b) in cases {
+            let (a, b) = (Tensor::new(a, cpu)?, Tensor::new(b, cpu)?);
+            for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16, DType::I64] {
+                let (a, b) = (a.to_dtype(dtype)?, b.to_dtype(dtype)?);
+                let by_ops = {
+                    let mask = |t: &Tensor| t.to_dtype(DType::F32);
+                    let ne = mask(&a.ne(&b)?)?;
+                    let both_nan = (mask(&a.ne(&a)?)? * mask(&b.ne(&b)?)?)?;
+                    (ne - both_nan)?.sum_all()?.to_scalar::<f32>()? > 0.0
+                };
+                assert_eq!(differs_on_cpu(&a, &b), Some(by_ops), "{dtype:?}");
+                // A narrowed view (an offset into its storage) compares as its values.
+                let (va, vb) = (a.narrow(0, 1, n - 2)?, b.narrow(0, 1, n - 2)?);
+                let want = differs_on_cpu(&va.copy()?, &vb.copy()?);
+                assert_eq!(differs_on_cpu(&va, &vb), want, "{dtype:?} view");
+            }
+        }
+        // Strided views and other devices are left to candle's ops.
+        let m = Tensor::arange(0f32, 6.0, cpu)?.reshape((2, 3))?;
+        assert_eq!(differs_on_cpu(&m.t()?, &m.t()?), None);
+        assert!(!differs(&m.t()?, &m.t()?.contiguous()?).unwrap());
+        Ok(())
+    }
 
     #[test]
     fn a_cut_piece_holds_its_chunk_only() {
