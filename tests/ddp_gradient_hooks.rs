@@ -1,5 +1,5 @@
-//! DistributedDataParallel's parameters as this crate's layers see them: in f32 they compute
-//! from the variable behind DDP's copy and hand its gradient to the reducer as they make it
+//! DistributedDataParallel's parameters as this crate's layers see them: in the variables' own
+//! dtype (f32, and bf16 below) they compute from the variable behind DDP's copy and hand its gradient to the reducer as they make it
 //! (no zeros to add to). These tests use a weight several ways at once (twice by our layers,
 //! once by a candle op through the copy), forwards whose outputs are not in the loss, two
 //! forwards in one loss, evaluation between steps, two wrappers over one `VarMap` and a plain
@@ -164,6 +164,58 @@ fn a_weight_used_by_our_layers_and_by_a_candle_op_averages_like_one_process() {
         Ok(by_name(varmap, &g))
     });
     assert_close(&got, &want);
+}
+
+/// A bf16 `VarMap` (its own dtype, no mixed precision): DDP's copies are watched as in f32, and
+/// the half layers, which take bf16 tensors into their ops as they are, read through them to
+/// the variables. Every gradient must still be one process's (in bf16, within a few of its
+/// roundings of each variable's largest gradient: a gradient counted twice or lost is far off).
+#[test]
+fn in_bf16_our_layers_read_through_the_copy_like_one_process() {
+    let dtype = DType::BF16;
+    let x = batch().to_dtype(dtype).unwrap();
+    let varmap = VarMap::new();
+    let model = tied(seeded_var_builder(&varmap, SEED, dtype, &Device::Cpu)).unwrap();
+    let want = by_name(
+        &varmap,
+        &loss(&model.forward(&x).unwrap())
+            .unwrap()
+            .backward()
+            .unwrap(),
+    );
+    let got = distributed::spawn_threads(2, |pg: ProcessGroup| {
+        let varmap = VarMap::new();
+        tied(seeded_var_builder(&varmap, SEED, dtype, &Device::Cpu))?;
+        let config = DdpConfig {
+            bucket_cap_mb: 1e-4,
+            first_bucket_mb: 1e-4,
+            ..DdpConfig::default()
+        };
+        let model = DistributedDataParallel::with_config(&varmap, &pg, &Device::Cpu, config, tied)?;
+        let half = ROWS / 2;
+        let out = model.forward_t(&x.narrow(0, half * pg.rank(), half)?, true)?;
+        let g = model.backward(&loss(&out)?)?;
+        Ok(by_name(&varmap, &g))
+    })
+    .unwrap();
+    for (rank, grads) in got.iter().enumerate() {
+        assert_eq!(grads.len(), want.len());
+        for ((name, g), (wname, w)) in grads.iter().zip(&want) {
+            assert_eq!(name, wname);
+            assert_eq!(g.len(), w.len(), "rank {rank}, {name}: no gradient");
+            let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
+            assert!(
+                scale > 0.0,
+                "{name}: a zero reference gradient tests nothing"
+            );
+            for (p, q) in g.iter().zip(w) {
+                assert!(
+                    (p - q).abs() <= 2e-2 * scale,
+                    "rank {rank}, {name}: {p} against {q} (largest {scale})"
+                );
+            }
+        }
+    }
 }
 
 /// Over real processes the host backend averages each bucket's lone gradient in place, in the

@@ -40,8 +40,9 @@ pub(super) struct Zero2 {
 }
 
 /// Whether `a` and `b` (of one shape) differ anywhere, NaN counting as equal to NaN (and, as
-/// `==` has it, -0 as 0). Contiguous CPU tensors of one dtype are compared in one pass over
-/// their values ([`differs_on_cpu`]); others by candle's ops.
+/// `==` has it, -0 as 0). Contiguous CPU tensors of one dtype (f32, f64, bf16, f16, u8, u32,
+/// i64) are compared in one pass over their values ([`differs_on_cpu`]); others by candle's
+/// ops.
 fn differs(a: &Tensor, b: &Tensor) -> Result<bool> {
     if let Some(d) = differs_on_cpu(a, b) {
         return Ok(d);
@@ -347,6 +348,17 @@ mod tests {
                 let want = differs_on_cpu(&va.copy()?, &vb.copy()?);
                 assert_eq!(differs_on_cpu(&va, &vb), want, "{dtype:?} view");
             }
+        }
+        // At different offsets into their storages (as a parameter's chunk against its compact
+        // snapshot), and in the integer types.
+        let whole = Tensor::arange(0u32, 20, cpu)?;
+        let chunk = whole.narrow(0, 10, 10)?;
+        for dtype in [DType::U32, DType::U8, DType::F32] {
+            let (chunk, whole) = (chunk.to_dtype(dtype)?, whole.to_dtype(dtype)?);
+            let view = whole.narrow(0, 10, 10)?;
+            assert_eq!(differs_on_cpu(&view, &chunk), Some(false), "{dtype:?}");
+            let first = whole.narrow(0, 0, 10)?;
+            assert_eq!(differs_on_cpu(&first, &chunk), Some(true), "{dtype:?}");
         }
         // Strided views and other devices are left to candle's ops.
         let m = Tensor::arange(0f32, 6.0, cpu)?.reshape((2, 3))?;

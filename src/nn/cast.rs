@@ -48,12 +48,21 @@ pub(super) fn f32_values<'a>(
     })
 }
 
-/// `values` in `dtype` (f32, bf16 or f16), each rounded once as candle's `to_dtype` rounds it.
+/// `values` in `dtype` (f32, bf16 or f16), each rounded once as candle's `to_dtype` rounds it;
+/// f32 values are moved, not copied.
 pub(super) fn storage_in(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
+    match dtype {
+        DType::F32 => Ok(CpuStorage::F32(values)),
+        _ => rounded(&values, dtype),
+    }
+}
+
+/// [`storage_in`] from borrowed values (which the caller keeps).
+pub(super) fn rounded(values: &[f32], dtype: DType) -> Result<CpuStorage> {
     Ok(match dtype {
-        DType::F32 => CpuStorage::F32(values),
-        DType::BF16 => CpuStorage::BF16(convert(&values, to_bf16)),
-        DType::F16 => CpuStorage::F16(convert(&values, f16::from_f32)),
+        DType::F32 => CpuStorage::F32(values.to_vec()),
+        DType::BF16 => CpuStorage::BF16(convert(values, to_bf16)),
+        DType::F16 => CpuStorage::F16(convert(values, f16::from_f32)),
         other => candle_core::bail!("cast: f32, bf16 or f16 values, asked for {other:?}"),
     })
 }

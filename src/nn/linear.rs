@@ -49,7 +49,7 @@
 use super::accumulate::{self, empty_output};
 use super::amx;
 use super::backward::{hand_over, through, Held};
-use super::cast::{f32_values, storage_in, tensor_in, with_f32_values};
+use super::cast::{f32_values, rounded, storage_in, tensor_in, with_f32_values};
 use super::few_rows;
 use super::kernels::{for_each_chunk, matmul, matmul_threaded, ours_in_f32, Mat};
 use crate::util::sync::lock;
@@ -254,8 +254,13 @@ impl candle_core::CustomOp3 for LinearOp {
             Activation::Gelu => {
                 let input = y.clone();
                 super::gelu::gelu_in_place(&mut y);
-                let output = (self.dtype != DType::F32).then(|| y.clone());
-                *lock(&self.saved) = Saved::Input(input, output);
+                if self.dtype != DType::F32 {
+                    // The half output is rounded from `y`, which the backward keeps.
+                    let out = rounded(&y, self.dtype)?;
+                    *lock(&self.saved) = Saved::Input(input, Some(y));
+                    return Ok((out, Shape::from((self.n, o))));
+                }
+                *lock(&self.saved) = Saved::Input(input, None);
             }
         }
         Ok((storage_in(y, self.dtype)?, Shape::from((self.n, o))))
