@@ -266,10 +266,10 @@ fn watched_copy(t: &Tensor) -> Option<Arc<Watched>> {
 ///
 /// The model holds `copy`, the output of the wrapper's identity op over `var` (whose backward
 /// calls [`copy_gradient`]). Where the copy is in `var`'s own dtype (not a mixed-precision
-/// cast) it holds `var`'s values, and this crate's layers compute from `var` itself instead ([`through`]): `var`'s gradient from them is then stored
-/// as they make it, where candle would add the copy's to a fresh tensor of zeros. The wrapper
-/// must refresh the copy from `var` before each forward and call
-/// [`reset_uses`](Self::reset_uses) after each backward.
+/// cast) it holds `var`'s values, and this crate's layers compute from `var` itself instead
+/// ([`through`]): `var`'s gradient from them is then stored as they make it, where candle
+/// would add the copy's to a fresh tensor of zeros. The wrapper must refresh the copy from `var`
+/// before each forward and call [`reset_uses`](Self::reset_uses) after each backward.
 pub(crate) struct GradientHook {
     watched: Arc<Watched>,
 }

@@ -3,6 +3,7 @@
 //! matrix products, with the batch split over candle's thread pool.
 
 use super::backward::{hand_over, through, Held};
+use super::cast::with_f32_values;
 use super::kernels::{block, block_mut, col2im, for_each_chunk, im2col, map_chunks, matmul};
 use super::kernels::{matmul_nt, sum_partials, Mat, Window};
 use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
@@ -170,16 +171,6 @@ pub(super) fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result
     }
 }
 
-/// A tensor's f32 values (contiguous, on the CPU) for the duration of `f`.
-pub(super) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    match &*storage {
-        candle_core::Storage::Cpu(s) => f(f32_slice(s, layout, "tensor")?),
-        _ => candle_core::bail!("conv2d: expected a CPU tensor"),
-    }
-}
-
 impl candle_core::CustomOp2 for Conv2dOp {
     fn name(&self) -> &'static str {
         "conv2d-im2col"
@@ -307,7 +298,7 @@ impl Conv2dOp {
     /// dB: the output gradient summed per channel.
     fn bias_grad(&self, grad: &Tensor) -> Result<Tensor> {
         let g = self.geometry;
-        let sums = with_f32(grad, |dy| {
+        let sums = with_f32_values(grad, |dy| {
             let partials = map_chunks(g.n, |images| {
                 let mut acc = vec![0f32; g.c_out];
                 for i in images {
@@ -327,8 +318,8 @@ impl Conv2dOp {
     fn weight_grad(&self, x: &Tensor, grad: &Tensor) -> Result<Tensor> {
         let g = self.geometry;
         let per_group = g.c_out_g() * g.patch();
-        let total = with_f32(x, |x| {
-            with_f32(grad, |dy| {
+        let total = with_f32_values(x, |x| {
+            with_f32_values(grad, |dy| {
                 let partials = map_chunks(g.n, |images| {
                     let mut acc = vec![0f32; g.groups * per_group];
                     let mut cols = vec![0f32; g.patch() * g.positions()];
@@ -359,8 +350,8 @@ impl Conv2dOp {
     fn input_grad(&self, w: &Tensor, grad: &Tensor) -> Result<Tensor> {
         let g = self.geometry;
         let mut dx = vec![0f32; g.n * g.image_len()];
-        with_f32(w, |w| {
-            with_f32(grad, |dy| {
+        with_f32_values(w, |w| {
+            with_f32_values(grad, |dy| {
                 for_each_chunk(&mut dx, g.image_len(), |first, dxs| {
                     let mut dcols = vec![0f32; g.patch() * g.positions()];
                     let plane = g.h * g.w;

@@ -22,7 +22,8 @@
 //! (`tests/kernels.rs` checks within 1e-5; exact on small integers, so ties stay ties).
 
 use super::backward::{hand_over, through, Held};
-use super::conv_kernel::{f32_slice, with_f32, Geometry};
+use super::cast::with_f32_values;
+use super::conv_kernel::{f32_slice, Geometry};
 use super::kernels::{block, block_mut, col2im, matmul, matmul_nt, sum_partials, threads, Mat};
 use crate::util::sync::lock;
 use candle_core::{CpuStorage, Device, Layout, Result, Shape, Tensor};
@@ -433,9 +434,9 @@ impl candle_core::CustomOp3 for ConvReluPoolOp {
         let from = lock(&self.from);
         let per = self.per_chunk();
         let mut dx = vec![0f32; if want_dx { g.n * g.image_len() } else { 0 }];
-        let (dw, db) = with_f32(x, |x| {
-            with_f32(w, |w| {
-                with_f32(grad, |dy| {
+        let (dw, db) = with_f32_values(x, |x| {
+            with_f32_values(w, |w| {
+                with_f32_values(grad, |dy| {
                     let ranges = (0..g.n.div_ceil(per)).map(|c| c * per..((c + 1) * per).min(g.n));
                     let chunks: Vec<(Range<usize>, Option<&mut [f32]>)> = if want_dx {
                         ranges
